@@ -1,0 +1,42 @@
+"""Model classes by architecture, and loading a bundle's weights into one."""
+
+from __future__ import annotations
+
+import torch
+
+from infinigen_rt.bundle import Bundle, load_weights
+from infinigen_rt.config import ModelConfig
+from infinigen_rt.errors import InfinigenError
+from infinigen_rt.models.llama import Llama, rope_inv_freq
+from infinigen_rt.models.opt import OPT
+
+MODELS = {"llama": Llama, "opt": OPT}
+
+
+def build_model(cfg: ModelConfig, device="cpu", dtype=torch.float32) -> torch.nn.Module:
+    """A randomly initialised model (tests and synthetic benchmarks)."""
+    with torch.device(device):
+        return MODELS[cfg.arch](cfg).to(dtype)
+
+
+def load_model(bundle: Bundle, device, dtype: torch.dtype) -> torch.nn.Module:
+    """Build on the meta device, then assign the bundle's tensors: no second copy, no random init."""
+    cfg = bundle.config
+    with torch.device("meta"):
+        model = MODELS[cfg.arch](cfg)
+    state = load_weights(bundle, device, dtype)
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    expected = set(shapes)
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        what = f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}"
+        raise InfinigenError(f"bundle weights do not fit a {cfg.arch} model ({what}); re-convert the model")
+    for name, t in state.items():
+        if t.shape != shapes[name]:
+            raise InfinigenError(
+                f"bundle tensor {name} has shape {tuple(t.shape)}, the config implies {tuple(shapes[name])}"
+            )
+    model.load_state_dict(state, assign=True)
+    if isinstance(model, Llama):
+        model.inv_freq = rope_inv_freq(cfg).to(device)  # non-persistent buffer: recompute off meta
+    return model.eval()

@@ -1,0 +1,130 @@
+"""The bundle format, version 1: defined here, read here; infinigen_prep imports it to write bundles.
+
+A bundle is a folder (on disk or in a Hub repo):
+  bundle.json                           format version, model config, dtype, source, tokenizer
+                                        settings, tensor -> shard map, sha256 and size of every file
+  model-0000i-of-0000N.safetensors      weights in the runtime's tensor names
+  tokenizer.json                        a `tokenizers` tokenizer
+  README.md                             the Hub model card (not hashed: editable)
+See docs/bundle-format.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from infinigen_rt.config import ModelConfig
+from infinigen_rt.errors import InfinigenError
+
+FORMAT = "infinigen-bundle"
+FORMAT_VERSION = 1
+BUNDLE_JSON = "bundle.json"
+TOKENIZER_JSON = "tokenizer.json"
+MODEL_CARD = "README.md"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def shard_name(i: int, n: int) -> str:
+    return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class Bundle:
+    """A bundle on disk whose bundle.json has been read (and, by default, its files verified)."""
+
+    path: Path
+    meta: dict
+    config: ModelConfig
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.meta["dtype"]]
+
+    @property
+    def weight_map(self) -> dict[str, str]:
+        return self.meta["weight_map"]
+
+    @property
+    def tokenizer(self) -> dict:
+        return self.meta.get("tokenizer", {})
+
+
+def read_bundle(path: str | Path, verify: bool = True) -> Bundle:
+    """Read and check a bundle folder; every problem is a one-line InfinigenError."""
+    path = Path(path)
+    if not path.exists():
+        raise InfinigenError(f"no bundle at {path}: the folder does not exist (convert one with infinigen-prep)")
+    if not path.is_dir():
+        raise InfinigenError(f"{path} is a file, not a bundle folder (convert it with `infinigen-prep convert`)")
+    meta_path = path / BUNDLE_JSON
+    if not meta_path.is_file():
+        raise InfinigenError(f"{path} is not an InfiniGen bundle: no {BUNDLE_JSON} (convert with infinigen-prep)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InfinigenError(f"{meta_path} is corrupt ({e}); re-convert the bundle") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise InfinigenError(f"{meta_path} is not an InfiniGen bundle description")
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise InfinigenError(
+            f"bundle format version {version} is not supported by this runtime (it reads {FORMAT_VERSION}); "
+            "upgrade infinigen or re-convert"
+        )
+    for key in ("config", "dtype", "weight_map", "files"):
+        if key not in meta:
+            raise InfinigenError(f"{meta_path} lacks {key!r}; re-convert the bundle")
+    if meta["dtype"] not in DTYPES:
+        raise InfinigenError(f"bundle dtype {meta['dtype']!r} is not one of {', '.join(DTYPES)}")
+    verify_files(path, meta["files"], hashes=verify)
+    return Bundle(path, meta, ModelConfig.from_dict(meta["config"]))
+
+
+def verify_files(path: Path, files: dict, hashes: bool = True) -> None:
+    """Check each listed file exists with the recorded size (and sha256 when `hashes`)."""
+    for name, rec in files.items():
+        f = path / name
+        if not f.is_file():
+            raise InfinigenError(f"bundle {path} is incomplete: {name} is missing; pull or convert it again")
+        size = f.stat().st_size
+        if size != rec["size"]:
+            raise InfinigenError(
+                f"bundle file {name} has {size} bytes, expected {rec['size']} (truncated or modified); "
+                "pull or convert it again"
+            )
+        if hashes and sha256_file(f) != rec["sha256"]:
+            raise InfinigenError(
+                f"bundle file {name} does not match its sha256 in {BUNDLE_JSON} (corrupt or modified); "
+                "pull or convert it again"
+            )
+
+
+def load_weights(bundle: Bundle, device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """All tensors of the bundle, cast to `dtype`, on `device` (one shard open at a time)."""
+    from safetensors import SafetensorError, safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(bundle.weight_map.values())):
+        try:
+            with safe_open(bundle.path / shard, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+        except SafetensorError as e:
+            raise InfinigenError(f"bundle file {shard} is not readable safetensors ({e}); convert again") from None
+    missing = set(bundle.weight_map) - set(out)
+    if missing:
+        raise InfinigenError(f"bundle lacks tensors listed in its weight map, e.g. {sorted(missing)[0]}")
+    return out

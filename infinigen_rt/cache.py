@@ -1,0 +1,68 @@
+"""KV caches: what the attention layer asks for keys and values.
+
+The model calls `cache.begin(valid)` once per forward pass, then every attention layer calls
+`k, v, mask = cache.update(layer, k_new, v_new)` and attends over what it gets back. Where the keys
+and values live, and which of them a layer sees, is the cache's business: later policies (offloaded
+pool, InfiniGen speculation, H2O, INT4) implement the same two calls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infinigen_rt.config import ModelConfig
+
+
+class KVCache:
+    """The interface. Keys and values are per KV head, never expanded to query heads."""
+
+    def begin(self, valid: torch.Tensor) -> None:
+        """Start a forward pass over S new tokens; valid: [B, S] bool (False = left padding)."""
+        raise NotImplementedError
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v: [B, Hkv, S, D]; return (keys, values, mask) to attend over.
+
+        keys/values: [B, Hkv, T, D]; mask: [B, 1, S, T] bool, True where a query may attend."""
+        raise NotImplementedError
+
+
+class DenseCache(KVCache):
+    """All KV resident on the compute device in preallocated buffers (the `full` policy)."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype):
+        shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)  # real (non-pad) slots
+        self.max_len = max_len
+        self.length = 0  # slots filled, the same for every sequence (left padding aligns the ends)
+        self.start = 0
+        self.mask = None
+
+    def begin(self, valid: torch.Tensor) -> None:
+        s = valid.shape[1]
+        if self.length + s > self.max_len:
+            raise ValueError(f"cache holds {self.max_len} tokens, asked for {self.length + s}")
+        self.start, self.length = self.length, self.length + s
+        self.valid[:, self.start : self.length] = valid
+        self.mask = causal_mask(self.valid[:, : self.length], self.start)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        self.k[layer][:, :, self.start : self.length] = k
+        self.v[layer][:, :, self.start : self.length] = v
+        return self.k[layer][:, :, : self.length], self.v[layer][:, :, : self.length], self.mask
+
+
+def causal_mask(valid: torch.Tensor, start: int) -> torch.Tensor:
+    """valid: [B, T] bool over all slots; queries are slots start..T-1. Returns [B, 1, S, T] bool.
+
+    A padding query attends to itself only, so its row is never empty (an empty row gives NaN
+    outputs, and NaN keys/values would poison later rows even where masked out)."""
+    t = valid.shape[1]
+    q_pos = torch.arange(start, t, device=valid.device)[:, None]  # [S, 1]
+    k_pos = torch.arange(t, device=valid.device)[None, :]  # [1, T]
+    causal = k_pos <= q_pos  # [S, T]
+    mask = causal[None] & valid[:, None, :]  # [B, S, T]
+    mask = mask | (k_pos == q_pos)[None]
+    return mask[:, None]

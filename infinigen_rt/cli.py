@@ -1,0 +1,199 @@
+"""`infinigen-rt`: generate from a bundle, pull a bundle from the Hub."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import nullcontext
+from typing import Annotated, Optional
+
+import typer
+
+from infinigen_rt import __version__
+from infinigen_rt.console import console, err_console, print_json, run_app
+
+app = typer.Typer(
+    name="infinigen-rt",
+    help="InfiniGen runtime: generate from a bundle with the KV cache policy of your choice.",
+    no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+BundleArg = Annotated[str, typer.Argument(help="Bundle folder, or a Hub repo id to pull.")]
+Revision = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) for a repo id.")]
+
+
+def version_callback(value: bool):
+    if value:
+        console.print(f"infinigen-rt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    version: Annotated[bool, typer.Option("--version", callback=version_callback, is_eager=True)] = False,
+):
+    """InfiniGen runtime."""
+
+
+@app.command()
+def generate(
+    bundle: BundleArg,
+    prompt: Annotated[str, typer.Argument(help="The prompt text ('-' reads standard input).")],
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate at most.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="0 = off.")] = 0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
+    device: Annotated[str, typer.Option(help="auto (cuda when present), cpu, cuda, cuda:N.")] = "auto",
+    dtype: Annotated[
+        str, typer.Option(help="auto (bundle dtype on GPU, float32 on CPU), float32, float16, bfloat16.")
+    ] = "auto",
+    policy: Annotated[str, typer.Option(help="KV cache policy: full.")] = "full",
+    chat: Annotated[
+        bool, typer.Option("--chat", help="Wrap the prompt as a user message with the chat template.")
+    ] = False,
+    stream: Annotated[bool, typer.Option("--stream", help="Print tokens as they come.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    revision: Revision = None,
+    verify: Annotated[bool, typer.Option(help="Check every bundle file's sha256 before loading.")] = True,
+):
+    """Generate text from PROMPT with a bundle.
+
+    Examples:
+      infinigen-rt generate artifacts/bundles/smollm2-135m "The king said" -n 64
+      infinigen-rt generate artifacts/bundles/smollm2-135m "Write a haiku" --chat --stream
+      infinigen-rt generate user/my-bundle "Hello" --json
+    """
+    from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.engine import Engine
+    from infinigen_rt.hub import resolve_bundle
+    from infinigen_rt.sampling import SamplingParams
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    path = resolve_bundle(bundle, revision)
+    with console.status("loading bundle", spinner="dots") if not json_out else nullcontext():
+        engine = Engine(read_bundle(path, verify=verify), device=device, dtype=dtype, policy=policy)
+    tok = engine.tokenizer
+    ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
+
+    printer = _StreamPrinter(tok) if stream and not json_out else None
+    if printer is None and not json_out:
+        progress = _progress(max_new_tokens)
+    else:
+        progress = None
+    on_step = printer.update if printer else (progress.step if progress else None)
+    if progress:
+        progress.start()
+    try:
+        results, stats = engine.generate([ids], max_new_tokens, sampling, stop=stop, on_step=on_step)
+    finally:
+        if progress:
+            progress.stop()
+    res = results[0]
+    if json_out:
+        print_json(
+            {
+                "text": res.text,
+                "token_ids": res.token_ids,
+                "prompt_token_ids": res.prompt_token_ids,
+                "finish_reason": res.finish_reason,
+                "stats": stats.to_dict(),
+            }
+        )
+        return
+    if printer:
+        printer.finish(res.text)
+    else:
+        console.print(prompt if not chat else "", end="", markup=False)
+        console.print(res.text, markup=False)
+    s = stats.to_dict()
+    err_console.print(
+        f"[dim]{len(res.prompt_token_ids)} prompt tokens, {len(res.token_ids)} generated ({res.finish_reason}) | "
+        f"prefill {s['prefill_tokens_per_s']} tok/s | decode {s['decode_tokens_per_s']} tok/s, "
+        f"{s['ms_per_step']} ms/step | {s['policy']} on {s['device']} ({s['dtype']})[/]"
+    )
+
+
+@app.command()
+def pull(
+    repo_id: Annotated[str, typer.Argument(help="Hub repo id of a bundle.")],
+    revision: Revision = None,
+    out: Annotated[Optional[str], typer.Option(help="Copy into this folder instead of the HF cache.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+):
+    """Download a bundle from the Hub and verify it.
+
+    Examples:
+      infinigen-rt pull user/smollm2-135m-infinigen
+      infinigen-rt pull user/smollm2-135m-infinigen --revision v1 --out bundles/smol
+    """
+    from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.hub import download
+
+    path = download(repo_id, revision, local_dir=out)
+    b = read_bundle(path, verify=True)
+    if json_out:
+        print_json({"path": str(path), "repo_id": repo_id, "architecture": b.config.arch, "verified": True})
+    else:
+        console.print(f"[green]pulled[/] {repo_id} -> {path} (verified)")
+
+
+class _StreamPrinter:
+    """Prints the new text of sequence 0 after each step, holding back half-decoded UTF-8."""
+
+    def __init__(self, tok):
+        self.tok, self.shown = tok, ""
+
+    def update(self, generated):
+        text = self.tok.decode(generated[0])
+        if text.endswith("\ufffd"):
+            return
+        if text.startswith(self.shown):
+            sys.stdout.write(text[len(self.shown) :])
+            sys.stdout.flush()
+            self.shown = text
+
+    def finish(self, final: str):
+        if final.startswith(self.shown):
+            sys.stdout.write(final[len(self.shown) :])
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+class _progress:
+    """A progress bar over generated tokens (on stderr, so stdout stays the text)."""
+
+    def __init__(self, total: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.p = Progress(
+            TextColumn("generating"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            console=err_console,
+            transient=True,
+        )
+        self.task = self.p.add_task("gen", total=total)
+
+    def start(self):
+        self.p.start()
+
+    def stop(self):
+        self.p.stop()
+
+    def step(self, generated):
+        self.p.update(self.task, completed=max(len(g) for g in generated))
+
+
+def main():
+    run_app(app)
+
+
+if __name__ == "__main__":
+    main()

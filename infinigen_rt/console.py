@@ -1,0 +1,47 @@
+"""Output for both CLIs: rich for people, JSON for scripts, and errors as one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import typer
+from rich.console import Console
+
+from infinigen_rt.errors import InfinigenError
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+DEBUG_ENV = "INFINIGEN_DEBUG"
+
+
+def print_json(obj) -> None:
+    """One JSON object on stdout (plain print: no rich wrapping or markup)."""
+    sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    sys.stdout.flush()
+
+
+def run_app(app: typer.Typer) -> None:
+    """Run a Typer app; user errors print as one line (INFINIGEN_DEBUG=1 shows the traceback)."""
+    try:
+        app(standalone_mode=False)
+    except InfinigenError as e:
+        if os.environ.get(DEBUG_ENV):
+            raise
+        err_console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        err_console.print("[bold red]interrupted[/]")
+        sys.exit(130)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        sys.exit(1)
+    except Exception as e:  # click usage errors come through here in non-standalone mode
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        raise

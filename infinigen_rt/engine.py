@@ -1,0 +1,182 @@
+"""The generation engine: a bundle, a model, a KV policy; batched prefill and decode with sampling."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from infinigen_rt.bundle import DTYPES, Bundle
+from infinigen_rt.cache import DenseCache
+from infinigen_rt.errors import InfinigenError
+from infinigen_rt.models import load_model
+from infinigen_rt.sampling import SamplingParams, sample
+from infinigen_rt.tokenizer import Tokenizer
+
+# --policy name -> KV cache class; later policies (offload, infinigen, h2o, int4) join this map
+POLICIES = {"full": DenseCache}
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str  # "stop" (eos or a stop string) or "length"
+
+
+@dataclass
+class RunStats:
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_steps: int = 0
+    decode_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "prefill_tokens": self.prefill_tokens,
+            "prefill_s": round(self.prefill_s, 6),
+            "prefill_tokens_per_s": round(self.prefill_tokens / self.prefill_s, 3) if self.prefill_s else None,
+            "decode_tokens": self.decode_tokens,
+            "decode_steps": self.decode_steps,
+            "decode_s": round(self.decode_s, 6),
+            "decode_tokens_per_s": round(self.decode_tokens / self.decode_s, 3) if self.decode_s else None,
+            "ms_per_step": round(1000 * self.decode_s / self.decode_steps, 3) if self.decode_steps else None,
+            **self.extra,
+        }
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise InfinigenError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InfinigenError("--device cuda asked for, but torch sees no CUDA GPU; use --device cpu")
+    return dev
+
+
+def resolve_dtype(dtype: str, bundle_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    if dtype == "auto":  # CPUs compute half precision slowly: use fp32 there
+        return bundle_dtype if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise InfinigenError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def pad_batch(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-pad prompts. Returns input_ids, positions and valid, each [B, S]."""
+    s = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), s), pad_id, dtype=torch.long)
+    valid = torch.zeros(len(prompts), s, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        if p:
+            ids[i, s - len(p) :] = torch.tensor(p)
+            valid[i, s - len(p) :] = True
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    return ids.to(device), positions.to(device), valid.to(device)
+
+
+class Engine:
+    """Loads a bundle once; `generate` runs batches of prompts through one KV policy."""
+
+    def __init__(self, bundle: Bundle, device: str = "auto", dtype: str = "auto", policy: str = "full"):
+        if policy not in POLICIES:
+            raise InfinigenError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
+        self.bundle, self.cfg, self.policy = bundle, bundle.config, policy
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, bundle.dtype, self.device)
+        self.tokenizer = Tokenizer(bundle)
+        self.model = load_model(bundle, self.device, self.dtype)
+
+    def make_cache(self, batch: int, max_len: int):
+        return POLICIES[self.policy](self.cfg, batch, max_len, self.device, self.dtype)
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int = 64,
+        sampling: SamplingParams | None = None,
+        stop: list[str] | None = None,
+        on_step: Callable[[list[list[int]]], None] | None = None,
+    ) -> tuple[list[Generation], RunStats]:
+        """Generate for a batch of token-id prompts. `on_step(generated)` sees every step's ids so far."""
+        sampling = sampling or SamplingParams()
+        if max_new_tokens < 1:
+            raise InfinigenError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise InfinigenError("every prompt needs at least one token")
+        s = max(len(p) for p in prompts)
+        limit = self.cfg.max_position_embeddings
+        if self.cfg.arch == "opt" and s + max_new_tokens > limit:
+            raise InfinigenError(
+                f"prompt ({s}) + max-new-tokens ({max_new_tokens}) exceeds the model's {limit} positions"
+            )
+        gen = None
+        if sampling.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        b, stop = len(prompts), stop or []
+        ids, positions, valid = pad_batch(prompts, self.tokenizer.pad_id, self.device)
+        cache = self.make_cache(b, s + max_new_tokens)
+        stats = RunStats(prefill_tokens=sum(len(p) for p in prompts))
+
+        self._sync()
+        t0 = time.perf_counter()
+        logits = self.model(ids, positions, cache, valid, last_only=True)[:, -1]
+        next_tok = sample(logits, sampling, gen)
+        self._sync()
+        stats.prefill_s = time.perf_counter() - t0
+
+        out: list[list[int]] = [[] for _ in range(b)]
+        reasons: list[str | None] = [None] * b
+        texts: list[str | None] = [None] * b
+        pos = positions[:, -1:]
+        t0 = time.perf_counter()
+        for step in range(max_new_tokens):
+            toks = next_tok.tolist()  # the one host sync a step: the sampled tokens
+            for i, t in enumerate(toks):
+                if reasons[i] is not None:
+                    continue
+                if t in self.tokenizer.eos_ids:
+                    reasons[i] = "stop"
+                    continue
+                out[i].append(t)
+                if stop:
+                    text = self.tokenizer.decode(out[i])
+                    hit = [text.index(x) for x in stop if x in text]
+                    if hit:
+                        texts[i], reasons[i] = text[: min(hit)], "stop"
+            if on_step is not None:
+                on_step(out)
+            if all(r is not None for r in reasons) or step == max_new_tokens - 1:
+                break
+            pos = pos + 1
+            logits = self.model(next_tok[:, None], pos, cache, torch.ones_like(valid[:, :1]), last_only=True)[:, -1]
+            next_tok = sample(logits, sampling, gen)
+            stats.decode_steps += 1
+        self._sync()
+        stats.decode_s = time.perf_counter() - t0
+        stats.decode_tokens = stats.decode_steps * b  # tokens computed by decode forwards, whole batch
+        stats.extra = {
+            "policy": self.policy,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "batch": b,
+            "generated_tokens": sum(len(o) for o in out),
+        }
+        results = []
+        for i in range(b):
+            text = texts[i] if texts[i] is not None else self.tokenizer.decode(out[i])
+            results.append(Generation(text, out[i], list(prompts[i]), reasons[i] or "length"))
+        return results, stats

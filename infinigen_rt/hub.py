@@ -1,0 +1,73 @@
+"""Bundles on the Hugging Face Hub: resolve a folder-or-repo-id argument, pull, and one-line Hub errors.
+
+huggingface_hub's own conventions apply: HF_TOKEN or the saved login, HF_ENDPOINT, HF_HOME (cache),
+HF_HUB_OFFLINE=1 (cache only)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from infinigen_rt.errors import InfinigenError
+
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+def looks_like_repo_id(s: str) -> bool:
+    return bool(REPO_ID.match(s)) and not s.startswith((".", "/")) and ".." not in s
+
+
+def hub_error(e: Exception, repo_id: str, revision: str | None = None) -> InfinigenError:
+    """Translate a huggingface_hub / network exception into a one-line error with the fix."""
+    from huggingface_hub import errors as he
+
+    rev = f" at revision {revision!r}" if revision else ""
+    if isinstance(e, he.GatedRepoError):
+        return InfinigenError(
+            f"{repo_id} is gated: accept its terms on the Hub, then set HF_TOKEN (or `hf auth login`)"
+        )
+    if isinstance(e, he.RevisionNotFoundError):
+        return InfinigenError(f"{repo_id} has no revision {revision!r}; check --revision")
+    if isinstance(e, he.EntryNotFoundError):
+        return InfinigenError(f"{repo_id}{rev} lacks a needed file ({e.__class__.__name__}); is it the right repo?")
+    if isinstance(e, he.RepositoryNotFoundError):
+        return InfinigenError(
+            f"repo {repo_id} not found on the Hub (or private): check the id, or set HF_TOKEN for private repos"
+        )
+    if isinstance(e, he.OfflineModeIsEnabled) or isinstance(e, he.LocalEntryNotFoundError):
+        return InfinigenError(
+            f"cannot reach the Hub for {repo_id}{rev} and it is not in the local cache; "
+            "check the network (or HF_ENDPOINT), or unset HF_HUB_OFFLINE after downloading it once"
+        )
+    if isinstance(e, he.HfHubHTTPError):
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if status in (401, 403):
+            return InfinigenError(f"the Hub refused access to {repo_id} (HTTP {status}): check HF_TOKEN's permissions")
+        first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+        return InfinigenError(f"Hub request for {repo_id} failed: {first}")
+    first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+    return InfinigenError(f"cannot reach the Hub for {repo_id} ({first}); check the network or HF_ENDPOINT")
+
+
+def download(repo_id: str, revision: str | None = None, allow_patterns=None, local_dir=None) -> Path:
+    """snapshot_download with one-line errors; returns the local folder."""
+    import huggingface_hub
+
+    try:
+        return Path(
+            huggingface_hub.snapshot_download(
+                repo_id, revision=revision, allow_patterns=allow_patterns, local_dir=local_dir
+            )
+        )
+    except InfinigenError:
+        raise
+    except Exception as e:  # huggingface_hub and httpx raise many types; all become one line
+        raise hub_error(e, repo_id, revision) from None
+
+
+def resolve_bundle(arg: str, revision: str | None = None) -> Path:
+    """A bundle argument: an existing folder, or a Hub repo id to pull into the cache."""
+    p = Path(arg).expanduser()
+    if p.exists() or not looks_like_repo_id(arg):
+        return p
+    return download(arg, revision)

@@ -1,0 +1,138 @@
+"""The Llama family (Llama-2, Llama-3.x with GQA and llama3 rope scaling, SmolLM2, Mistral, Qwen2).
+
+Attribute names equal the checkpoint's tensor names (less the `model.` prefix), so a bundle loads
+with `load_state_dict` and no renaming table.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infinigen_rt.cache import KVCache
+from infinigen_rt.config import ModelConfig
+
+ACT = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # normalise in fp32 like the reference, then cast back before the weight
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [D/2] with the config's scaling (default, linear, llama3)."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        # long wavelengths are slowed by `factor`, short ones kept, the band between interpolated
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype):
+    """positions: [B, S] -> cos, sin: [B, 1, S, D]."""
+    freqs = positions[..., None].float() * inv_freq  # [B, S, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def apply_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        d = cfg.hidden_size
+        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=cfg.attention_out_bias)
+
+    def forward(self, x, cos, sin, cache: KVCache):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, S, D)
+        k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
+        v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v, mask = cache.update(self.layer, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = ACT[cfg.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, input_ids, positions, cache: KVCache, valid, last_only: bool = False):
+        """input_ids, positions: [B, S]; valid: [B, S] bool. Returns logits [B, S or 1, V]."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        cache.begin(valid)
+        for block in self.layers:
+            x = block(x, cos, sin, cache)
+        if last_only:
+            x = x[:, -1:]
+        return F.linear(self.norm(x), self.head_weight())

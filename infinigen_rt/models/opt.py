@@ -1,0 +1,95 @@
+"""OPT (learned positions offset by 2, LayerNorm before or after, ReLU, biases, project_in/out).
+
+Same order and names as the Llama file; attribute names equal the checkpoint's tensor names (less
+the `model.decoder.` prefix).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infinigen_rt.cache import KVCache
+from infinigen_rt.config import ModelConfig
+from infinigen_rt.models.llama import ACT
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        d = cfg.hidden_size
+        self.q_proj = nn.Linear(d, d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(d, d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(d, d, bias=cfg.attention_bias)
+        self.out_proj = nn.Linear(d, d, bias=cfg.attention_out_bias)
+
+    def forward(self, x, cache: KVCache):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, S, D)
+        k = self.k_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k, v, mask = cache.update(self.layer, k, v)
+        # OPT scales q by head_dim**-0.5 after the bias: the same as SDPA's default scale
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.pre_norm = cfg.do_layer_norm_before
+        self.self_attn_layer_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = ACT[cfg.hidden_act]
+
+    def forward(self, x, cache):
+        h = self.self_attn_layer_norm(x) if self.pre_norm else x
+        x = x + self.self_attn(h, cache)
+        if not self.pre_norm:
+            x = self.self_attn_layer_norm(x)
+        h = self.final_layer_norm(x) if self.pre_norm else x
+        x = x + self.fc2(self.act(self.fc1(h)))
+        return x if self.pre_norm else self.final_layer_norm(x)
+
+
+class OPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        proj_dim = cfg.word_embed_proj_dim or cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, proj_dim)
+        self.embed_positions = nn.Embedding(cfg.max_position_embeddings + cfg.position_offset, cfg.hidden_size)
+        if proj_dim != cfg.hidden_size:
+            self.project_in = nn.Linear(proj_dim, cfg.hidden_size, bias=False)
+            self.project_out = nn.Linear(cfg.hidden_size, proj_dim, bias=False)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        if cfg.do_layer_norm_before:
+            self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(proj_dim, cfg.vocab_size, bias=False)
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, input_ids, positions, cache: KVCache, valid, last_only: bool = False):
+        """input_ids, positions: [B, S]; valid: [B, S] bool. Returns logits [B, S or 1, V]."""
+        x = self.embed_tokens(input_ids)
+        if hasattr(self, "project_in"):
+            x = self.project_in(x)
+        x = x + self.embed_positions(positions + self.cfg.position_offset)
+        cache.begin(valid)
+        for block in self.layers:
+            x = block(x, cache)
+        if last_only:
+            x = x[:, -1:]
+        if hasattr(self, "final_layer_norm"):
+            x = self.final_layer_norm(x)
+        if hasattr(self, "project_out"):
+            x = self.project_out(x)
+        return F.linear(x, self.head_weight())

