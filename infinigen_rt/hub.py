@@ -22,6 +22,12 @@ def hub_error(e: Exception, repo_id: str, revision: str | None = None) -> Infini
     from huggingface_hub import errors as he
 
     rev = f" at revision {revision!r}" if revision else ""
+    # LocalEntryNotFoundError subclasses EntryNotFoundError: test the offline/cache cases first
+    if isinstance(e, (he.OfflineModeIsEnabled, he.LocalEntryNotFoundError)):
+        return InfinigenError(
+            f"cannot reach the Hub for {repo_id}{rev} and it is not (fully) in the local cache; "
+            "check the network (or HF_ENDPOINT), or unset HF_HUB_OFFLINE after downloading it once"
+        )
     if isinstance(e, he.GatedRepoError):
         return InfinigenError(
             f"{repo_id} is gated: accept its terms on the Hub, then set HF_TOKEN (or `hf auth login`)"
@@ -29,15 +35,10 @@ def hub_error(e: Exception, repo_id: str, revision: str | None = None) -> Infini
     if isinstance(e, he.RevisionNotFoundError):
         return InfinigenError(f"{repo_id} has no revision {revision!r}; check --revision")
     if isinstance(e, he.EntryNotFoundError):
-        return InfinigenError(f"{repo_id}{rev} lacks a needed file ({e.__class__.__name__}); is it the right repo?")
+        return InfinigenError(f"{repo_id}{rev} lacks a file this command needs; is it the right repo?")
     if isinstance(e, he.RepositoryNotFoundError):
         return InfinigenError(
             f"repo {repo_id} not found on the Hub (or private): check the id, or set HF_TOKEN for private repos"
-        )
-    if isinstance(e, he.OfflineModeIsEnabled) or isinstance(e, he.LocalEntryNotFoundError):
-        return InfinigenError(
-            f"cannot reach the Hub for {repo_id}{rev} and it is not in the local cache; "
-            "check the network (or HF_ENDPOINT), or unset HF_HUB_OFFLINE after downloading it once"
         )
     if isinstance(e, he.HfHubHTTPError):
         status = getattr(getattr(e, "response", None), "status_code", None)

@@ -25,23 +25,50 @@ TOKENIZER_TEXT = [
 # name -> (model_type, config kwargs); each exercises something the runtime must get right
 TINY_CONFIGS = {
     # Llama-2 style: MHA, head_dim 128
-    "llama2_mha": ("llama", dict(hidden_size=256, intermediate_size=344, num_attention_heads=2,
-                                 num_key_value_heads=2, rms_norm_eps=1e-5)),
+    "llama2_mha": (
+        "llama",
+        dict(hidden_size=256, intermediate_size=344, num_attention_heads=2, num_key_value_heads=2, rms_norm_eps=1e-5),
+    ),
     # Llama-3.1 style: GQA 4:2, theta 500k, llama3 rope scaling with a small original context so the
     # scaling changes the frequencies at test lengths
-    "llama31_gqa": ("llama", dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                                  num_key_value_heads=2, rope_theta=500000.0,
-                                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "llama31_gqa": (
+        "llama",
+        dict(
+            hidden_size=128,
+            intermediate_size=256,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    ),
     # SmolLM2 / Llama-3.2 style: tied embeddings, head_dim 64, GQA 3:1
-    "tied_hd64": ("llama", dict(hidden_size=192, intermediate_size=256, num_attention_heads=3,
-                                num_key_value_heads=1, tie_word_embeddings=True)),
+    "tied_hd64": (
+        "llama",
+        dict(
+            hidden_size=192,
+            intermediate_size=256,
+            num_attention_heads=3,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+        ),
+    ),
     # OPT-125m/6.7b style: pre-LN, ReLU, biases
-    "opt": ("opt", dict(hidden_size=64, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=64,
-                        do_layer_norm_before=True)),
+    "opt": (
+        "opt",
+        dict(hidden_size=64, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=64, do_layer_norm_before=True),
+    ),
     # OPT-350m style: post-LN and project_in/out
-    "opt_post_ln": ("opt", dict(hidden_size=64, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=32,
-                                do_layer_norm_before=False)),
+    "opt_post_ln": (
+        "opt",
+        dict(hidden_size=64, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=32, do_layer_norm_before=False),
+    ),
 }
 
 
@@ -51,16 +78,29 @@ def write_tokenizer(path: Path, model_type: str) -> int:
 
     specials = ["<s>", "<pad>", "</s>", "<unk>"] if model_type == "opt" else ["<unk>", "<s>", "</s>"]
     tok = ByteLevelBPETokenizer()
-    tok.train_from_iterator(TOKENIZER_TEXT, vocab_size=400, min_frequency=1, special_tokens=specials, show_progress=False)
+    tok.train_from_iterator(
+        TOKENIZER_TEXT, vocab_size=400, min_frequency=1, special_tokens=specials, show_progress=False
+    )
     if model_type == "opt":  # OPT ships GPT-2 style vocab.json + merges.txt, no tokenizer.json
         tok.save_model(str(path))
-        cfg = {"bos_token": "</s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "</s>",
-               "add_bos_token": True, "tokenizer_class": "GPT2Tokenizer"}
+        cfg = {
+            "bos_token": "</s>",
+            "eos_token": "</s>",
+            "pad_token": "<pad>",
+            "unk_token": "</s>",
+            "add_bos_token": True,
+            "tokenizer_class": "GPT2Tokenizer",
+        }
     else:
         tok.save(str(path / "tokenizer.json"))
-        cfg = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "tokenizer_class": "PreTrainedTokenizerFast",
-               "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
-                                "{% if add_generation_prompt %}<s>assistant:{% endif %}"}
+        cfg = {
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "unk_token": "<unk>",
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+            "{% if add_generation_prompt %}<s>assistant:{% endif %}",
+        }
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
     return tok.get_vocab_size()
 
@@ -74,16 +114,29 @@ def make_checkpoint(path: Path, name: str, seed: int = 0, layers: int = 2, safet
     vocab = write_tokenizer(path, model_type)
     torch.manual_seed(seed)
     if model_type == "opt":
-        cfg = transformers.OPTConfig(vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=256,
-                                     bos_token_id=2, eos_token_id=2, pad_token_id=1, **kw)
+        cfg = transformers.OPTConfig(
+            vocab_size=vocab,
+            num_hidden_layers=layers,
+            max_position_embeddings=256,
+            bos_token_id=2,
+            eos_token_id=2,
+            pad_token_id=1,
+            **kw,
+        )
         model = transformers.OPTForCausalLM(cfg)
     else:
-        cfg = transformers.LlamaConfig(vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=256,
-                                       bos_token_id=1, eos_token_id=2, **kw)
+        cfg = transformers.LlamaConfig(
+            vocab_size=vocab,
+            num_hidden_layers=layers,
+            max_position_embeddings=256,
+            bos_token_id=1,
+            eos_token_id=2,
+            **kw,
+        )
         model = transformers.LlamaForCausalLM(cfg)
     # random init of norms is all ones and biases zeros: perturb them so parity checks really check them
     with torch.no_grad():
-        for n, p in model.named_parameters():
+        for _, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(path, safe_serialization=safetensors)
@@ -137,5 +190,11 @@ def run_cli(*args, env=None, input=None, timeout=300) -> subprocess.CompletedPro
     tool, rest = args[0], [str(a) for a in args[1:]]
     full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
     full_env.pop("INFINIGEN_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", f"infinigen_{tool}.cli", *rest], capture_output=True, text=True,
-                          env=full_env, input=input, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", f"infinigen_{tool}.cli", *rest],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        input=input,
+        timeout=timeout,
+    )

@@ -67,7 +67,9 @@ def test_convert_cli_json_and_refuses_to_overwrite(checkpoints, tmp_path):
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     assert summary["architecture"] == "opt" and summary["layers"] == 2 and summary["bytes"] > 0
-    assert (out / "bundle.json").is_file() and (out / "README.md").read_text().startswith("---\nlibrary_name: infinigen")
+    assert (out / "bundle.json").is_file() and (out / "README.md").read_text().startswith(
+        "---\nlibrary_name: infinigen"
+    )
     one_line_error(run_cli("prep", "convert", checkpoints["opt"], "--out", out), "already exists", "--force")
     assert run_cli("prep", "convert", checkpoints["opt"], "--out", out, "--force").returncode == 0
 

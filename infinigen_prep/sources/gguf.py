@@ -1,0 +1,295 @@
+"""A llama.cpp GGUF file as a checkpoint source.
+
+GGUF metadata becomes an HF `config.json` dict, GGUF tensors are renamed to HF names and dequantized
+one at a time (with llama.cpp's rotary row permutation undone), and the vocabulary stored in the
+metadata is rebuilt as a `tokenizers` tokenizer.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+from infinigen_prep.sources.base import Source, TokenizerInfo
+from infinigen_rt.bundle import sha256_file
+from infinigen_rt.errors import InfinigenError
+
+log = logging.getLogger(__name__)
+
+SUPPORTED = "GGUF architectures 'llama' (Llama, SmolLM2, ...) and 'qwen2', dense, without RoPE scaling"
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+# GGUF name -> HF name. Per-layer tensors are `blk.{i}.{part}.{weight|bias}`.
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_PARTS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+_LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3")
+
+
+def _split_regex(numbers: str) -> str:
+    """The Llama-3 / Qwen2 pre-tokenizer split; they differ only in how many digits make one piece."""
+    return (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+        + numbers
+        + r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
+
+
+def _byte_level_pre_tokenizer(pre: str | None) -> tuple[pre_tokenizers.PreTokenizer, bool]:
+    """(pre-tokenizer, BPE ignore_merges) for llama.cpp's `tokenizer.ggml.pre`."""
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":  # SmolLM/SmolLM2: every digit its own piece, then GPT-2's split
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2]), False
+    if pre in _LLAMA3_PRE or pre == "qwen2":
+        regex = pre_tokenizers.Split(Regex(_split_regex("{1,3}" if pre in _LLAMA3_PRE else "")), "isolated")
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        # Llama 3 takes a word that is itself a token whole, before any merge (llama.cpp does too).
+        return pre_tokenizers.Sequence([regex, byte_level]), pre in _LLAMA3_PRE
+    if pre not in (None, "default", "gpt-2", "gpt2"):
+        log.warning("GGUF pre-tokenizer %r is not known here; splitting text as GPT-2 does", pre)
+    return gpt2, False
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """SentencePiece GGUFs usually store scores but no merges. Rebuild them as transformers does: every
+    split of a token into two vocab pieces is a merge, ranked by that token's score, best first."""
+    vocab = {token: i for i, token in enumerate(tokens)}
+    found = []
+    for token, score in dict(zip(tokens, scores, strict=True)).items():
+        pairs = [(token[:i], token[i:]) for i in range(1, len(token))]
+        pairs = [(left, right) for left, right in pairs if left in vocab and right in vocab]
+        pairs.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
+        found += [(score, left, right) for left, right in pairs]
+    found.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)  # stable: ties keep vocab order
+    return [(left, right) for _, left, right in found]
+
+
+def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's `permute(w, n_head, n_head_kv)` of attn_q/attn_k rows (weights or biases).
+
+    Per head HF keeps the rotary halves apart (rows [0, d/2) pair with [d/2, d)); llama.cpp interleaves
+    them (rows 2j, 2j+1). GGUF rows viewed as (head, d/2, 2) -> swap -> (head, 2, d/2) is the HF order.
+    """
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class GGUFSource(Source):
+    """A single-file llama.cpp GGUF checkpoint (see `SUPPORTED`); any quant type gguf can dequantize."""
+
+    def __init__(self, path: str | Path):
+        super().__init__()
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise InfinigenError(f"GGUF file not found: {self.path}")
+        try:
+            self._reader = gguf.GGUFReader(self.path)
+        except (ValueError, IndexError, KeyError, OverflowError, MemoryError, OSError) as e:  # magic, size...
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise InfinigenError(f"{self.path} is not a readable GGUF file: {reason}") from None
+        arch = self._meta("general.architecture")
+        if arch not in _HF_CLASSES:
+            raise self._unsupported(f"architecture {arch!r}")
+        self._tensors = {self._hf_name(t.name): t for t in self._reader.tensors}
+        self._check_tensors(self._meta(f"{arch}.block_count", 0))
+        self.config = self._read_config(arch)
+        self.provenance = {"kind": "gguf", "file": self.path.name, "sha256": sha256_file(self.path)}
+        self.license = self._meta("general.license")
+        self.base_model = self._read_base_model()
+
+    # --- metadata -------------------------------------------------------------------------------------
+
+    def _meta(self, key: str, default=None):
+        field = self._reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def _unsupported(self, what: str) -> InfinigenError:
+        return InfinigenError(f"{self.path.name}: {what} is not supported; supported: {SUPPORTED}")
+
+    def _hf_name(self, name: str) -> str:
+        if name in _GLOBAL_NAMES:
+            return _GLOBAL_NAMES[name]
+        m = _LAYER_NAME.fullmatch(name)
+        if m and m[2] in _LAYER_PARTS:
+            return f"model.layers.{m[1]}.{_LAYER_PARTS[m[2]]}.{m[3]}"
+        if name == "rope_freqs.weight":
+            raise self._unsupported("RoPE scaling stored as factors (rope_freqs.weight, Llama-3.1 style)")
+        raise self._unsupported(f"tensor {name!r}")
+
+    def _check_tensors(self, n_layers: int) -> None:
+        needed = ["model.embed_tokens.weight", "model.norm.weight"] + [
+            f"model.layers.{i}.{part}.weight" for i in range(n_layers) for part in _LAYER_PARTS.values()
+        ]
+        missing = [name for name in needed if name not in self._tensors]
+        if missing or not n_layers:
+            what = f"{len(missing)} tensors, e.g. {missing[0]}" if missing else "layers"
+            raise InfinigenError(f"{self.path.name}: the GGUF file lacks {what}")
+
+    def _read_config(self, arch: str) -> dict:
+        def key(name, default=None):
+            value = self._meta(f"{arch}.{name}", default)
+            if value is None:
+                raise InfinigenError(f"{self.path.name}: GGUF metadata lacks {arch}.{name}")
+            return value
+
+        if key("rope.scaling.type", "none") != "none":
+            raise self._unsupported(f"RoPE scaling {key('rope.scaling.type')!r}")
+        if key("expert_count", 0):
+            raise self._unsupported("a mixture-of-experts model")
+        hidden, heads = key("embedding_length"), key("attention.head_count")
+        head_dim = key("attention.key_length", hidden // heads)
+        if key("rope.dimension_count", head_dim) != head_dim:
+            raise self._unsupported("partial rotary embedding")
+        return {
+            "architectures": [_HF_CLASSES[arch]],
+            "model_type": arch,
+            "vocab_size": int(self._tensors["model.embed_tokens.weight"].shape[-1]),  # GGUF: (dim, vocab)
+            "hidden_size": hidden,
+            "intermediate_size": key("feed_forward_length"),
+            "num_hidden_layers": key("block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": key("attention.head_count_kv", heads),
+            "head_dim": head_dim,
+            "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+            "rope_theta": float(key("rope.freq_base", 10000.0)),
+            "max_position_embeddings": key("context_length"),
+            "tie_word_embeddings": "lm_head.weight" not in self._tensors,
+            "bos_token_id": self._meta("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self._meta("tokenizer.ggml.eos_token_id"),
+            "pad_token_id": self._meta("tokenizer.ggml.padding_token_id"),
+            "hidden_act": "silu",
+            "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self._tensors,  # always so for qwen2
+            "torch_dtype": "float16",
+        }
+
+    def _read_base_model(self) -> str | None:
+        for key in ("general.base_model.0.repo_url", "general.source.repo_url"):
+            m = re.fullmatch(r"https?://huggingface\.co/([\w.-]+/[\w.-]+)/?", self._meta(key) or "")
+            if m:
+                return m[1]
+        return None
+
+    # --- tensors --------------------------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """HF shape: GGUF lists dimensions innermost first, e.g. (in_features, out_features)."""
+        return tuple(int(n) for n in reversed(self._tensors[name].shape))
+
+    def load(self, name: str) -> torch.Tensor:
+        """One tensor as float32 in HF layout; only this tensor is read and dequantized."""
+        tensor = self._tensors[name]
+        try:
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            raise InfinigenError(
+                f"{self.path.name}: {tensor.name} is {tensor.tensor_type.name}, which gguf cannot dequantize"
+            ) from None
+        w = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(self.shape(name))
+        if self.config["model_type"] == "llama":  # qwen2 (NeoX rotary) is stored unpermuted
+            if ".self_attn.q_proj." in name:
+                w = _unpermute_rope(w, self.config["num_attention_heads"])
+            elif ".self_attn.k_proj." in name:
+                w = _unpermute_rope(w, self.config["num_key_value_heads"])
+        return w
+
+    # --- tokenizer ------------------------------------------------------------------------------------
+
+    def tokenizer(self) -> TokenizerInfo:
+        """The GGUF vocabulary as a `tokenizers` tokenizer: byte-level BPE ('gpt2') or SentencePiece BPE
+        ('llama'), with control tokens as special added tokens and BOS prepended when the file says so."""
+        kind, tokens = self._meta("tokenizer.ggml.model"), self._meta("tokenizer.ggml.tokens")
+        if not tokens:
+            raise InfinigenError(f"{self.path.name}: the GGUF file has no tokenizer vocabulary")
+        if kind == "gpt2":
+            tok, add_bos_default = self._byte_level_bpe(tokens)
+        elif kind == "llama":
+            tok, add_bos_default = self._sentencepiece_bpe(tokens), True  # llama.cpp's default
+        else:
+            raise InfinigenError(
+                f"{self.path.name}: tokenizer model {kind!r} is not supported; "
+                "supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE)"
+            )
+
+        # llama.cpp token types: 2 unknown, 3 control -> special; 4 user-defined (<think>) -> matched whole.
+        types = self._meta("tokenizer.ggml.token_type") or [1] * len(tokens)
+        typed = list(zip(tokens, types, strict=True))
+        special = [AddedToken(t, normalized=False, special=True) for t, k in typed if k in (2, 3)]
+        tok.add_special_tokens(special)
+        tok.add_tokens([AddedToken(t, normalized=False) for t, k in typed if k == 4])
+
+        def token(key: str) -> tuple[str | None, int | None]:
+            token_id = self._meta(f"tokenizer.ggml.{key}_token_id")
+            found = token_id is not None and token_id < len(tokens)
+            return (tokens[token_id], token_id) if found else (None, None)
+
+        (bos, bos_id), (eos, eos_id) = token("bos"), token("eos")
+        add_bos = bool(self._meta("tokenizer.ggml.add_bos_token", add_bos_default)) and bos is not None
+        add_eos = bool(self._meta("tokenizer.ggml.add_eos_token", False)) and eos is not None
+        if add_bos or add_eos:
+            first, last = [f"{bos}:0"] * add_bos, [f"{eos}:0"] * add_eos
+            single = [*first, "$A:0", *last]
+            pair = single + [t.replace(":0", ":1") for t in [*first, "$B:0", *last]]
+            specials = dict([(bos, bos_id)] * add_bos + [(eos, eos_id)] * add_eos)
+            tok.post_processor = processors.TemplateProcessing(
+                single=" ".join(single), pair=" ".join(pair), special_tokens=list(specials.items())
+            )
+        return TokenizerInfo(
+            tokenizer_json=tok.to_str(),
+            bos_token=bos,
+            eos_token=eos,
+            pad_token=token("padding")[0],
+            add_bos_token=add_bos,
+            chat_template=self._meta("tokenizer.chat_template"),
+        )
+
+    def _byte_level_bpe(self, tokens: list[str]) -> tuple[Tokenizer, bool]:
+        """GPT-2 style BPE: tokens are already in the byte-to-unicode alphabet; merges are "left right"."""
+        pre = self._meta("tokenizer.ggml.pre")
+        pre_tokenizer, ignore_merges = _byte_level_pre_tokenizer(pre)
+        vocab = {token: i for i, token in enumerate(tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in self._meta("tokenizer.ggml.merges") or []]
+        tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
+        if pre == "qwen2":  # Qwen2's HF tokenizer NFC-normalizes first
+            tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizer
+        tok.decoder = decoders.ByteLevel()
+        return tok, pre in _LLAMA3_PRE  # llama.cpp adds BOS by default for Llama 3 only
+
+    def _sentencepiece_bpe(self, tokens: list[str]) -> Tokenizer:
+        """SentencePiece BPE: spaces are "▁", unknown characters fall back to <0xNN> byte tokens."""
+        vocab = {token: i for i, token in enumerate(tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in self._meta("tokenizer.ggml.merges") or []]
+        merges = merges or _merges_from_scores(tokens, self._meta("tokenizer.ggml.scores"))
+        unk_id = self._meta("tokenizer.ggml.unknown_token_id")
+        unk = tokens[unk_id] if unk_id is not None else None
+        tok = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+        # One "▁" goes before the start of the text only (transformers' non-legacy Llama behaviour).
+        prefix = self._meta("tokenizer.ggml.add_space_prefix", True)
+        tok.pre_tokenizer = pre_tokenizers.Metaspace("▁", "first" if prefix else "never", split=False)
+        steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        tok.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] * prefix)
+        return tok
