@@ -139,7 +139,11 @@ def make_checkpoint(path: Path, name: str, seed: int = 0, layers: int = 2, safet
         for _, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(path, safe_serialization=safetensors)
+    model.save_pretrained(path)
+    if not safetensors:  # transformers 5 writes only safetensors: write the legacy pickled state dict
+        torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, path / "pytorch_model.bin")
+        for f in path.glob("model*.safetensors*"):
+            f.unlink()
     return path
 
 
