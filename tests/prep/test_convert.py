@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from infinigen_prep.convert import convert
-from infinigen_rt.bundle import read_bundle, load_weights
+from infinigen_rt.bundle import load_weights, read_bundle
 from infinigen_rt.tokenizer import Tokenizer
 from tests.conftest import make_checkpoint
 
