@@ -1,0 +1,23 @@
+"""On a CUDA machine: the same greedy tokens and close logits on the GPU as on the CPU (skipped without one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infinigen_rt.bundle import read_bundle
+from infinigen_rt.engine import Engine
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("name", ["llama31_gqa", "opt"])
+def test_cuda_matches_cpu(name, bundles):
+    b = read_bundle(bundles[name])
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    cpu, _ = Engine(b, device="cpu", dtype="float32").generate(prompts, max_new_tokens=16)
+    gpu_engine = Engine(b, device="cuda", dtype="float32")
+    gpu, stats = gpu_engine.generate(prompts, max_new_tokens=16)
+    assert [g.token_ids for g in gpu] == [c.token_ids for c in cpu]
+    assert stats.extra["device"].startswith("cuda")
+    assert next(gpu_engine.model.parameters()).is_cuda
