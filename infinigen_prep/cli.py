@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from infinigen_prep import __version__
-from infinigen_rt.console import console, err_console, print_json, run_app
+from infinigen_rt.console import add_version_option, console, err_console, print_json, run_app
 
 app = typer.Typer(
     name="infinigen-prep",
@@ -21,17 +21,7 @@ app = typer.Typer(
 )
 
 
-def version_callback(value: bool):
-    if value:
-        console.print(f"infinigen-prep {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def main_options(
-    version: Annotated[bool, typer.Option("--version", callback=version_callback, is_eager=True)] = False,
-):
-    """InfiniGen offline toolkit."""
+add_version_option(app, "infinigen-prep", __version__)
 
 
 def parse_size(text: str) -> int:

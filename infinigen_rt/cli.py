@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from infinigen_rt import __version__
-from infinigen_rt.console import console, err_console, print_json, run_app
+from infinigen_rt.console import add_version_option, console, err_console, print_json, run_app
 
 app = typer.Typer(
     name="infinigen-rt",
@@ -24,17 +24,7 @@ BundleArg = Annotated[str, typer.Argument(help="Bundle folder, or a Hub repo id 
 Revision = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) for a repo id.")]
 
 
-def version_callback(value: bool):
-    if value:
-        console.print(f"infinigen-rt {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def main_options(
-    version: Annotated[bool, typer.Option("--version", callback=version_callback, is_eager=True)] = False,
-):
-    """InfiniGen runtime."""
+add_version_option(app, "infinigen-rt", __version__)
 
 
 @app.command()

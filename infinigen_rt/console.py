@@ -22,6 +22,22 @@ def print_json(obj) -> None:
     sys.stdout.flush()
 
 
+def add_version_option(app: typer.Typer, name: str, version: str) -> None:
+    """Give `app` a `--version` flag."""
+
+    def show(value: bool):
+        if value:
+            console.print(f"{name} {version}")
+            raise typer.Exit()
+
+    @app.callback()
+    def _options(
+        version: bool = typer.Option(False, "--version", callback=show, is_eager=True, help="Show the version."),
+    ):
+        # a plain default, not Annotated: annotations are strings here and `show` is a local
+        pass
+
+
 def run_app(app: typer.Typer) -> None:
     """Run a Typer app; user errors print as one line (INFINIGEN_DEBUG=1 shows the traceback)."""
     try:

@@ -62,7 +62,7 @@ def test_prefill_logits_close_to_transformers(engine, hf_model):
     x, pos, valid = pad_batch([ids], 0, "cpu")
     ours = engine.model(x, pos, DenseCache(engine.cfg, 1, len(ids), "cpu", torch.float32), valid)[0]
     ref = hf_model(torch.tensor([ids])).logits[0]
-    assert (ours - ref).abs().max().item() <= 1e-3  # 30 layers of fp32, logits of magnitude ~20
+    assert (ours - ref).abs().max().item() <= 1e-4  # measured 0.0 (logits up to ~28)
 
 
 def test_batch_of_different_prompts_matches_single_runs(engine):
