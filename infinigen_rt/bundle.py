@@ -5,6 +5,10 @@ A bundle is a folder (on disk or in a Hub repo):
                                         settings, tensor -> shard map, sha256 and size of every file
   model-0000i-of-0000N.safetensors      weights in the runtime's tensor names
   tokenizer.json                        a `tokenizers` tokenizer
+  infinigen.safetensors                 InfiniGen tensors per layer (absent in --no-infinigen bundles):
+                                        layers.{i}.skew [Hkv, D, D] (RoPE models; folded into q/k for OPT),
+                                        layers.{i}.partial_idx [Hkv, d'], and for OPT
+                                        layers.{i}.partial_q.weight [H*d', hidden] / .bias [H*d']
   README.md                             the Hub model card (not hashed: editable)
 See docs/bundle-format.md.
 """
@@ -26,6 +30,7 @@ FORMAT_VERSION = 1
 BUNDLE_JSON = "bundle.json"
 TOKENIZER_JSON = "tokenizer.json"
 MODEL_CARD = "README.md"
+INFINIGEN_FILE = "infinigen.safetensors"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -128,3 +133,28 @@ def load_weights(bundle: Bundle, device, dtype: torch.dtype) -> dict[str, torch.
     if missing:
         raise InfinigenError(f"bundle lacks tensors listed in its weight map, e.g. {sorted(missing)[0]}")
     return out
+
+
+def skew_name(layer: int) -> str:
+    return f"layers.{layer}.skew"
+
+
+def partial_idx_name(layer: int) -> str:
+    return f"layers.{layer}.partial_idx"
+
+
+def partial_q_name(layer: int, kind: str) -> str:
+    return f"layers.{layer}.partial_q.{kind}"
+
+
+def load_infinigen(bundle: Bundle, device="cpu") -> dict[str, torch.Tensor]:
+    """The bundle's InfiniGen tensors; a one-line error when it was converted without them."""
+    from safetensors.torch import load_file
+
+    info = bundle.meta.get("infinigen")
+    if not info:
+        raise InfinigenError(
+            f"bundle {bundle.path} has no InfiniGen tensors (converted with --no-infinigen); "
+            "re-convert it without that flag, or use --policy full/offload"
+        )
+    return load_file(bundle.path / info["file"], device=str(device))

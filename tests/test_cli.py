@@ -61,9 +61,9 @@ def test_generate_json_schema(bundles):
     assert stats["policy"] == "full" and stats["prefill_tokens_per_s"] > 0
 
 
-def test_convert_cli_json_and_refuses_to_overwrite(checkpoints, tmp_path):
+def test_convert_cli_json_and_refuses_to_overwrite(checkpoints, tmp_path, calib_file):
     out = tmp_path / "b"
-    r = run_cli("prep", "convert", checkpoints["opt"], "--out", out, "--json")
+    r = run_cli("prep", "convert", checkpoints["opt"], "--out", out, "--json", "--calib-text", calib_file)
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     assert summary["architecture"] == "opt" and summary["layers"] == 2 and summary["bytes"] > 0
@@ -71,7 +71,9 @@ def test_convert_cli_json_and_refuses_to_overwrite(checkpoints, tmp_path):
         "---\nlibrary_name: infinigen"
     )
     one_line_error(run_cli("prep", "convert", checkpoints["opt"], "--out", out), "already exists", "--force")
-    assert run_cli("prep", "convert", checkpoints["opt"], "--out", out, "--force").returncode == 0
+    r = run_cli("prep", "convert", checkpoints["opt"], "--out", out, "--force", "--no-infinigen")
+    assert r.returncode == 0, r.stderr
+    assert "infinigen" not in json.loads((out / "bundle.json").read_text())
 
 
 def test_missing_paths(tmp_path):
@@ -135,11 +137,23 @@ def test_impossible_options(bundles):
     one_line_error(run_cli("rt", "generate", b, "hi", "--device", "cuda"), "cuda")
 
 
-def test_killed_convert_leaves_nothing_loadable(tmp_path):
+def test_killed_convert_leaves_nothing_loadable(tmp_path, calib_file):
     """SIGKILL a convert while it writes shards: no bundle at --out; the next convert cleans up and works."""
     src = make_checkpoint(tmp_path / "big", "llama2_mha", layers=8)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "infinigen_prep.cli", "convert", str(src), "--out", str(out), "--shard-size", "300KB"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "infinigen_prep.cli",
+        "convert",
+        str(src),
+        "--out",
+        str(out),
+        "--shard-size",
+        "300KB",
+        "--calib-text",
+        str(calib_file),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     partial = None
@@ -154,7 +168,7 @@ def test_killed_convert_leaves_nothing_loadable(tmp_path):
     assert partial is not None, "convert finished before it could be killed"
     assert not out.exists()
     one_line_error(run_cli("rt", "generate", partial, "hi"), "not an infinigen bundle")
-    r = run_cli("prep", "convert", src, "--out", out, "--shard-size", "300KB")
+    r = run_cli("prep", "convert", src, "--out", out, "--shard-size", "300KB", "--calib-text", calib_file)
     assert r.returncode == 0, r.stderr
     assert not partial.exists(), "the stale partial folder of the killed convert was not cleaned up"
     assert len(list(out.glob("model-*.safetensors"))) > 3

@@ -27,11 +27,23 @@ def hub():
         yield server
 
 
-def test_convert_from_repo_id_records_the_exact_revision(hub, checkpoints, bundles, tmp_path):
+def test_convert_from_repo_id_records_the_exact_revision(hub, checkpoints, bundles, tmp_path, calib_file):
     sha = hub.add_repo("test-user/tiny-llama-conv", folder_files(checkpoints["llama31_gqa"]))
     env = hub_env(hub, tmp_path)
     out = tmp_path / "from-hub"
-    r = run_cli("prep", "convert", "test-user/tiny-llama-conv", "--out", out, "--dtype", "float32", "--json", env=env)
+    r = run_cli(
+        "prep",
+        "convert",
+        "test-user/tiny-llama-conv",
+        "--out",
+        out,
+        "--dtype",
+        "float32",
+        "--json",
+        "--calib-text",
+        calib_file,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     meta = json.loads((out / "bundle.json").read_text())
     assert meta["source"] == {"kind": "hub", "repo_id": "test-user/tiny-llama-conv", "revision": sha}
@@ -43,7 +55,9 @@ def test_convert_from_repo_id_records_the_exact_revision(hub, checkpoints, bundl
     # a revision by sha, after main moved on
     hub.commit_files("test-user/tiny-llama-conv", {"README.md": b"---\nlicense: mit\n---\n"})
     out2 = tmp_path / "pinned"
-    r = run_cli("prep", "convert", "test-user/tiny-llama-conv", "--out", out2, "--revision", sha, env=env)
+    r = run_cli(
+        "prep", "convert", "test-user/tiny-llama-conv", "--out", out2, "--revision", sha, "--no-infinigen", env=env
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads((out2 / "bundle.json").read_text())["source"]["revision"] == sha
 

@@ -7,10 +7,9 @@ import json
 import pytest
 import torch
 
-from infinigen_prep.convert import convert
 from infinigen_rt.bundle import load_weights, read_bundle
 from infinigen_rt.tokenizer import Tokenizer
-from tests.conftest import make_checkpoint
+from tests.conftest import make_checkpoint, tiny_convert
 
 TEXTS = ["The king said: 'To be, or not to be', 12345 times.", "  leading spaces\nand a newline", "Hamlet"]
 
@@ -20,29 +19,31 @@ def weights(bundle_dir, dtype=None):
     return load_weights(b, "cpu", dtype or b.dtype)
 
 
-def test_bin_checkpoint_converts_like_safetensors(tmp_path):
+def test_bin_checkpoint_converts_like_safetensors(tmp_path, calib_file):
     st = make_checkpoint(tmp_path / "st", "opt", seed=3)
     pt = make_checkpoint(tmp_path / "pt", "opt", seed=3, safetensors=False)
     assert list(pt.glob("pytorch_model*.bin")) and not list(pt.glob("*.safetensors"))
-    a = weights(convert(str(st), tmp_path / "a"))
-    b = weights(convert(str(pt), tmp_path / "b"))
+    a = weights(tiny_convert(st, tmp_path / "a", calib_file))
+    b = weights(tiny_convert(pt, tmp_path / "b", calib_file))
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_sharded_bundle_holds_the_same_tensors(checkpoints, bundles, tmp_path):
-    out = convert(str(checkpoints["llama2_mha"]), tmp_path / "sharded", dtype="float32", shard_bytes=300_000)
+def test_sharded_bundle_holds_the_same_tensors(checkpoints, bundles, tmp_path, calib_file):
+    out = tiny_convert(
+        checkpoints["llama2_mha"], tmp_path / "sharded", calib_file, dtype="float32", shard_bytes=300_000
+    )
     meta = json.loads((out / "bundle.json").read_text())
     shards = sorted(set(meta["weight_map"].values()))
     n = len(shards)
     assert n > 3 and shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-    assert set(meta["files"]) == set(shards) | {"tokenizer.json"}
+    assert set(meta["files"]) == set(shards) | {"tokenizer.json", "infinigen.safetensors"}
     a, b = weights(out), weights(bundles["llama2_mha"])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_dtype_choice_and_runtime_upcast(checkpoints, bundles, tmp_path):
-    out = convert(str(checkpoints["tied_hd64"]), tmp_path / "bf16", dtype="bfloat16")
+def test_dtype_choice_and_runtime_upcast(checkpoints, bundles, tmp_path, calib_file):
+    out = tiny_convert(checkpoints["tied_hd64"], tmp_path / "bf16", calib_file, dtype="bfloat16")
     b = read_bundle(out)
     assert b.meta["dtype"] == "bfloat16"
     w16, w32 = weights(out), weights(bundles["tied_hd64"])
@@ -53,9 +54,9 @@ def test_dtype_choice_and_runtime_upcast(checkpoints, bundles, tmp_path):
     assert Engine(b, device="cpu").dtype == torch.float32  # auto on CPU computes in fp32
 
 
-def test_conversion_is_deterministic(checkpoints, tmp_path):
-    a = convert(str(checkpoints["opt"]), tmp_path / "a")
-    b = convert(str(checkpoints["opt"]), tmp_path / "b")
+def test_conversion_is_deterministic(checkpoints, tmp_path, calib_file):
+    a = tiny_convert(checkpoints["opt"], tmp_path / "a", calib_file)
+    b = tiny_convert(checkpoints["opt"], tmp_path / "b", calib_file)
     ma, mb = (json.loads((p / "bundle.json").read_text()) for p in (a, b))
     assert ma == mb
     for f in ma["files"]:

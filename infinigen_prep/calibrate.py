@@ -1,0 +1,141 @@
+"""Calibration: run the runtime's own model over a text and accumulate, per layer and KV head, the Gram
+matrices of the queries (stacked over the GQA group) and of the keys, post-RoPE where the model has RoPE.
+
+Only d x d sums are kept per (layer, KV head): nothing scales with the number of tokens or holds more
+than one layer's activations, so a 7B model calibrates in the memory of its weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from infinigen_rt.cache import DenseCache
+from infinigen_rt.engine import pad_batch
+from infinigen_rt.errors import InfinigenError
+from infinigen_rt.models.llama import Llama, apply_rope, rope_cos_sin
+
+DEFAULT_CALIB = "hf://datasets/roneneldan/TinyStories/TinyStories-valid.txt"
+MIN_CALIB_TOKENS = 64
+
+
+@dataclass
+class CalibText:
+    text: str
+    name: str  # a path or hf:// address
+    sha256: str
+
+
+def read_calib_text(spec: str | None) -> CalibText:
+    """A local UTF-8 file, or `hf://[datasets/]OWNER/REPO/PATH` fetched with huggingface_hub (the default)."""
+    spec = spec or DEFAULT_CALIB
+    if spec.startswith("hf://"):
+        path = _fetch_hub_text(spec, explicit=spec != DEFAULT_CALIB)
+    else:
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise InfinigenError(f"calibration text {spec} does not exist; pass --calib-text FILE (any UTF-8 text)")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InfinigenError(f"calibration text {spec} is not UTF-8 text") from None
+    return CalibText(text, spec, hashlib.sha256(data).hexdigest())
+
+
+def _fetch_hub_text(spec: str, explicit: bool) -> Path:
+    from huggingface_hub import hf_hub_download
+
+    rest = spec.removeprefix("hf://")
+    repo_type = "model"
+    for prefix, kind in (("datasets/", "dataset"), ("spaces/", "space")):
+        if rest.startswith(prefix):
+            rest, repo_type = rest[len(prefix) :], kind
+    parts = rest.split("/", 2)
+    if len(parts) < 3:
+        raise InfinigenError(f"{spec} is not hf://[datasets/]OWNER/REPO/PATH")
+    repo_id, filename = "/".join(parts[:2]), parts[2]
+    try:
+        return Path(hf_hub_download(repo_id, filename, repo_type=repo_type))
+    except Exception as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+        if explicit:
+            raise InfinigenError(f"cannot fetch calibration text {spec} ({why})") from None
+        raise InfinigenError(
+            f"cannot fetch the default calibration text {spec} ({why}); pass --calib-text FILE (any UTF-8 text)"
+        ) from None
+
+
+@dataclass
+class Grams:
+    """Per layer: q[l]: [Hkv, D, D] = sum over the group's heads and tokens of q q^T; k[l] likewise."""
+
+    q: list[torch.Tensor]
+    k: list[torch.Tensor]
+    tokens: int
+
+
+def calib_token_ids(ids: list[int], text: CalibText, n: int, max_positions: int) -> list[int]:
+    """The first n tokens of the text (at most the model's positions); too short a text is an error."""
+    n = min(n, max_positions)
+    if len(ids) < MIN_CALIB_TOKENS:
+        raise InfinigenError(
+            f"calibration text {text.name} has only {len(ids)} tokens; give at least {MIN_CALIB_TOKENS}"
+        )
+    return ids[:n]
+
+
+@torch.inference_mode()
+def for_each_layer_qk(model, cfg, ids: list[int], fn) -> None:
+    """One dense pass over `ids`, calling fn(layer, q, k) as each layer computes its queries and keys.
+
+    q: [Hkv, G, T, D] (grouped by KV head), k: [Hkv, T, D], fp32, post-RoPE where the model has RoPE.
+    Forward hooks on q_proj/k_proj: the model code is the runtime's, untouched."""
+    h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    param = next(model.parameters())
+    x, positions, valid = pad_batch([ids], 0, param.device)
+    rope = rope_cos_sin(model.inv_freq, positions, torch.float32) if isinstance(model, Llama) else None
+    pending: dict[int, torch.Tensor] = {}
+    hooks = []
+
+    def heads(out, n):  # [1, T, n*D] -> [n, T, D] in fp32, rotated when the model has RoPE
+        t = out.float().view(1, -1, n, d).transpose(1, 2)
+        return (apply_rope(t, *rope) if rope is not None else t)[0]
+
+    for i, block in enumerate(model.layers):
+        attn = block.self_attn
+
+        def on_q(mod, inp, out, i=i):
+            pending[i] = heads(out, h).view(hkv, h // hkv, -1, d)
+
+        def on_k(mod, inp, out, i=i):
+            fn(i, pending.pop(i), heads(out, hkv))
+
+        hooks += [attn.q_proj.register_forward_hook(on_q), attn.k_proj.register_forward_hook(on_k)]
+    try:
+        cache = DenseCache(cfg, 1, len(ids), param.device, param.dtype)
+        model(x, positions, cache, valid, last_only=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def calibrate(model, cfg, ids: list[int], progress=None) -> Grams:
+    """Gram matrices of every layer's queries (per KV group) and keys over `ids`, in float64.
+
+    `progress(layer_done, n_layers)` is called as each layer's statistics are in."""
+    n = cfg.num_hidden_layers
+    grams = Grams([None] * n, [None] * n, len(ids))
+
+    def accumulate(i, q, k):
+        q, k = q.double(), k.double()
+        grams.q[i] = torch.einsum("kgtd,kgte->kde", q, q)
+        grams.k[i] = torch.einsum("ktd,kte->kde", k, k)
+        if progress:
+            progress(i + 1, n)
+
+    for_each_layer_qk(model, cfg, ids, accumulate)
+    return grams

@@ -1,0 +1,190 @@
+"""Add the InfiniGen tensors to a bundle folder being built: calibrate -> skew -> partial columns.
+
+Runs the runtime's own model over the calibration text, computes one skewing matrix per layer and KV
+head, selects the partial columns, folds the skew into q/k for models without RoPE (OPT) and writes
+`infinigen.safetensors` plus the `infinigen` section of bundle.json.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from infinigen_prep.calibrate import CalibText, calib_token_ids, calibrate, for_each_layer_qk
+from infinigen_prep.skew import (
+    SELECTIONS,
+    attention_recall,
+    column_energy,
+    energy_share,
+    fold_heads,
+    partial_dim,
+    partial_rows,
+    select_columns,
+    skew_matrix,
+)
+from infinigen_rt.bundle import (
+    INFINIGEN_FILE,
+    partial_idx_name,
+    partial_q_name,
+    read_bundle,
+    skew_name,
+)
+from infinigen_rt.errors import InfinigenError
+from infinigen_rt.models import load_model
+
+DEFAULT_ALPHA = {"opt": 4.0, "llama": 5.0}  # the paper's choices, in logit units
+DENSE_LAYERS = 2
+RECALL_KEEP = 0.1  # share of the context kept when comparing column selections
+EVAL_TOKENS = 1024
+
+
+@dataclass
+class PrepOptions:
+    calib_text: str | None = None  # path or hf:// address; None = the default corpus file
+    calib_tokens: int = 2048
+    partial_ratio: float = 0.3
+    skew: bool = True
+    partial_select: str = "auto"  # "auto" (measure qk vs query, keep the better), "qk", "query"
+    device: str = "auto"
+
+    def check(self) -> None:
+        if not 0 < self.partial_ratio <= 1:
+            raise InfinigenError(f"--partial-ratio must be in (0, 1], got {self.partial_ratio}")
+        if self.calib_tokens < 64:
+            raise InfinigenError(f"--calib-tokens must be at least 64, got {self.calib_tokens}")
+        if self.partial_select not in ("auto", *SELECTIONS):
+            raise InfinigenError(f"--partial-select must be auto, qk or query, got {self.partial_select!r}")
+
+
+def calib_dtype(bundle, device: torch.device) -> torch.dtype:
+    """fp32 where it fits in half the host memory on CPU (half precision is slow there), else the bundle's."""
+    if device.type == "cuda":
+        return bundle.dtype
+    n_bytes = sum(f["size"] for name, f in bundle.meta["files"].items() if name.endswith(".safetensors"))
+    fp32_bytes = n_bytes * 4 // torch.tensor([], dtype=bundle.dtype).element_size()
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return torch.float32 if fp32_bytes < ram // 2 else torch.bfloat16
+
+
+def add_infinigen(folder: Path, text: CalibText, opts: PrepOptions, progress=None) -> dict:
+    """Calibrate the bundle in `folder` (bundle.json written, not yet final) on `text`; return the
+    `infinigen` section of bundle.json.
+
+    Writes infinigen.safetensors and, for OPT, rewrites the shards holding q/k projections (folded)."""
+    from safetensors.torch import save_file
+
+    from infinigen_rt.engine import resolve_device
+    from infinigen_rt.tokenizer import Tokenizer
+
+    opts.check()
+    bundle = read_bundle(folder, verify=False)
+    cfg = bundle.config
+    device = resolve_device(opts.device)
+    model = load_model(bundle, device, calib_dtype(bundle, device))
+    tokenizer = Tokenizer(bundle)
+    all_ids = tokenizer.encode(text.text)
+    ids = calib_token_ids(all_ids, text, opts.calib_tokens, cfg.max_position_embeddings)
+
+    def step(stage, done, total):
+        if progress:
+            progress(stage, done, total, f"layer {done}/{total}")
+
+    grams = calibrate(model, cfg, ids, progress=lambda d, t: step("calibrating", d, t))
+    n_layers, d = cfg.num_hidden_layers, cfg.head_dim
+    d_prime = partial_dim(d, opts.partial_ratio)
+    skews, candidates = [], {how: [] for how in SELECTIONS}
+    for i in range(n_layers):
+        a = skew_matrix(grams.q[i], opts.skew)
+        eq, ek = column_energy(grams.q[i], a), column_energy(grams.k[i], a)
+        for how in SELECTIONS:
+            candidates[how].append(select_columns(eq, ek, d_prime, how))
+        skews.append(a)
+        step("skewing", i + 1, n_layers)
+
+    recall = None
+    choice = opts.partial_select
+    if choice == "auto":
+        held_out = all_ids[len(ids) : len(ids) + EVAL_TOKENS]
+        in_sample = len(held_out) < 128
+        eval_ids = ids[:EVAL_TOKENS] if in_sample else held_out
+        eval_ids = eval_ids[: cfg.max_position_embeddings]
+        recall = compare_selections(model, cfg, eval_ids, skews, candidates, progress)
+        choice = max(SELECTIONS, key=lambda how: recall[how])  # ties keep "qk" (listed first)
+        recall.update(keep=RECALL_KEEP, tokens=len(eval_ids), held_out=not in_sample)
+    del model
+
+    tensors: dict[str, torch.Tensor] = {}
+    for i in range(n_layers):
+        tensors[partial_idx_name(i)] = candidates[choice][i].to(torch.int64).contiguous()
+        if cfg.arch == "llama":
+            tensors[skew_name(i)] = skews[i].float().contiguous()
+    if cfg.arch == "opt":
+        tensors.update(fold_opt(folder, bundle, skews, candidates[choice]))
+    save_file(tensors, str(folder / INFINIGEN_FILE), metadata={"format": "pt"})
+
+    return {
+        "file": INFINIGEN_FILE,
+        "skew": "svd" if opts.skew else "identity",
+        "skew_group": "kv_head",
+        "skew_storage": "folded" if cfg.arch == "opt" else "tensor",
+        "partial_ratio": opts.partial_ratio,
+        "partial_dim": d_prime,
+        "partial_select": choice,
+        "selection_recall": recall,
+        "energy_share_top": {
+            "ratio": opts.partial_ratio,
+            "skewed": round(energy_share(grams, skews, opts.partial_ratio), 6),
+            "unskewed": round(energy_share(grams, [skew_matrix(g, False) for g in grams.q], opts.partial_ratio), 6),
+        },
+        "calibration": {"name": text.name, "sha256": text.sha256, "tokens": len(ids)},
+        "defaults": {"alpha": DEFAULT_ALPHA[cfg.arch], "dense_layers": min(DENSE_LAYERS, n_layers)},
+    }
+
+
+def compare_selections(model, cfg, ids, skews, candidates, progress=None) -> dict:
+    """Mean attention-mass recall of each column selection on `ids` (true per-layer queries and keys)."""
+    sums = {how: 0.0 for how in candidates}
+    n = cfg.num_hidden_layers
+
+    def measure(i, q, k):
+        for how, idx in candidates.items():
+            sums[how] += attention_recall(q, k, skews[i], idx[i], RECALL_KEEP, from_pos=len(ids) // 2)
+        if progress:
+            progress("comparing selections", i + 1, n, f"layer {i + 1}/{n}")
+
+    for_each_layer_qk(model, cfg, ids, measure)
+    return {how: round(s / n, 6) for how, s in sums.items()}
+
+
+def fold_opt(folder: Path, bundle, skews, idx) -> dict[str, torch.Tensor]:
+    """Fold A into every layer's q/k projection weights and biases, rewriting each shard that holds one
+    (one shard in memory at a time); return the partial query weights (d' rows per head, folded)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    cfg = bundle.config
+    h = cfg.num_attention_heads
+    targets: dict[str, tuple[int, str, str]] = {}  # tensor -> (layer, projection, weight|bias)
+    for i in range(cfg.num_hidden_layers):
+        for proj in ("q_proj", "k_proj"):
+            for part in ("weight", "bias"):
+                name = f"layers.{i}.self_attn.{proj}.{part}"
+                if name in bundle.weight_map:
+                    targets[name] = (i, proj, part)
+    by_shard: dict[str, list[str]] = {}
+    for name in targets:
+        by_shard.setdefault(bundle.weight_map[name], []).append(name)
+    partial: dict[str, torch.Tensor] = {}
+    for shard in sorted(by_shard):
+        with safe_open(folder / shard, framework="pt") as f:
+            state = {name: f.get_tensor(name) for name in f.keys()}
+        for name in by_shard[shard]:
+            i, proj, part = targets[name]
+            state[name] = fold_heads(state[name], skews[i], h)
+            if proj == "q_proj":
+                partial[partial_q_name(i, part)] = partial_rows(state[name], idx[i], h)
+        save_file(state, str(folder / shard), metadata={"format": "pt"})
+    return partial
