@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from infinigen_prep import __version__
+from infinigen_prep.calibrate import DEFAULT_CALIB
 from infinigen_rt.console import add_version_option, console, err_console, print_json, run_app
 
 app = typer.Typer(
@@ -46,18 +47,38 @@ def convert(
     revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or sha).")] = None,
     shard_size: Annotated[str, typer.Option(help="Largest weight shard, e.g. 4GB.")] = "4GB",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing bundle at --out.")] = False,
+    calib_text: Annotated[
+        Optional[str],
+        typer.Option(
+            help=f"Calibration text: a UTF-8 file or hf://[datasets/]OWNER/REPO/PATH [default: {DEFAULT_CALIB}]"
+        ),
+    ] = None,
+    calib_tokens: Annotated[int, typer.Option(help="Calibration tokens (capped by the model's positions).")] = 2048,
+    partial_ratio: Annotated[float, typer.Option(help="Share of each head's dims kept for speculation.")] = 0.3,
+    partial_select: Annotated[
+        str, typer.Option(help="Partial columns by qk (query x key energy), query, or auto (measure, keep the better).")
+    ] = "auto",
+    skew: Annotated[bool, typer.Option(help="SVD skewing; --no-skew writes identity skews (the ablation).")] = True,
+    infinigen: Annotated[
+        bool, typer.Option(help="Add the InfiniGen tensors; --no-infinigen converts dense-only (no calibration).")
+    ] = True,
+    device: Annotated[str, typer.Option(help="Device for calibration: auto, cpu, cuda.")] = "auto",
+    push_to: Annotated[Optional[str], typer.Option(help="Then push the bundle to this Hub repo id.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ):
-    """Convert a checkpoint into a bundle.
+    """Convert a checkpoint into a bundle, calibrating the InfiniGen skew and partial weights.
 
     Examples:
       infinigen-prep convert meta-llama/Llama-2-7b-hf --out bundles/llama-2-7b
       infinigen-prep convert ./my-local-hf-checkpoint --out bundles/mine
-      infinigen-prep convert ./SmolLM2-135M-Instruct.Q4_1.gguf --out bundles/smol
+      infinigen-prep convert ./SmolLM2-135M-Instruct.Q4_1.gguf --out bundles/smol --calib-text macbeth.txt
+      infinigen-prep convert ./ckpt --out bundles/dense --no-infinigen
+      infinigen-prep convert meta-llama/Llama-2-7b-hf --out bundles/llama-2-7b --push-to me/llama-2-7b-infinigen
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from infinigen_prep.convert import convert as do_convert
+    from infinigen_prep.prepare import PrepOptions
     from infinigen_rt.bundle import read_bundle
 
     t0 = time.perf_counter()
@@ -71,12 +92,15 @@ def convert(
         transient=True,
         disable=json_out,
     )
+    tasks: dict[str, int] = {}
     with bar:
-        task = bar.add_task(f"converting {source}", total=None, tensor="")
 
-        def progress(done, total, name):
-            bar.update(task, completed=done, total=total, tensor=name)
+        def progress(stage, done, total, label):
+            if stage not in tasks:  # one bar per stage: weights, calibration, skewing, comparison
+                tasks[stage] = bar.add_task(f"{stage} ({Path(source).name})", total=total, tensor="")
+            bar.update(tasks[stage], completed=done, total=total, tensor=label)
 
+        prep = PrepOptions(calib_text, calib_tokens, partial_ratio, skew, partial_select, device)
         path = do_convert(
             source,
             out,
@@ -85,6 +109,8 @@ def convert(
             shard_bytes=parse_size(shard_size),
             force=force,
             progress=progress,
+            infinigen=infinigen,
+            prep=prep,
         )
     seconds = time.perf_counter() - t0
     b = read_bundle(path, verify=False)
@@ -102,6 +128,20 @@ def convert(
         "seconds": round(seconds, 2),
         "source": b.meta["source"],
     }
+    ig = b.meta.get("infinigen")
+    if ig:
+        summary.update(
+            partial_dim=ig["partial_dim"],
+            partial_select=ig["partial_select"],
+            selection_recall=ig["selection_recall"],
+            energy_share_top=ig["energy_share_top"],
+            calibration=ig["calibration"],
+        )
+    if push_to:
+        from infinigen_prep.push import push
+
+        commit = push(path, push_to)
+        summary["pushed"] = {"repo_id": push_to, "commit": getattr(commit, "oid", None), "url": str(commit)}
     if json_out:
         print_json(summary)
         return
@@ -111,10 +151,126 @@ def convert(
     for k, v in summary.items():
         if k == "bytes":
             v = f"{v / 1e6:.1f} MB"
-        elif k == "source":
+        elif isinstance(v, dict):
             v = ", ".join(f"{a}={b_}" for a, b_ in v.items())
         table.add_row(k, str(v))
     console.print(table)
+
+
+def _human(n: float, units=("", "K", "M", "B", "T"), base=1000.0) -> str:
+    for unit in units[:-1]:
+        if abs(n) < base:
+            return f"{n:.3g}{unit}" if unit else f"{n:g}"
+        n /= base
+    return f"{n:.3g}{units[-1]}"
+
+
+def _compact(v) -> str:
+    """A value on one short line: dicts as k=v, lists joined, long things cut."""
+    import json
+
+    if isinstance(v, dict):
+        text = ", ".join(f"{k}={_compact(x)}" for k, x in v.items())
+    elif isinstance(v, (list, tuple)):
+        text = "[" + ", ".join(_compact(x) for x in v) + "]" if len(v) <= 8 else f"[{len(v)} items]"
+    elif isinstance(v, str):
+        text = v
+    else:
+        text = json.dumps(v)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+@app.command("inspect")
+def inspect_cmd(
+    bundle: Annotated[Path, typer.Argument(help="Bundle folder.")],
+    verify: Annotated[bool, typer.Option("--verify", help="Re-hash every file against bundle.json.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+):
+    """Show what a bundle holds: model, config, files, provenance and InfiniGen parameters.
+
+    Examples:
+      infinigen-prep inspect bundles/smol
+      infinigen-prep inspect bundles/smol --verify
+      infinigen-prep inspect bundles/smol --json
+    """
+    from infinigen_prep.inspect import inspect_bundle
+
+    report = inspect_bundle(bundle, verify=verify)
+    if json_out:
+        print_json(report)
+        return
+    from rich.table import Table
+
+    def kv_table(title: str, rows: dict) -> Table:
+        t = Table(title=title, show_header=False, title_justify="left")
+        t.add_column(style="bold")
+        t.add_column()
+        for k, v in rows.items():
+            t.add_row(k, _compact(v) if v is not None else "-")
+        return t
+
+    r = report
+    console.print(
+        kv_table(
+            f"bundle {r['path']}",
+            {
+                "architecture": r["architecture"],
+                "model_type": r["model_type"],
+                "format version": r["format_version"],
+                "dtype": r["dtype"],
+                "parameters": f"{r['parameters']:,} ({_human(r['parameters'])})",
+                "tensors": r["tensors"],
+                "size": f"{_human(r['total_bytes'])}B ({r['total_bytes']:,} bytes)",
+                "verified": "yes (sha256 of every listed file)" if r["verified"] else "sizes only (--verify re-hashes)",
+            },
+        )
+    )
+    console.print(kv_table("config", r["config"]))
+    files = Table(title="files", title_justify="left")
+    files.add_column("file")
+    files.add_column("bytes", justify="right")
+    files.add_column("sha256")
+    for name, f in r["files"].items():
+        digest = (
+            f["sha256"][:16] + "..." if f["sha256"] else "(the manifest)" if name == "bundle.json" else "(not hashed)"
+        )
+        files.add_row(name, f"{f['size']:,}", digest)
+    console.print(files)
+    console.print(
+        kv_table("source / provenance", {"source": r["source"], "converter": r["converter"], **r["tokenizer"]})
+    )
+    if r["infinigen"]:
+        console.print(kv_table("InfiniGen parameters", r["infinigen"]))
+    else:
+        console.print("[bold]InfiniGen parameters[/]: none (a dense-only bundle, converted with --no-infinigen)")
+
+
+@app.command("push")
+def push_cmd(
+    bundle: Annotated[Path, typer.Argument(help="Bundle folder.")],
+    repo_id: Annotated[str, typer.Argument(help="Hub model repo, OWNER/NAME (created when missing).")],
+    private: Annotated[bool, typer.Option("--private", help="Create the repo private (when it is new).")] = False,
+    revision: Annotated[Optional[str], typer.Option(help="Branch to push to (created from main when missing).")] = None,
+    commit_message: Annotated[Optional[str], typer.Option(help="Commit message.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+):
+    """Verify a bundle and upload it to a Hub model repo in one commit.
+
+    Examples:
+      infinigen-prep push bundles/smol my-user/smollm2-135m-infinigen
+      infinigen-prep push bundles/smol my-user/smollm2-135m-infinigen --private
+      infinigen-prep push bundles/smol my-user/smollm2-135m-infinigen --revision v2 --commit-message "re-skew"
+    """
+    from infinigen_prep.push import push
+
+    info = push(bundle, repo_id, private=private, revision=revision, commit_message=commit_message)
+    branch = revision or "main"
+    if json_out:
+        print_json({"repo_id": repo_id, "revision": branch, "commit": info.oid, "commit_url": info.commit_url})
+        return
+    url = str(info.repo_url) + (f"/tree/{revision}" if revision else "")
+    console.print(f"[green]pushed[/] {bundle} -> {url}")
+    console.print(f"revision {branch} at commit {info.oid} ({info.commit_url})")
 
 
 def main():

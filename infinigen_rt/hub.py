@@ -17,11 +17,15 @@ def looks_like_repo_id(s: str) -> bool:
     return bool(REPO_ID.match(s)) and not s.startswith((".", "/")) and ".." not in s
 
 
-def hub_error(e: Exception, repo_id: str, revision: str | None = None) -> InfinigenError:
-    """Translate a huggingface_hub / network exception into a one-line error with the fix."""
+def hub_error(e: Exception, repo_id: str, revision: str | None = None, write: bool = False) -> InfinigenError:
+    """Translate a huggingface_hub / network exception into a one-line error with the fix.
+
+    `write`: the failed call was an upload (create_repo/create_branch/create_commit), not a download."""
     from huggingface_hub import errors as he
 
     rev = f" at revision {revision!r}" if revision else ""
+    if write:
+        return _write_error(e, repo_id, rev)
     # LocalEntryNotFoundError subclasses EntryNotFoundError: test the offline/cache cases first
     if isinstance(e, (he.OfflineModeIsEnabled, he.LocalEntryNotFoundError)):
         return InfinigenError(
@@ -48,6 +52,32 @@ def hub_error(e: Exception, repo_id: str, revision: str | None = None) -> Infini
         return InfinigenError(f"Hub request for {repo_id} failed: {first}")
     first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
     return InfinigenError(f"cannot reach the Hub for {repo_id} ({first}); check the network or HF_ENDPOINT")
+
+
+def _write_error(e: Exception, repo_id: str, rev: str) -> InfinigenError:
+    from huggingface_hub import errors as he
+
+    if isinstance(e, he.OfflineModeIsEnabled):
+        return InfinigenError(f"cannot push to {repo_id}: HF_HUB_OFFLINE is set; unset it to upload")
+    # LFS uploads fail as RuntimeError("Error while uploading 'f' to the Hub.") raised from the HTTP error
+    http = e if isinstance(e, he.HfHubHTTPError) else e.__cause__
+    status = getattr(getattr(http, "response", None), "status_code", None)
+    what = (str(e).strip() or e.__class__.__name__).splitlines()[0]
+    if status is None:
+        cause = str(e.__cause__ or "").strip()
+        if cause and cause.splitlines()[0] not in what:
+            what += f" ({cause.splitlines()[0]})"
+        return InfinigenError(f"pushing to {repo_id}{rev} failed: {what}; check the network or HF_ENDPOINT")
+    detail = (getattr(http, "server_message", None) or "").strip().replace("\n", " ")
+    code = f"HTTP {status}: {detail}" if detail else f"HTTP {status}"
+    if status in (401, 403):
+        owner = repo_id.split("/")[0]
+        return InfinigenError(
+            f"the Hub refused to write to {repo_id} ({code}); the token (HF_TOKEN or "
+            f"`hf auth login`) needs write access to the namespace {owner!r}: use a write token of that user "
+            "or of an org they belong to, or push to your own namespace"
+        )
+    return InfinigenError(f"pushing to {repo_id}{rev} failed: {what} ({code}); nothing was committed")
 
 
 def download(repo_id: str, revision: str | None = None, allow_patterns=None, local_dir=None) -> Path:
