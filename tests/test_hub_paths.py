@@ -5,6 +5,7 @@ and offline mode."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import socket
 
@@ -124,3 +125,17 @@ def test_hub_errors_are_one_line(hub, checkpoints, tmp_path):
     one_line_error(run_cli("rt", "generate", "test-user/has-main", "hi", env=offline), "cache")
     assert not out.exists()
     assert not hub.errors
+
+
+def test_default_calibration_text_comes_from_the_hub(hub, checkpoints, calib_file, tmp_path):
+    """With no --calib-text, convert fetches the default corpus file through huggingface_hub and records it."""
+    from infinigen_prep.calibrate import DEFAULT_CALIB
+
+    repo, path = "roneneldan/TinyStories", "TinyStories-valid.txt"
+    assert DEFAULT_CALIB == f"hf://datasets/{repo}/{path}"
+    hub.add_repo(repo, {path: calib_file.read_bytes()}, repo_type="dataset")
+    out = tmp_path / "b"
+    r = run_cli("prep", "convert", checkpoints["tied_hd64"], "--out", out, "--json", env=hub_env(hub, tmp_path))
+    assert r.returncode == 0, r.stderr
+    cal = json.loads((out / "bundle.json").read_text())["infinigen"]["calibration"]
+    assert cal["name"] == DEFAULT_CALIB and cal["sha256"] == hashlib.sha256(calib_file.read_bytes()).hexdigest()
