@@ -1,9 +1,10 @@
 """KV caches: what the attention layer asks for keys and values.
 
-The model calls `cache.begin(valid)` once per forward pass, then every attention layer calls
-`k, v, mask = cache.update(layer, k_new, v_new)` and attends over what it gets back. Where the keys
-and values live, and which of them a layer sees, is the cache's business: later policies (offloaded
-pool, InfiniGen speculation, H2O, INT4) implement the same two calls.
+Per forward pass the model calls `cache.begin(valid, positions)`; every attention layer calls
+`cache.observe(layer, x)` with its normalised input, then `k, v, mask = cache.update(layer, q, k, v)`
+and attends over what it gets back; the model ends with `cache.end()`. Where keys and values live,
+which of them a layer sees, and what moves where is the cache's business: every policy (full, offload,
+infinigen, h2o, int4) implements these calls and no model code knows which one it talks to.
 """
 
 from __future__ import annotations
@@ -16,15 +17,21 @@ from infinigen_rt.config import ModelConfig
 class KVCache:
     """The interface. Keys and values are per KV head, never expanded to query heads."""
 
-    def begin(self, valid: torch.Tensor) -> None:
-        """Start a forward pass over S new tokens; valid: [B, S] bool (False = left padding)."""
+    def begin(self, valid: torch.Tensor, positions: torch.Tensor) -> None:
+        """Start a forward pass over S new tokens; valid: [B, S] bool (False = left padding); positions: [B, S]."""
         raise NotImplementedError
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v: [B, Hkv, S, D]; return (keys, values, mask) to attend over.
+    def observe(self, layer: int, x: torch.Tensor) -> None:
+        """Layer `layer`'s normalised attention input x: [B, S, hidden] (InfiniGen speculates from it)."""
+
+    def update(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v: [B, Hkv, S, D] (q: [B, H, S, D], post-RoPE); return (keys, values, mask) to attend over.
 
         keys/values: [B, Hkv, T, D]; mask: [B, 1, S, T] bool, True where a query may attend."""
         raise NotImplementedError
+
+    def end(self) -> None:
+        """The forward pass is over (policies enforce capacity, advance counters)."""
 
 
 class DenseCache(KVCache):
@@ -40,7 +47,7 @@ class DenseCache(KVCache):
         self.start = 0
         self.mask = None
 
-    def begin(self, valid: torch.Tensor) -> None:
+    def begin(self, valid: torch.Tensor, positions: torch.Tensor) -> None:
         s = valid.shape[1]
         if self.length + s > self.max_len:
             raise ValueError(f"cache holds {self.max_len} tokens, asked for {self.length + s}")
@@ -48,7 +55,7 @@ class DenseCache(KVCache):
         self.valid[:, self.start : self.length] = valid
         self.mask = causal_mask(self.valid[:, : self.length], self.start)
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+    def update(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         self.k[layer][:, :, self.start : self.length] = k
         self.v[layer][:, :, self.start : self.length] = v
         return self.k[layer][:, :, : self.length], self.v[layer][:, :, : self.length], self.mask

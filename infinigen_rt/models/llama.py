@@ -78,11 +78,12 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache: KVCache):
         b, s, _ = x.shape
+        cache.observe(self.layer, x)
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, S, D)
         k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
         v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v, mask = cache.update(self.layer, k, v)
+        k, v, mask = cache.update(self.layer, q, k, v)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
 
@@ -130,9 +131,10 @@ class Llama(nn.Module):
         """input_ids, positions: [B, S]; valid: [B, S] bool. Returns logits [B, S or 1, V]."""
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
-        cache.begin(valid)
+        cache.begin(valid, positions)
         for block in self.layers:
             x = block(x, cos, sin, cache)
+        cache.end()
         if last_only:
             x = x[:, -1:]
         return F.linear(self.norm(x), self.head_weight())

@@ -28,10 +28,11 @@ class Attention(nn.Module):
 
     def forward(self, x, cache: KVCache):
         b, s, _ = x.shape
+        cache.observe(self.layer, x)
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, S, D)
         k = self.k_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k, v, mask = cache.update(self.layer, k, v)
+        k, v, mask = cache.update(self.layer, q, k, v)
         # OPT scales q by head_dim**-0.5 after the bias: the same as SDPA's default scale
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.out_proj(y.transpose(1, 2).reshape(b, s, -1))
@@ -83,9 +84,10 @@ class OPT(nn.Module):
         if hasattr(self, "project_in"):
             x = self.project_in(x)
         x = x + self.embed_positions(positions + self.cfg.position_offset)
-        cache.begin(valid)
+        cache.begin(valid, positions)
         for block in self.layers:
             x = block(x, cache)
+        cache.end()
         if last_only:
             x = x[:, -1:]
         if hasattr(self, "final_layer_norm"):
