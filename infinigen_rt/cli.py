@@ -41,7 +41,27 @@ def generate(
     dtype: Annotated[
         str, typer.Option(help="auto (bundle dtype on GPU, float32 on CPU), float32, float16, bfloat16.")
     ] = "auto",
-    policy: Annotated[str, typer.Option(help="KV cache policy: full.")] = "full",
+    policy: Annotated[str, typer.Option(help="KV policy: full, offload, infinigen.")] = "full",
+    alpha: Annotated[
+        Optional[float], typer.Option(help="infinigen: logit margin below each head's max [bundle default].")
+    ] = None,
+    budget: Annotated[float, typer.Option(help="infinigen: most tokens fetched per head, share of the context.")] = 0.2,
+    max_kv: Annotated[Optional[int], typer.Option("--max-kv", help="infinigen: most tokens fetched per head.")] = None,
+    capacity: Annotated[
+        Optional[float], typer.Option(help="Host pool tokens per (sequence, KV head): share <= 1 or count.")
+    ] = None,
+    eviction: Annotated[str, typer.Option(help="Pool eviction: counter, lru, fifo.")] = "counter",
+    window: Annotated[int, typer.Option(help="Most recent positions never evicted.")] = 16,
+    dense_layers: Annotated[
+        Optional[int], typer.Option(help="infinigen: first layers attending to everything [bundle default].")
+    ] = None,
+    prefill_chunk: Annotated[Optional[int], typer.Option(help="Prefill in chunks of this many tokens.")] = None,
+    trace_recall: Annotated[
+        bool,
+        typer.Option(
+            "--trace-recall", help="infinigen: measure the attention mass the fetched tokens hold (slow; diagnosis)."
+        ),
+    ] = False,
     chat: Annotated[
         bool, typer.Option("--chat", help="Wrap the prompt as a user message with the chat template.")
     ] = False,
@@ -56,10 +76,12 @@ def generate(
       infinigen-rt generate artifacts/bundles/smollm2-135m "The king said" -n 64
       infinigen-rt generate artifacts/bundles/smollm2-135m "Write a haiku" --chat --stream
       infinigen-rt generate user/my-bundle "Hello" --json
+      infinigen-rt generate bundles/smol - --policy infinigen --budget 0.1 --capacity 0.5 --json < book.txt
     """
     from infinigen_rt.bundle import read_bundle
     from infinigen_rt.engine import Engine
     from infinigen_rt.hub import resolve_bundle
+    from infinigen_rt.policies import KVOptions
     from infinigen_rt.sampling import SamplingParams
 
     if prompt == "-":
@@ -67,7 +89,8 @@ def generate(
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     path = resolve_bundle(bundle, revision)
     with console.status("loading bundle", spinner="dots") if not json_out else nullcontext():
-        engine = Engine(read_bundle(path, verify=verify), device=device, dtype=dtype, policy=policy)
+        kv = KVOptions(alpha, budget, max_kv, capacity, eviction, window, dense_layers, prefill_chunk, trace_recall)
+        engine = Engine(read_bundle(path, verify=verify), device=device, dtype=dtype, policy=policy, kv=kv)
     tok = engine.tokenizer
     ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
 

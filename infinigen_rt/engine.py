@@ -8,15 +8,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from infinigen_rt.bundle import DTYPES, Bundle
-from infinigen_rt.cache import DenseCache
+from infinigen_rt.bundle import DTYPES, Bundle, load_infinigen
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.models import load_model
+from infinigen_rt.policies import POLICIES, KVOptions
 from infinigen_rt.sampling import SamplingParams, sample
 from infinigen_rt.tokenizer import Tokenizer
-
-# --policy name -> KV cache class; later policies (offload, infinigen, h2o, int4) join this map
-POLICIES = {"full": DenseCache}
 
 
 @dataclass
@@ -83,20 +80,53 @@ def pad_batch(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tens
     return ids.to(device), positions.to(device), valid.to(device)
 
 
+def memory_stats(device: torch.device) -> dict:
+    """Peak device memory (CUDA) and peak host resident memory of this process, in bytes."""
+    import resource
+
+    out = {"peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if device.type == "cuda":
+        out["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
+    return out
+
+
 class Engine:
     """Loads a bundle once; `generate` runs batches of prompts through one KV policy."""
 
-    def __init__(self, bundle: Bundle, device: str = "auto", dtype: str = "auto", policy: str = "full"):
+    def __init__(
+        self, bundle: Bundle, device: str = "auto", dtype: str = "auto", policy: str = "full",
+        kv: KVOptions | None = None,
+    ):  # fmt: skip
         if policy not in POLICIES:
             raise InfinigenError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
+        self.kv = kv or KVOptions()
+        self.kv.check()
         self.bundle, self.cfg, self.policy = bundle, bundle.config, policy
+        if policy == "infinigen":  # before loading weights: a bundle without the tensors is a one-line error
+            self.infinigen_tensors = load_infinigen(bundle)
+            self.infinigen_defaults = bundle.meta["infinigen"]["defaults"]
+            dense = self.kv.dense_layers or self.infinigen_defaults["dense_layers"]
+            if dense >= self.cfg.num_hidden_layers:
+                raise InfinigenError(
+                    f"--dense-layers {dense} leaves no layer to speculate (the model has {self.cfg.num_hidden_layers})"
+                )
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, bundle.dtype, self.device)
         self.tokenizer = Tokenizer(bundle)
         self.model = load_model(bundle, self.device, self.dtype)
+        if policy == "infinigen":
+            self.infinigen_tensors = {k: v.to(self.device) for k, v in self.infinigen_tensors.items()}
 
     def make_cache(self, batch: int, max_len: int):
-        return POLICIES[self.policy](self.cfg, batch, max_len, self.device, self.dtype)
+        return POLICIES[self.policy](self, batch, max_len)
+
+    def prefill(self, cache, ids, positions, valid):
+        """The prompt through the model, in chunks of --prefill-chunk tokens; logits of the last position."""
+        chunk = self.kv.prefill_chunk or ids.shape[1]
+        for start in range(0, ids.shape[1], chunk):
+            sl = slice(start, start + chunk)
+            logits = self.model(ids[:, sl], positions[:, sl], cache, valid[:, sl], last_only=True)
+        return logits[:, -1]
 
     def _sync(self):
         if self.device.type == "cuda":
@@ -133,7 +163,7 @@ class Engine:
 
         self._sync()
         t0 = time.perf_counter()
-        logits = self.model(ids, positions, cache, valid, last_only=True)[:, -1]
+        logits = self.prefill(cache, ids, positions, valid)
         next_tok = sample(logits, sampling, gen)
         self._sync()
         stats.prefill_s = time.perf_counter() - t0
@@ -174,6 +204,8 @@ class Engine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "batch": b,
             "generated_tokens": sum(len(o) for o in out),
+            **(cache.report() if hasattr(cache, "report") else {}),
+            **memory_stats(self.device),
         }
         results = []
         for i in range(b):

@@ -1,0 +1,19 @@
+"""KV policies by name: how one engine treats KV. Each builder takes (engine, batch, max_len); adding a
+policy adds an entry here and touches no model code."""
+
+from __future__ import annotations
+
+from infinigen_rt.cache import DenseCache
+from infinigen_rt.policies.infinigen import InfinigenCache
+from infinigen_rt.policies.offload import OffloadCache
+from infinigen_rt.policies.options import KVOptions
+
+POLICIES = {
+    "full": lambda e, b, n: DenseCache(e.cfg, b, n, e.device, e.dtype),
+    "offload": lambda e, b, n: OffloadCache(e.cfg, b, n, e.device, e.dtype, e.kv),
+    "infinigen": lambda e, b, n: InfinigenCache(
+        e.cfg, b, n, e.device, e.dtype, e.kv, e.model, e.infinigen_tensors, e.infinigen_defaults
+    ),
+}
+
+__all__ = ["POLICIES", "KVOptions"]

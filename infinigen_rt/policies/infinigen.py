@@ -1,0 +1,140 @@
+"""`infinigen`: KV in the host pool; each decode step, layer i speculates which tokens layer i+1 needs
+from layer i's normalised input, a partial query (skewed columns) and the partial key cache of layer
+i+1 kept on the device; only those rows are fetched.
+
+Per speculated layer j and sequence b: scores s = q~ . K~ / sqrt(D) over every held token; n = the mean
+over query heads of the tokens within `alpha` of the head's maximum, capped by the budget; the top-n
+tokens per KV head (the group's scores aggregated by max) are fetched.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from infinigen_rt.bundle import partial_idx_name, partial_q_name, skew_name
+from infinigen_rt.models.llama import Llama, apply_rope, rope_cos_sin
+from infinigen_rt.policies.offload import OffloadCache
+
+
+class InfinigenCache(OffloadCache):
+    def __init__(self, cfg, batch, max_len, device, dtype, opts, model, tensors: dict, defaults: dict):
+        super().__init__(cfg, batch, max_len, device, dtype, opts)
+        self.model = model
+        self.rope = isinstance(model, Llama)
+        self.alpha = defaults["alpha"] if opts.alpha is None else opts.alpha
+        self.dense_layers = defaults["dense_layers"] if opts.dense_layers is None else opts.dense_layers
+        n_layers, hkv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        self.idx = [tensors[partial_idx_name(j)].to(self.device) for j in range(n_layers)]  # [Hkv, d']
+        d_prime = self.idx[0].shape[-1]
+        if self.rope:  # the skew's chosen columns: [Hkv, D, d']
+            self.a_part = [
+                torch.gather(tensors[skew_name(j)].to(self.device), 2, self.idx[j][:, None, :].expand(hkv, d, -1)).to(
+                    dtype
+                )
+                for j in range(n_layers)
+            ]
+        else:  # OPT: skew folded into the weights; the partial query weight is a real smaller matmul
+            self.pq = [
+                (tensors[partial_q_name(j, "weight")].to(self.device, dtype),
+                 tensors[partial_q_name(j, "bias")].to(self.device, dtype) if partial_q_name(j, "bias") in tensors
+                 else None)
+                for j in range(n_layers)
+            ]  # fmt: skip
+        self.pk = [torch.zeros(batch, hkv, max_len, d_prime, device=self.device, dtype=dtype) for _ in range(n_layers)]
+        self.held_dev = [
+            torch.zeros(batch, hkv, max_len, dtype=torch.bool, device=self.device) for _ in range(n_layers)
+        ]
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def begin(self, valid, positions) -> None:
+        super().begin(valid, positions)
+        self.decoding = valid.shape[1] == 1
+        if self.rope:
+            self.cos_sin = rope_cos_sin(self.model.inv_freq, positions, self.pk[0].dtype)
+
+    def partial_key(self, j: int, k: torch.Tensor) -> torch.Tensor:
+        """k: [B, Hkv, s, D] (post-RoPE) -> the skewed partial key [B, Hkv, s, d']."""
+        if self.rope:
+            return k @ self.a_part[j]
+        idx = self.idx[j]
+        return torch.gather(k, -1, idx[None, :, None, :].expand(k.shape[0], -1, k.shape[2], -1))
+
+    def partial_query(self, j: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer j's speculative query from layer j-1's normalised input x: [B, 1, hidden] -> [B, Hkv, G, d']."""
+        b, hkv, g, d = x.shape[0], self.cfg.num_key_value_heads, self.group, self.cfg.head_dim
+        if self.rope:  # RoPE sits between projection and dot product: full query, rotate, then skew
+            proj = self.model.layers[j].self_attn.q_proj
+            q = F.linear(x, proj.weight, proj.bias).view(b, 1, hkv * g, d).transpose(1, 2)
+            q = apply_rope(q, *self.cos_sin).view(b, hkv, g, d)
+            return q @ self.a_part[j][None]
+        w, bias = self.pq[j]
+        return F.linear(x, w, bias).view(b, hkv, g, -1)
+
+    @torch.no_grad()
+    def observe(self, layer: int, x: torch.Tensor) -> None:
+        j = layer + 1
+        if not self.decoding or j < self.dense_layers or j >= self.cfg.num_hidden_layers:
+            return
+        q = self.partial_query(j, x)  # [B, Hkv, G, d']
+        held = self.held_dev[j]  # [B, Hkv, S]
+        s = (q @ self.pk[j].transpose(-1, -2)) / math.sqrt(self.cfg.head_dim)  # [B, Hkv, G, S]
+        s = s.float().masked_fill(~held[:, :, None, :], float("-inf"))
+        within = s > (s.amax(-1, keepdim=True) - self.alpha)
+        n = within.sum(-1).float().mean(dim=(1, 2)).ceil().long()  # [B]: mean count over query heads
+        held_b = held.sum(-1).amax(-1)  # [B]
+        cap = torch.clamp((self.opts.budget * held_b).floor().long(), min=1)
+        if self.opts.max_kv is not None:
+            cap = cap.clamp(max=self.opts.max_kv)
+        n = torch.minimum(torch.minimum(n, cap), held_b).clamp(min=1)
+        agg = s.amax(2)  # [B, Hkv, S]: a token any head of the group wants
+        n_max = int(n.max())  # the one host sync of a speculation: the fetch size
+        top = agg.topk(n_max, dim=-1).indices  # [B, Hkv, n]
+        ok = (torch.arange(n_max, device=top.device) < n[:, None, None]) & torch.gather(held, 2, top)
+        self.pending[j] = (top.cpu(), ok.cpu())
+        self.stats.tokens_per_head += n.tolist()
+
+    def select(self, layer: int):
+        if layer in self.pending:
+            return self.pending[layer]
+        return super().select(layer)
+
+    def after_fetch(self, layer, q, slots, ok) -> None:
+        if layer not in self.pending:
+            return
+        del self.pending[layer]
+        pool = self.pools[layer]
+        pool.mark_selected(slots, ok, self.step)
+        self.stats.fetched += int(ok.sum())
+        self.stats.held += int(pool.held().sum())
+        if self.opts.trace_recall:
+            self.stats.recall.append(self.recall(layer, q, slots, ok))
+
+    def recall(self, layer, q, slots, ok) -> float:
+        """Diagnosis only: the true attention mass (dense scores over every held token) inside the fetched set."""
+        pool = self.pools[layer]
+        all_slots, all_ok = pool.held_slots()
+        k_all, _ = pool.gather(all_slots, self.device)
+        k_all = k_all.to(q.dtype).repeat_interleave(self.group, dim=1)  # [B, H, n_all, D]
+        p = (q @ k_all.transpose(-1, -2) / math.sqrt(q.shape[-1])).float()  # [B, H, 1, n_all]
+        p = p.masked_fill(~all_ok.to(q.device).repeat_interleave(self.group, 1)[:, :, None], float("-inf")).softmax(-1)
+        chosen = torch.zeros_like(pool.pos, dtype=torch.bool)
+        chosen.scatter_(2, slots, ok)  # [B, Hkv, S]
+        in_set = torch.gather(chosen, 2, all_slots).to(q.device).repeat_interleave(self.group, 1)
+        return float((p[:, :, 0] * in_set).sum(-1).mean())
+
+    def after_insert(self, layer, k, slots) -> None:
+        dev_slots = slots.to(self.device)
+        pk = self.partial_key(layer, k)
+        self.pk[layer].scatter_(2, dev_slots[..., None].expand(-1, -1, -1, pk.shape[-1]), pk)
+        valid = self.valid[:, None, :].expand(-1, slots.shape[1], -1)
+        self.held_dev[layer].scatter_(2, dev_slots, valid)
+
+    def end(self) -> None:
+        before = [p.evicted for p in self.pools]
+        super().end()
+        for j, pool in enumerate(self.pools):
+            if pool.evicted != before[j]:  # the device's view of which slots hold a token
+                self.held_dev[j].copy_((pool.pos >= 0).to(self.device))

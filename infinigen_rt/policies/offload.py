@@ -1,0 +1,90 @@
+"""`offload`: all KV in the host pool, every layer fetches every held token (the FlexGen-style baseline).
+
+Also the base of the pool policies: subclasses change `select` (which slots a layer fetches) and add
+per-token state; the byte counters count the copies actually made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from infinigen_rt.cache import KVCache, causal_mask
+from infinigen_rt.config import ModelConfig
+from infinigen_rt.policies.options import KVOptions
+from infinigen_rt.pool import KVPool
+
+
+@dataclass
+class KVStats:
+    bytes_h2d: int = 0  # host -> device: rows fetched
+    bytes_d2h: int = 0  # device -> host: new tokens written to the pool
+    fetched: int = 0  # rows fetched by speculated layers in decode
+    held: int = 0  # rows those layers could have fetched
+    tokens_per_head: list = field(default_factory=list)
+    recall: list = field(default_factory=list)
+
+    def to_dict(self, evictions: int) -> dict:
+        t = self.tokens_per_head
+        return {
+            "bytes_h2d": self.bytes_h2d,
+            "bytes_d2h": self.bytes_d2h,
+            "kv_fetched_share": round(self.fetched / self.held, 6) if self.held else None,
+            "tokens_per_head_mean": round(sum(t) / len(t), 3) if t else None,
+            "tokens_per_head_max": max(t) if t else None,
+            "evictions": evictions,
+            "attention_recall": round(sum(self.recall) / len(self.recall), 6) if self.recall else None,
+        }
+
+
+class OffloadCache(KVCache):
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype, opts: KVOptions):
+        self.cfg, self.device, self.opts = cfg, torch.device(device), opts
+        pin = self.device.type == "cuda"
+        self.pools = [
+            KVPool(batch, cfg.num_key_value_heads, cfg.head_dim, max_len, dtype, pin, opts.eviction, opts.window)
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        self.group = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.lengths = torch.zeros(batch, dtype=torch.long)  # real tokens seen per sequence
+        self.stats = KVStats()
+        self.step = 0
+
+    def begin(self, valid, positions) -> None:
+        self.valid, self.positions = valid, positions
+        self.new_mask = causal_mask(valid, 0)  # [B, 1, s, s] among the new tokens
+        self.lengths += valid.sum(-1).cpu()
+        self.step += 1
+
+    def select(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots layer `layer` fetches from the pool: (slots, ok), each [B, Hkv, n] on the host."""
+        return self.pools[layer].held_slots()
+
+    def update(self, layer, q, k, v):
+        pool = self.pools[layer]
+        slots, ok = self.select(layer)
+        k_old, v_old = pool.gather(slots, self.device)
+        self.stats.bytes_h2d += slots.numel() * pool.row_bytes
+        self.after_fetch(layer, q, slots, ok)
+        new_slots = pool.insert(k, v, self.positions, self.valid)
+        self.stats.bytes_d2h += k.shape[0] * k.shape[1] * k.shape[2] * pool.row_bytes
+        self.after_insert(layer, k, new_slots)
+        keys, values = torch.cat([k_old.to(k.dtype), k], 2), torch.cat([v_old.to(v.dtype), v], 2)
+        s = k.shape[2]
+        old = ok.to(self.device).repeat_interleave(self.group, dim=1)[:, :, None, :]  # [B, H, 1, n]
+        mask = torch.cat([old.expand(-1, -1, s, -1), self.new_mask.expand(-1, old.shape[1], -1, -1)], -1)
+        return keys, values, mask
+
+    def after_fetch(self, layer, q, slots, ok) -> None:
+        """Hook for subclasses: the rows of `slots` were just fetched for `layer`."""
+
+    def after_insert(self, layer, k, slots) -> None:
+        """Hook for subclasses: the new tokens' keys went into `slots`."""
+
+    def end(self) -> None:
+        cap = self.opts.capacity_tokens(self.lengths)
+        for pool in self.pools:
+            pool.evict(cap)
+
+    def report(self) -> dict:
+        return self.stats.to_dict(sum(p.evicted for p in self.pools))

@@ -1,0 +1,58 @@
+"""Run-time KV options shared by the policies, checked once with one-line errors."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from infinigen_rt.errors import InfinigenError
+from infinigen_rt.pool import EVICTIONS
+
+
+@dataclass
+class KVOptions:
+    alpha: float | None = None  # logit margin below each head's max; None = the bundle's default
+    budget: float = 0.2  # most tokens fetched per head, as a share of the held context
+    max_kv: int | None = None  # and/or an absolute cap
+    capacity: float | None = None  # pool tokens per (sequence, KV head): share (<= 1) or count (> 1); None = all
+    eviction: str = "counter"
+    window: int = 16  # the most recent positions, never evicted
+    dense_layers: int | None = None  # None = the bundle's default
+    prefill_chunk: int | None = None
+    trace_recall: bool = False
+
+    def check(self) -> None:
+        if self.alpha is not None and not self.alpha >= 0:
+            raise InfinigenError(f"--alpha must be >= 0 (logit units), got {self.alpha}")
+        if not 0 < self.budget <= 1:
+            raise InfinigenError(f"--budget must be in (0, 1] (a share of the context), got {self.budget}")
+        if self.max_kv is not None and self.max_kv < 1:
+            raise InfinigenError(f"--max-kv must be >= 1, got {self.max_kv}")
+        if self.eviction not in EVICTIONS:
+            raise InfinigenError(f"--eviction must be one of {', '.join(EVICTIONS)}, got {self.eviction!r}")
+        if self.window < 1:
+            raise InfinigenError(f"--window must be >= 1, got {self.window}")
+        if self.capacity is not None:
+            if self.capacity <= 0:
+                raise InfinigenError(f"--capacity must be > 0 (a share <= 1 or a token count), got {self.capacity}")
+            if self.capacity > 1 and self.capacity < self.window:
+                raise InfinigenError(
+                    f"--capacity {int(self.capacity)} tokens is below the recent window ({self.window}) that is "
+                    "never evicted; raise it or lower --window"
+                )
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise InfinigenError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
+        if self.dense_layers is not None and self.dense_layers < 1:
+            raise InfinigenError(
+                f"--dense-layers must be >= 1 (layer 0 has no previous layer), got {self.dense_layers}"
+            )
+
+    def capacity_tokens(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Pool capacity per sequence [B] for current lengths [B]; a share never goes below the window."""
+        if self.capacity is None:
+            return lengths.clone()
+        if self.capacity <= 1:
+            return torch.clamp(torch.ceil(self.capacity * lengths.double()).long(), min=self.window)
+        return torch.full_like(lengths, math.floor(self.capacity))
