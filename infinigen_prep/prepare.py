@@ -140,7 +140,7 @@ def add_infinigen(folder: Path, text: CalibText, opts: PrepOptions, progress=Non
             "unskewed": round(energy_share(grams, [skew_matrix(g, False) for g in grams.q], opts.partial_ratio), 6),
         },
         "calibration": {"name": text.name, "sha256": text.sha256, "tokens": len(ids)},
-        "defaults": {"alpha": DEFAULT_ALPHA[cfg.arch], "dense_layers": min(DENSE_LAYERS, n_layers)},
+        "defaults": {"alpha": DEFAULT_ALPHA[cfg.arch], "dense_layers": max(1, min(DENSE_LAYERS, n_layers - 1))},
     }
 
 

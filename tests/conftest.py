@@ -105,7 +105,7 @@ def write_tokenizer(path: Path, model_type: str) -> int:
     return tok.get_vocab_size()
 
 
-def make_checkpoint(path: Path, name: str, seed: int = 0, layers: int = 2, safetensors: bool = True) -> Path:
+def make_checkpoint(path: Path, name: str, seed: int = 0, layers: int = 4, safetensors: bool = True) -> Path:
     """Write a random-weight HF checkpoint of TINY_CONFIGS[name] to `path` with transformers."""
     import transformers
 

@@ -66,7 +66,7 @@ def test_convert_cli_json_and_refuses_to_overwrite(checkpoints, tmp_path, calib_
     r = run_cli("prep", "convert", checkpoints["opt"], "--out", out, "--json", "--calib-text", calib_file)
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
-    assert summary["architecture"] == "opt" and summary["layers"] == 2 and summary["bytes"] > 0
+    assert summary["architecture"] == "opt" and summary["layers"] == 4 and summary["bytes"] > 0
     assert (out / "bundle.json").is_file() and (out / "README.md").read_text().startswith(
         "---\nlibrary_name: infinigen"
     )
