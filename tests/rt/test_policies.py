@@ -140,3 +140,15 @@ def test_smollm2_speculation_recalls_attention_mass(smollm2_bundle):
     share, recall = s["kv_fetched_share"], s["attention_recall"]
     assert 0 < share <= 0.2 + 1e-9
     assert recall > share + 0.4, (recall, share)  # measured: recall 0.87 at a share of 0.10
+
+
+@pytest.mark.parametrize("policy", ["full", "offload", "infinigen"])
+def test_chunked_prefill_equals_one_pass(policy, bundles):
+    b = bundles["llama31_gqa"]
+    kv = EVERYTHING if policy == "infinigen" else KVOptions()
+    one = engines(b, x=(policy, kv))["x" if policy != "full" else "full"]
+    chunked = engines(b, x=(policy, KVOptions(**{**kv.__dict__, "prefill_chunk": 7})))["x"]
+    chunked.model = one.model
+    a, ta, _ = greedy_logits(one, PROMPTS, 6)
+    c, tc, _ = greedy_logits(chunked, PROMPTS, 6)
+    assert torch.equal(ta, tc) and (a - c).abs().max().item() <= 1e-4
