@@ -41,7 +41,7 @@ def generate(
     dtype: Annotated[
         str, typer.Option(help="auto (bundle dtype on GPU, float32 on CPU), float32, float16, bfloat16.")
     ] = "auto",
-    policy: Annotated[str, typer.Option(help="KV policy: full, offload, infinigen.")] = "full",
+    policy: Annotated[str, typer.Option(help="KV policy: full, offload, infinigen, h2o, int4.")] = "full",
     alpha: Annotated[
         Optional[float], typer.Option(help="infinigen: logit margin below each head's max [bundle default].")
     ] = None,

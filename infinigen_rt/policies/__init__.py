@@ -4,7 +4,9 @@ policy adds an entry here and touches no model code."""
 from __future__ import annotations
 
 from infinigen_rt.cache import DenseCache
+from infinigen_rt.policies.h2o import H2OCache
 from infinigen_rt.policies.infinigen import InfinigenCache
+from infinigen_rt.policies.int4 import Int4Cache
 from infinigen_rt.policies.offload import OffloadCache
 from infinigen_rt.policies.options import KVOptions
 
@@ -14,6 +16,8 @@ POLICIES = {
     "infinigen": lambda e, b, n: InfinigenCache(
         e.cfg, b, n, e.device, e.dtype, e.kv, e.model, e.infinigen_tensors, e.infinigen_defaults
     ),
+    "h2o": lambda e, b, n: H2OCache(e.cfg, b, n, e.device, e.dtype, e.kv),
+    "int4": lambda e, b, n: Int4Cache(e.cfg, b, n, e.device, e.dtype, e.kv),
 }
 
 __all__ = ["POLICIES", "KVOptions"]

@@ -38,11 +38,15 @@ class KVStats:
 
 
 class OffloadCache(KVCache):
+    pool_class = KVPool  # how the host stores rows (Int4Pool for the int4 policy)
+
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype, opts: KVOptions):
         self.cfg, self.device, self.opts = cfg, torch.device(device), opts
         pin = self.device.type == "cuda"
         self.pools = [
-            KVPool(batch, cfg.num_key_value_heads, cfg.head_dim, max_len, dtype, pin, opts.eviction, opts.window)
+            self.pool_class(
+                batch, cfg.num_key_value_heads, cfg.head_dim, max_len, dtype, pin, opts.eviction, opts.window
+            )
             for _ in range(cfg.num_hidden_layers)
         ]
         self.group = cfg.num_attention_heads // cfg.num_key_value_heads

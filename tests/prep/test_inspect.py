@@ -35,7 +35,7 @@ def test_inspect_json_report(bundles):
     assert rep["path"] == str(b) and rep["format_version"] == 1 and rep["verified"] is False
     assert rep["architecture"] == "llama" and rep["model_type"] == "llama" and rep["dtype"] == "float32"
     cfg = rep["config"]
-    assert (cfg["layers"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["hidden_size"]) == (2, 3, 1, 64, 192)
+    assert (cfg["layers"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["hidden_size"]) == (4, 3, 1, 64, 192)
     assert cfg["tie_word_embeddings"] is True and cfg["rope_theta"] == meta["config"]["rope_theta"]
     assert cfg["vocab_size"] == meta["config"]["vocab_size"]
     assert rep["parameters"] == weight_numel(b)
@@ -95,7 +95,7 @@ def test_inspect_rich_view(bundles):
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert any("architecture" in ln and "llama" in ln for ln in lines), r.stdout
-    assert any("layers" in ln and " 2 " in ln for ln in lines), r.stdout
+    assert any("layers" in ln and " 4 " in ln for ln in lines), r.stdout
     assert "llama3" in r.stdout  # the rope scaling
     assert "InfiniGen parameters" in r.stdout and "files" in r.stdout and "source" in r.stdout
 

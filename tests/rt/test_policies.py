@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from infinigen_rt.bundle import read_bundle
+from infinigen_rt.cache import DenseCache
 from infinigen_rt.engine import Engine, pad_batch
 from infinigen_rt.policies import KVOptions
+from infinigen_rt.policies.int4 import dequantize, group_size, quantize
 from tests.conftest import run_cli, shakespeare
 from tests.test_cli import one_line_error
 
@@ -152,3 +154,49 @@ def test_chunked_prefill_equals_one_pass(policy, bundles):
     a, ta, _ = greedy_logits(one, PROMPTS, 6)
     c, tc, _ = greedy_logits(chunked, PROMPTS, 6)
     assert torch.equal(ta, tc) and (a - c).abs().max().item() <= 1e-4
+
+
+class QuantizedDense(DenseCache):
+    """The int4 policy's definition, computed densely: attention over 4-bit quantize-dequantized K and V."""
+
+    def update(self, layer, q, k, v):
+        g = group_size(k.shape[-1])
+        return super().update(
+            layer, q, dequantize(*quantize(k, g), g, k.dtype), dequantize(*quantize(v, g), g, v.dtype)
+        )
+
+
+@pytest.mark.parametrize("name", ["llama31_gqa", "opt"])
+def test_int4_equals_its_definition_and_moves_packed_bytes(name, bundles):
+    es = engines(bundles[name], int4=("int4", KVOptions()))
+    e = es["int4"]
+    ids, _, _ = pad_batch(PROMPTS, 0, "cpu")
+    ref_cache = QuantizedDense(e.cfg, 3, ids.shape[1] + 7, "cpu", torch.float32)
+    ref, ref_toks, _ = greedy_logits(es["full"], PROMPTS, 6, cache=ref_cache)
+    got, toks, cache = greedy_logits(e, PROMPTS, 6)
+    assert torch.equal(toks, ref_toks) and (got - ref).abs().max().item() <= 1e-4
+    full, _, _ = greedy_logits(es["full"], PROMPTS, 6)
+    assert (got - full).abs().max().item() > 0  # it really is quantized
+    d = e.cfg.head_dim
+    row = 2 * (d // 2 + 4 * (d // group_size(d)))  # packed K and V plus fp16 scale and min per group
+    assert cache.pools[0].row_bytes == row
+    fetched_rows = cache.stats.bytes_h2d // row
+    assert cache.stats.bytes_h2d == fetched_rows * row and fetched_rows > 0
+
+
+def test_h2o_full_budget_is_exact_and_budget_bounds_the_kept_tokens(bundles):
+    es = engines(
+        bundles["llama31_gqa"], all=("h2o", KVOptions(budget=1.0)), h2o=("h2o", KVOptions(budget=0.3, window=4))
+    )
+    ref, ref_toks, _ = greedy_logits(es["full"], PROMPTS, 8)
+    got, toks, _ = greedy_logits(es["all"], PROMPTS, 8)
+    assert torch.equal(toks, ref_toks) and (got - ref).abs().max().item() <= 1e-4
+    _, _, cache = greedy_logits(es["h2o"], PROMPTS, 8)
+    lengths = cache.valid[:, : cache.length].sum(-1)
+    keep = torch.ceil(0.3 * lengths.double()).long()
+    for alive in cache.alive:
+        held = alive.sum(-1)  # [B, Hkv]
+        assert bool((held <= torch.maximum(keep, torch.tensor(4))[:, None]).all())
+        assert bool(alive[:, :, cache.length - 4 : cache.length].all())  # the recent window is kept
+    r = cache.report()
+    assert r["evictions"] > 0 and 0 < r["kv_fetched_share"] < 1

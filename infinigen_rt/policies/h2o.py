@@ -1,0 +1,67 @@
+"""`h2o`: heavy hitters plus a recent window under the same budget, KV resident on the device (the H2O
+baseline). Every layer accumulates, per (sequence, KV head), the attention each token received (summed
+over the group's query heads and every query so far); after each forward pass the tokens outside the
+`window` most recent with the least accumulated attention are evicted for good until at most
+ceil(budget * length) remain.
+
+The buffers stay allocated (tokens are masked out, not compacted): this policy measures H2O's accuracy
+and the share of KV it attends, not its memory savings.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from infinigen_rt.cache import DenseCache
+from infinigen_rt.policies.options import KVOptions
+
+
+class H2OCache(DenseCache):
+    def __init__(self, cfg, batch, max_len, device, dtype, opts: KVOptions):
+        super().__init__(cfg, batch, max_len, device, dtype)
+        shape = (batch, cfg.num_key_value_heads, max_len)
+        self.alive = [torch.zeros(shape, dtype=torch.bool, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.score = [torch.zeros(shape, dtype=torch.float32, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.group = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.opts = opts
+        self.attended = self.possible = self.evictions = 0
+
+    def update(self, layer, q, k, v):
+        keys, values, mask = super().update(layer, q, k, v)  # mask: [B, 1, s, T]
+        t, s = self.length, q.shape[2]
+        self.alive[layer][:, :, self.start : t] = self.valid[:, None, self.start : t]  # new tokens join
+        alive = self.alive[layer][:, :, :t]  # [B, Hkv, T]
+        head_mask = mask & alive.repeat_interleave(self.group, dim=1)[:, :, None, :]  # [B, H, s, T]
+        head_mask[:, :, torch.arange(s), torch.arange(self.start, t)] = True  # a query always sees itself
+        p = (q @ keys.repeat_interleave(self.group, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])).float()
+        p = p.masked_fill(~head_mask, float("-inf")).softmax(-1)  # [B, H, s, T]
+        self.score[layer][:, :, :t] += p.sum(2).unflatten(1, (-1, self.group)).sum(2)
+        if q.shape[2] == 1:
+            self.attended += int(alive.sum())
+            self.possible += int(self.valid[:, None, :t].expand_as(alive).sum())
+        return keys, values, head_mask
+
+    def end(self) -> None:
+        t = self.length
+        lengths = self.valid[:, :t].sum(-1)  # [B]
+        keep = torch.ceil(self.opts.budget * lengths.double()).long().clamp(min=1)  # [B]
+        recent = torch.arange(t, device=lengths.device) >= t - self.opts.window  # [T]
+        for layer in range(len(self.alive)):
+            alive, score = self.alive[layer][:, :, :t], self.score[layer][:, :, :t]
+            n_heavy = (keep[:, None] - (alive & recent).sum(-1)).clamp(min=0)  # [B, Hkv]
+            rank = score.masked_fill(~alive | recent, float("-inf"))
+            order = rank.argsort(-1, descending=True)
+            nth = torch.empty_like(order).scatter_(2, order, torch.arange(t, device=order.device).expand_as(order))
+            survive = (alive & recent) | (alive & ~recent & (nth < n_heavy[..., None]))
+            self.evictions += int((alive & ~survive).sum())
+            self.alive[layer][:, :, :t] = survive
+
+    def report(self) -> dict:
+        return {
+            "bytes_h2d": 0,
+            "bytes_d2h": 0,
+            "kv_fetched_share": round(self.attended / self.possible, 6) if self.possible else None,
+            "evictions": self.evictions,
+        }

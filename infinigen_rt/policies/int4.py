@@ -1,0 +1,81 @@
+"""`int4`: KV stored in the host pool quantized to 4 bits (asymmetric, groups of 64 along head_dim),
+fetched in full and dequantized on the device (FlexGen's compression baseline).
+
+Quantization happens on the device before the copy down, dequantization after the copy up, so the bytes
+counted are the packed bytes that really move (half a byte per value plus fp16 scale and minimum per group).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infinigen_rt.policies.offload import OffloadCache
+from infinigen_rt.pool import KVPool
+
+GROUP = 64
+
+
+def group_size(head_dim: int) -> int:
+    return GROUP if head_dim % GROUP == 0 else head_dim
+
+
+def quantize(x: torch.Tensor, group: int):
+    """x: [..., D] -> (packed uint8 [..., D/2], scale and min fp16 [..., D/group]); 4-bit asymmetric."""
+    g = x.float().unflatten(-1, (-1, group))  # [..., n_groups, group]
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    q = torch.round((g - lo) / scale).clamp(0, 15).to(torch.uint8).flatten(-2)
+    packed = q[..., 0::2] | (q[..., 1::2] << 4)
+    return packed, scale.squeeze(-1).half(), lo.squeeze(-1).half()
+
+
+def dequantize(packed, scale, lo, group: int, dtype) -> torch.Tensor:
+    q = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)  # [..., D]
+    g = q.unflatten(-1, (-1, group)).float() * scale.float()[..., None] + lo.float()[..., None]
+    return g.flatten(-2).to(dtype)
+
+
+class Int4Pool(KVPool):
+    """A KVPool whose rows are packed 4-bit codes with per-group scale and minimum."""
+
+    def __init__(self, batch, n_kv, head_dim, slots, dtype, pin, eviction="counter", window=0):
+        super().__init__(batch, n_kv, head_dim // 2, slots, torch.uint8, pin, eviction, window)
+        self.group, self.out_dtype = group_size(head_dim), dtype
+        n_groups = head_dim // self.group
+        self.meta = {
+            name: torch.zeros(batch, n_kv, slots, n_groups, dtype=torch.float16, pin_memory=pin)
+            for name in ("k_scale", "k_min", "v_scale", "v_min")
+        }
+
+    @property
+    def row_bytes(self) -> int:
+        return 2 * (self.k.shape[-1] + 2 * 2 * self.meta["k_scale"].shape[-1])
+
+    def insert(self, k, v, positions, valid):
+        kq, ks, kl = quantize(k, self.group)
+        vq, vs, vl = quantize(v, self.group)
+        slots = super().insert(kq, vq, positions, valid)
+        for name, t in (("k_scale", ks), ("k_min", kl), ("v_scale", vs), ("v_min", vl)):
+            self.meta[name].scatter_(2, slots[..., None].expand(-1, -1, -1, t.shape[-1]), t.to("cpu"))
+        return slots
+
+    def gather(self, slots, device):
+        kq, vq = super().gather(slots, device)
+        idx = slots[..., None].expand(-1, -1, -1, self.meta["k_scale"].shape[-1])
+        m = {name: torch.gather(t, 2, idx).to(device, non_blocking=True) for name, t in self.meta.items()}
+        k = dequantize(kq, m["k_scale"], m["k_min"], self.group, self.out_dtype)
+        v = dequantize(vq, m["v_scale"], m["v_min"], self.group, self.out_dtype)
+        return k, v
+
+
+class Int4Cache(OffloadCache):
+    pool_class = Int4Pool
+
+    def update(self, layer, q, k, v):
+        # the current tokens attend to themselves exactly as stored: quantized, like every earlier token
+        keys, values, mask = super().update(layer, q, k, v)
+        s = k.shape[2]
+        g = self.pools[layer].group
+        keys[:, :, -s:] = dequantize(*quantize(k, g), g, k.dtype)
+        values[:, :, -s:] = dequantize(*quantize(v, g), g, v.dtype)
+        return keys, values, mask
