@@ -47,7 +47,8 @@ class InfinigenCache(OffloadCache):
         self.held_dev = [
             torch.zeros(batch, hkv, max_len, dtype=torch.bool, device=self.device) for _ in range(n_layers)
         ]
-        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.pending: dict[int, tuple] = {}  # layer -> (slots, ok, keys, values, copy event)
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def begin(self, valid, positions) -> None:
         super().begin(valid, positions)
@@ -93,13 +94,31 @@ class InfinigenCache(OffloadCache):
         n_max = int(n.max())  # the one host sync of a speculation: the fetch size
         top = agg.topk(n_max, dim=-1).indices  # [B, Hkv, n]
         ok = (torch.arange(n_max, device=top.device) < n[:, None, None]) & torch.gather(held, 2, top)
-        self.pending[j] = (top.cpu(), ok.cpu())
+        slots, ok = top.cpu(), ok.cpu()
         self.stats.tokens_per_head += n.tolist()
+        # prefetch now, while layer j-1 computes: on a copy stream with a GPU; layer j waits on this copy only
+        pool = self.pools[j]
+        if self.copy_stream is not None:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                k, v = pool.gather(slots, self.device)
+                done = torch.cuda.Event()
+                done.record(self.copy_stream)
+        else:
+            k, v, done = *pool.gather(slots, self.device), None
+        self.stats.bytes_h2d += slots.numel() * pool.row_bytes
+        self.pending[j] = (slots, ok, k, v, done)
 
-    def select(self, layer: int):
-        if layer in self.pending:
-            return self.pending[layer]
-        return super().select(layer)
+    def fetch(self, layer: int):
+        if layer not in self.pending:
+            return super().fetch(layer)
+        slots, ok, k, v, done = self.pending[layer]
+        if done is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(done)
+            k.record_stream(compute)  # allocated on the copy stream, used on this one
+            v.record_stream(compute)
+        return slots, ok, k, v
 
     def after_fetch(self, layer, q, slots, ok) -> None:
         if layer not in self.pending:

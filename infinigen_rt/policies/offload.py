@@ -66,9 +66,7 @@ class OffloadCache(KVCache):
 
     def update(self, layer, q, k, v):
         pool = self.pools[layer]
-        slots, ok = self.select(layer)
-        k_old, v_old = pool.gather(slots, self.device)
-        self.stats.bytes_h2d += slots.numel() * pool.row_bytes
+        slots, ok, k_old, v_old = self.fetch(layer)
         self.after_fetch(layer, q, slots, ok)
         new_slots = pool.insert(k, v, self.positions, self.valid)
         self.stats.bytes_d2h += k.shape[0] * k.shape[1] * k.shape[2] * pool.row_bytes
@@ -78,6 +76,13 @@ class OffloadCache(KVCache):
         old = ok.to(self.device).repeat_interleave(self.group, dim=1)[:, :, None, :]  # [B, H, 1, n]
         mask = torch.cat([old.expand(-1, -1, s, -1), self.new_mask.expand(-1, old.shape[1], -1, -1)], -1)
         return keys, values, mask
+
+    def fetch(self, layer: int):
+        """(slots, ok, keys, values) for `layer`: its selected rows copied to the device now."""
+        slots, ok = self.select(layer)
+        k, v = self.pools[layer].gather(slots, self.device)
+        self.stats.bytes_h2d += slots.numel() * self.pools[layer].row_bytes
+        return slots, ok, k, v
 
     def after_fetch(self, layer, q, slots, ok) -> None:
         """Hook for subclasses: the rows of `slots` were just fetched for `layer`."""

@@ -21,3 +21,19 @@ def test_cuda_matches_cpu(name, bundles):
     assert [g.token_ids for g in gpu] == [c.token_ids for c in cpu]
     assert stats.extra["device"].startswith("cuda")
     assert next(gpu_engine.model.parameters()).is_cuda
+
+
+@pytest.mark.parametrize("policy", ["offload", "infinigen", "int4", "h2o"])
+def test_cuda_policies_match_cpu(policy, bundles):
+    import math
+
+    from infinigen_rt.policies import KVOptions
+
+    kv = KVOptions(alpha=math.inf, budget=1.0) if policy == "infinigen" else KVOptions(alpha=2.0, budget=0.5)
+    b = read_bundle(bundles["llama31_gqa"])
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15]]
+    cpu, _ = Engine(b, device="cpu", dtype="float32", policy=policy, kv=kv).generate(prompts, max_new_tokens=12)
+    gpu, stats = Engine(b, device="cuda", dtype="float32", policy=policy, kv=kv).generate(prompts, max_new_tokens=12)
+    assert [g.token_ids for g in gpu] == [c.token_ids for c in cpu]
+    if policy != "h2o":
+        assert stats.to_dict()["bytes_h2d"] > 0
