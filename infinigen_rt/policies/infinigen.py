@@ -106,7 +106,7 @@ class InfinigenCache(OffloadCache):
                 done.record(self.copy_stream)
         else:
             k, v, done = *pool.gather(slots, self.device), None
-        self.stats.bytes_h2d += slots.numel() * pool.row_bytes
+        self.count_h2d(j, slots.numel() * pool.row_bytes)
         self.pending[j] = (slots, ok, k, v, done)
 
     def fetch(self, layer: int):
@@ -126,8 +126,12 @@ class InfinigenCache(OffloadCache):
         del self.pending[layer]
         pool = self.pools[layer]
         pool.mark_selected(slots, ok, self.step)
-        self.stats.fetched += int(ok.sum())
-        self.stats.held += int(pool.held().sum())
+        fetched, held = int(ok.sum()), int(pool.held().sum())
+        self.stats.fetched += fetched
+        self.stats.held += held
+        per = self.stats.layer_fetched.setdefault(layer, [0, 0])
+        per[0] += fetched
+        per[1] += held
         if self.opts.trace_recall:
             self.stats.recall.append(self.recall(layer, q, slots, ok))
 

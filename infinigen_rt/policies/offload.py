@@ -23,10 +23,20 @@ class KVStats:
     held: int = 0  # rows those layers could have fetched
     tokens_per_head: list = field(default_factory=list)
     recall: list = field(default_factory=list)
+    layer_h2d: dict = field(default_factory=dict)  # layer -> bytes fetched
+    layer_fetched: dict = field(default_factory=dict)  # layer -> [rows fetched, rows held] when speculated
 
     def to_dict(self, evictions: int) -> dict:
         t = self.tokens_per_head
+        layers = sorted(self.layer_h2d)
         return {
+            "per_layer": {
+                "bytes_h2d": [self.layer_h2d[i] for i in layers],
+                "kv_fetched_share": [
+                    round(self.layer_fetched[i][0] / self.layer_fetched[i][1], 6) if i in self.layer_fetched else None
+                    for i in layers
+                ],
+            },
             "bytes_h2d": self.bytes_h2d,
             "bytes_d2h": self.bytes_d2h,
             "kv_fetched_share": round(self.fetched / self.held, 6) if self.held else None,
@@ -81,8 +91,12 @@ class OffloadCache(KVCache):
         """(slots, ok, keys, values) for `layer`: its selected rows copied to the device now."""
         slots, ok = self.select(layer)
         k, v = self.pools[layer].gather(slots, self.device)
-        self.stats.bytes_h2d += slots.numel() * self.pools[layer].row_bytes
+        self.count_h2d(layer, slots.numel() * self.pools[layer].row_bytes)
         return slots, ok, k, v
+
+    def count_h2d(self, layer: int, n_bytes: int) -> None:
+        self.stats.bytes_h2d += n_bytes
+        self.stats.layer_h2d[layer] = self.stats.layer_h2d.get(layer, 0) + n_bytes
 
     def after_fetch(self, layer, q, slots, ok) -> None:
         """Hook for subclasses: the rows of `slots` were just fetched for `layer`."""

@@ -79,7 +79,12 @@ def test_infinigen_moves_only_the_fetched_rows(bundles):
     dense_rows = dense * cfg.num_key_value_heads * sum(n + i for i in range(steps))
     assert cache.stats.fetched < cache.stats.held  # speculation fetched a subset
     assert cache.stats.bytes_h2d == (dense_rows + cache.stats.fetched) * row
-    assert 0 < cache.report()["kv_fetched_share"] <= 0.3 + 1e-9
+    report = cache.report()
+    assert 0 < report["kv_fetched_share"] <= 0.3 + 1e-9
+    per = report["per_layer"]
+    assert sum(per["bytes_h2d"]) == report["bytes_h2d"] and len(per["bytes_h2d"]) == cfg.num_hidden_layers
+    assert per["kv_fetched_share"][:dense] == [None] * dense
+    assert all(0 < x <= 0.3 + 1e-9 for x in per["kv_fetched_share"][dense:])
 
 
 def test_per_sequence_selection(bundles):
