@@ -136,35 +136,34 @@ class Engine:
     def generate(
         self,
         prompts: list[list[int]],
-        max_new_tokens: int = 64,
-        sampling: SamplingParams | None = None,
-        stop: list[str] | None = None,
-        on_step: Callable[[list[list[int]]], None] | None = None,
+        max_new_tokens: int | list[int] = 64,
+        sampling: SamplingParams | list[SamplingParams] | None = None,
+        stop: list[str] | list[list[str]] | None = None,
+        on_step: Callable[[list[list[int]]], set[int] | None] | None = None,
     ) -> tuple[list[Generation], RunStats]:
-        """Generate for a batch of token-id prompts. `on_step(generated)` sees every step's ids so far."""
-        sampling = sampling or SamplingParams()
-        if max_new_tokens < 1:
-            raise InfinigenError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
+        """Generate for a batch of token-id prompts. Limits, sampling and stop strings are one for all rows
+        or one per row. `on_step(generated)` sees every step's ids so far and may return rows to cancel."""
+        b = len(prompts)
         if not prompts or any(len(p) == 0 for p in prompts):
             raise InfinigenError("every prompt needs at least one token")
-        s = max(len(p) for p in prompts)
+        limits = per_row(max_new_tokens, b, "max_new_tokens")
+        params = per_row(sampling or SamplingParams(), b, "sampling")
+        stops = per_row(stop or [], b, "stop", nested=True)
+        if min(limits) < 1:
+            raise InfinigenError(f"max-new-tokens must be >= 1, got {min(limits)}")
+        s, steps = max(len(p) for p in prompts), max(limits)
         limit = self.cfg.max_position_embeddings
-        if self.cfg.arch == "opt" and s + max_new_tokens > limit:
-            raise InfinigenError(
-                f"prompt ({s}) + max-new-tokens ({max_new_tokens}) exceeds the model's {limit} positions"
-            )
-        gen = None
-        if sampling.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        b, stop = len(prompts), stop or []
+        if self.cfg.arch == "opt" and s + steps > limit:
+            raise InfinigenError(f"prompt ({s}) + max-new-tokens ({steps}) exceeds the model's {limit} positions")
+        gens = [torch.Generator(device=self.device).manual_seed(p.seed) if p.seed is not None else None for p in params]
         ids, positions, valid = pad_batch(prompts, self.tokenizer.pad_id, self.device)
-        cache = self.make_cache(b, s + max_new_tokens)
+        cache = self.make_cache(b, s + steps)
         stats = RunStats(prefill_tokens=sum(len(p) for p in prompts))
 
         self._sync()
         t0 = time.perf_counter()
         logits = self.prefill(cache, ids, positions, valid)
-        next_tok = sample(logits, sampling, gen)
+        next_tok = sample_rows(logits, params, gens)
         self._sync()
         stats.prefill_s = time.perf_counter() - t0
 
@@ -173,7 +172,7 @@ class Engine:
         texts: list[str | None] = [None] * b
         pos = positions[:, -1:]
         t0 = time.perf_counter()
-        for step in range(max_new_tokens):
+        for step in range(steps):
             toks = next_tok.tolist()  # the one host sync a step: the sampled tokens
             for i, t in enumerate(toks):
                 if reasons[i] is not None:
@@ -182,18 +181,21 @@ class Engine:
                     reasons[i] = "stop"
                     continue
                 out[i].append(t)
-                if stop:
+                if stops[i]:
                     text = self.tokenizer.decode(out[i])
-                    hit = [text.index(x) for x in stop if x in text]
+                    hit = [text.index(x) for x in stops[i] if x in text]
                     if hit:
                         texts[i], reasons[i] = text[: min(hit)], "stop"
+                if reasons[i] is None and len(out[i]) >= limits[i]:
+                    reasons[i] = "length"
             if on_step is not None:
-                on_step(out)
-            if all(r is not None for r in reasons) or step == max_new_tokens - 1:
+                for i in on_step(out) or ():
+                    reasons[i] = reasons[i] or "cancelled"
+            if all(r is not None for r in reasons) or step == steps - 1:
                 break
             pos = pos + 1
             logits = self.model(next_tok[:, None], pos, cache, torch.ones_like(valid[:, :1]), last_only=True)[:, -1]
-            next_tok = sample(logits, sampling, gen)
+            next_tok = sample_rows(logits, params, gens)
             stats.decode_steps += 1
         self._sync()
         stats.decode_s = time.perf_counter() - t0
@@ -212,3 +214,20 @@ class Engine:
             text = texts[i] if texts[i] is not None else self.tokenizer.decode(out[i])
             results.append(Generation(text, out[i], list(prompts[i]), reasons[i] or "length"))
         return results, stats
+
+
+def per_row(value, b: int, name: str, nested: bool = False) -> list:
+    """One value for every row, or a list of exactly b values."""
+    is_list = isinstance(value, list) and (not nested or (value and isinstance(value[0], list)))
+    if not is_list:
+        return [value] * b
+    if len(value) != b:
+        raise InfinigenError(f"{name}: {len(value)} values for {b} prompts")
+    return value
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens) -> torch.Tensor:
+    """Next tokens [B]: one batched call when every row samples the same way, else row by row."""
+    if all(p == params[0] for p in params) and all(g is None for g in gens):
+        return sample(logits, params[0], None)
+    return torch.cat([sample(logits[i : i + 1], p, g) for i, (p, g) in enumerate(zip(params, gens, strict=True))])
