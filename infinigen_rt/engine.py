@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -97,25 +98,40 @@ class Engine:
         self, bundle: Bundle, device: str = "auto", dtype: str = "auto", policy: str = "full",
         kv: KVOptions | None = None,
     ):  # fmt: skip
-        if policy not in POLICIES:
-            raise InfinigenError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
-        self.kv = kv or KVOptions()
-        self.kv.check()
-        self.bundle, self.cfg, self.policy = bundle, bundle.config, policy
-        if policy == "infinigen":  # before loading weights: a bundle without the tensors is a one-line error
-            self.infinigen_tensors = load_infinigen(bundle)
-            self.infinigen_defaults = bundle.meta["infinigen"]["defaults"]
-            dense = self.kv.dense_layers or self.infinigen_defaults["dense_layers"]
-            if dense >= self.cfg.num_hidden_layers:
-                raise InfinigenError(
-                    f"--dense-layers {dense} leaves no layer to speculate (the model has {self.cfg.num_hidden_layers})"
-                )
+        self.bundle, self.cfg = bundle, bundle.config
+        self.set_policy(policy, kv)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, bundle.dtype, self.device)
         self.tokenizer = Tokenizer(bundle)
         self.model = load_model(bundle, self.device, self.dtype)
-        if policy == "infinigen":
-            self.infinigen_tensors = {k: v.to(self.device) for k, v in self.infinigen_tensors.items()}
+
+    def set_policy(self, policy: str, kv: KVOptions | None = None) -> None:
+        """Choose the KV policy and its options (the loaded model stays)."""
+        if policy not in POLICIES:
+            raise InfinigenError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
+        kv = kv or KVOptions()
+        kv.check()
+        if policy == "infinigen":  # a bundle without the tensors is a one-line error
+            self.infinigen_defaults = (self.bundle.meta.get("infinigen") or {}).get("defaults")
+            self.infinigen_tensors = load_infinigen(self.bundle)
+            dense = kv.dense_layers or self.infinigen_defaults["dense_layers"]
+            if dense >= self.cfg.num_hidden_layers:
+                raise InfinigenError(
+                    f"--dense-layers {dense} leaves no layer to speculate (the model has {self.cfg.num_hidden_layers})"
+                )
+        self.policy, self.kv = policy, kv
+
+    def with_policy(self, policy: str, kv: KVOptions | None = None) -> Engine:
+        """A view of this engine (same model and tokenizer) with another policy."""
+        other = copy.copy(self)
+        other.set_policy(policy, kv)
+        return other
+
+    def dense_layers(self) -> int:
+        """Layers attending to everything before selection starts: the option, else the bundle's default."""
+        if self.kv.dense_layers is not None:
+            return self.kv.dense_layers
+        return (self.bundle.meta.get("infinigen") or {}).get("defaults", {}).get("dense_layers", 2)
 
     def make_cache(self, batch: int, max_len: int):
         return POLICIES[self.policy](self, batch, max_len)

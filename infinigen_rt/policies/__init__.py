@@ -9,6 +9,7 @@ from infinigen_rt.policies.infinigen import InfinigenCache
 from infinigen_rt.policies.int4 import Int4Cache
 from infinigen_rt.policies.offload import OffloadCache
 from infinigen_rt.policies.options import KVOptions
+from infinigen_rt.policies.oracle import OracleCache
 
 POLICIES = {
     "full": lambda e, b, n: DenseCache(e.cfg, b, n, e.device, e.dtype),
@@ -18,6 +19,9 @@ POLICIES = {
     ),
     "h2o": lambda e, b, n: H2OCache(e.cfg, b, n, e.device, e.dtype, e.kv),
     "int4": lambda e, b, n: Int4Cache(e.cfg, b, n, e.device, e.dtype, e.kv),
+    # eval only: the true top-k per query head (an upper bound, a mask over dense attention)
+    "oracle": lambda e, b, n: OracleCache(e.cfg, b, n, e.device, e.dtype, e.kv, e.dense_layers()),
 }
+RUNTIME_POLICIES = ("full", "offload", "infinigen", "h2o", "int4")
 
-__all__ = ["POLICIES", "KVOptions"]
+__all__ = ["POLICIES", "RUNTIME_POLICIES", "KVOptions"]

@@ -71,6 +71,11 @@ class Int4Pool(KVPool):
 class Int4Cache(OffloadCache):
     pool_class = Int4Pool
 
+    def report(self) -> dict:
+        # every token is fetched, at 4 bits: its share of the bytes fp16 KV would move
+        d = self.cfg.head_dim
+        return {**super().report(), "kv_fetched_share": round(self.pools[0].row_bytes / (2 * d * 2), 6)}
+
     def update(self, layer, q, k, v):
         # the current tokens attend to themselves exactly as stored: quantized, like every earlier token
         keys, values, mask = super().update(layer, q, k, v)

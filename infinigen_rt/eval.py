@@ -1,0 +1,177 @@
+"""Accuracy as users measure it: perplexity by real decoding through the engine, for a sweep of policies.
+
+The text's first `score_from` tokens are the prompt (one prefill); then every following token is fed
+one decode step at a time (teacher forcing) through the same cache policy `generate` uses, and the
+log-probability of the next true token is scored. Nothing is masked after the fact: a policy sees
+exactly what it would see when generating.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from infinigen_rt.engine import Engine
+from infinigen_rt.errors import InfinigenError
+from infinigen_rt.policies import KVOptions
+
+SWEPT = {"infinigen", "h2o", "oracle"}  # policies with a budget; the others run once
+
+
+@dataclass
+class Row:
+    policy: str
+    budget: float | None
+    alpha: float | None
+    perplexity: float
+    delta_pct: float | None
+    kv_fetched_share: float | None
+    recall: float | None
+    bytes_per_token: float | None
+    seconds: float
+
+    def key(self) -> tuple:
+        return (self.policy, self.budget, self.alpha)
+
+
+def text_ids(engine: Engine, path: str | Path, seq_len: int, score_from: int) -> tuple[list[int], str]:
+    """The first seq_len tokens of a UTF-8 text file, and the text's sha256."""
+    p = Path(path)
+    if not p.is_file():
+        raise InfinigenError(f"--text {p} does not exist")
+    data = p.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InfinigenError(f"--text {p} is not UTF-8 text") from None
+    if not text.strip():
+        raise InfinigenError(f"--text {p} is empty")
+    if not 0 < score_from < seq_len:
+        raise InfinigenError(f"--score-from must be in (0, --seq-len), got {score_from} with --seq-len {seq_len}")
+    ids = engine.tokenizer.encode(text)
+    if len(ids) < seq_len:
+        raise InfinigenError(f"--text {p} has {len(ids)} tokens, fewer than --seq-len {seq_len}; give a longer text")
+    return ids[:seq_len], hashlib.sha256(data).hexdigest()
+
+
+@torch.inference_mode()
+def perplexity(engine: Engine, ids: list[int], score_from: int, progress=None) -> tuple[float, dict, int]:
+    """Teacher-forced perplexity of ids[score_from:] given what precedes, decoding token by token.
+
+    Returns (perplexity, the cache's report, decode steps)."""
+    dev = engine.device
+    cache = engine.make_cache(1, len(ids))
+    x = torch.tensor([ids[:score_from]], device=dev)
+    pos = torch.arange(score_from, device=dev)[None]
+    logits = engine.prefill(cache, x, pos, torch.ones_like(x, dtype=torch.bool))
+    nll = [-torch.log_softmax(logits.float(), -1)[0, ids[score_from]]]
+    one = torch.ones(1, 1, dtype=torch.bool, device=dev)
+    steps = len(ids) - 1 - score_from
+    for i, t in enumerate(range(score_from, len(ids) - 1)):
+        logits = engine.model(torch.tensor([[ids[t]]], device=dev), torch.tensor([[t]], device=dev), cache, one,
+                              last_only=True)[:, -1]  # fmt: skip
+        nll.append(-torch.log_softmax(logits.float(), -1)[0, ids[t + 1]])
+        if progress:
+            progress(i + 1, steps)
+    report = cache.report() if hasattr(cache, "report") else {}
+    return math.exp(torch.stack(nll).mean().item()), report, steps
+
+
+def configs(policies: list[str], budgets: list[float], alphas: list[float]) -> list[tuple]:
+    """(policy, budget, alpha) rows of the sweep, full first (every delta is against it)."""
+    out = [("full", None, None)]
+    for p in policies:
+        if p == "full":
+            continue
+        if p == "infinigen":
+            out += [(p, b, a) for b in budgets for a in alphas]
+        elif p in SWEPT:
+            out += [(p, b, None) for b in budgets]
+        else:
+            out.append((p, None, None))
+    return out
+
+
+def run_sweep(engine: Engine, ids, score_from, todo, done: list[Row], recall=True, on_row=None, progress=None):
+    """Evaluate every (policy, budget, alpha) in `todo` not already in `done`; `on_row(rows)` after each."""
+    rows = list(done)
+    have = {r.key() for r in rows}
+    full = next((r.perplexity for r in rows if r.policy == "full"), None)
+    for n, (policy, budget, alpha) in enumerate(todo):
+        if (policy, budget, alpha) in have:
+            continue
+        kv = KVOptions(alpha=alpha, budget=budget or 1.0, trace_recall=recall and policy == "infinigen")
+        e = engine.with_policy(policy, kv)
+        t0 = time.perf_counter()
+        label = f"({n + 1}/{len(todo)}) {policy}" + (f" budget {budget}" if budget else "") + (
+            f" alpha {alpha}" if alpha is not None else "")  # fmt: skip
+        ppl, report, steps = perplexity(
+            e, ids, score_from, (lambda d, t, lb=label: progress(lb, d, t)) if progress else None
+        )
+        if policy == "full":
+            full = ppl
+        h2d = report.get("bytes_h2d")
+        rows.append(Row(
+            policy=policy, budget=budget, alpha=alpha, perplexity=round(ppl, 4),
+            delta_pct=round(100 * (ppl / full - 1), 3) if full else None,
+            kv_fetched_share=report.get("kv_fetched_share", 1.0 if policy in ("full", "offload") else None),
+            recall=report.get("attention_recall"), bytes_per_token=round(h2d / steps, 1) if h2d else None,
+            seconds=round(time.perf_counter() - t0, 2),
+        ))  # fmt: skip
+        if on_row:
+            on_row(rows)
+    return rows
+
+
+def save(path: Path, meta: dict, rows: list[Row]) -> None:
+    """Write the results atomically (a resumed or interrupted sweep never leaves half a file)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({**meta, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def load_done(path: Path, meta: dict) -> list[Row]:
+    """Finished rows of an earlier run with the same bundle, text and lengths (else a one-line error)."""
+    if not path.is_file():
+        return []
+    try:
+        old = json.loads(path.read_text())
+        rows = [Row(**r) for r in old["rows"]]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise InfinigenError(f"cannot resume from {path}: not an eval result file ({e})") from None
+    for k in ("bundle", "text_sha256", "seq_len", "score_from"):
+        if old.get(k) != meta[k]:
+            raise InfinigenError(f"cannot resume from {path}: it was run with another {k} ({old.get(k)!r})")
+    return rows
+
+
+def plot(rows: list[Row], path: Path, title: str) -> None:
+    """Perplexity change vs share of KV fetched, one line per policy (the paper's figure)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InfinigenError("--plot needs matplotlib: pip install 'infinigen[plot]'") from None
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for policy in dict.fromkeys(r.policy for r in rows if r.policy != "full"):
+        pts = sorted((r.kv_fetched_share, r.delta_pct) for r in rows if r.policy == policy and r.kv_fetched_share)
+        if pts:
+            ax.plot([100 * x for x, _ in pts], [y for _, y in pts], marker="o", label=policy)
+    ax.axhline(0, color="gray", lw=0.8, ls="--", label="full")
+    ax.set_xlabel("share of KV fetched per step (%)")
+    ax.set_ylabel("perplexity change vs full (%)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
