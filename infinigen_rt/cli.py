@@ -204,6 +204,15 @@ class _progress:
         self.p.update(self.task, completed=max(len(g) for g in generated))
 
 
+def _register_eval():
+    from infinigen_rt.cli_eval import eval_cmd
+
+    app.command("eval")(eval_cmd)
+
+
+_register_eval()
+
+
 def main():
     run_app(app)
 
