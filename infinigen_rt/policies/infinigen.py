@@ -47,6 +47,9 @@ class InfinigenCache(OffloadCache):
         self.held_dev = [
             torch.zeros(batch, hkv, max_len, dtype=torch.bool, device=self.device) for _ in range(n_layers)
         ]
+        self.pos_dev = [torch.full((batch, hkv, max_len), -1, dtype=torch.long, device=self.device)
+                        for _ in range(n_layers)]  # fmt: skip
+        self.norms = [getattr(blk, "input_layernorm", None) or blk.self_attn_layer_norm for blk in model.layers]
         self.pending: dict[int, tuple] = {}  # layer -> (slots, ok, keys, values, copy event)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
@@ -62,6 +65,14 @@ class InfinigenCache(OffloadCache):
             return k @ self.a_part[j]
         idx = self.idx[j]
         return torch.gather(k, -1, idx[None, :, None, :].expand(k.shape[0], -1, k.shape[2], -1))
+
+    def renormed(self, j: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer j-1's normalised input as layer j's norm would give it: exact for RMSNorm (x * g_j / g_{j-1});
+        for LayerNorm (x - b_{j-1}) / g_{j-1} * g_j + b_j."""
+        prev, cur = self.norms[j - 1], self.norms[j]
+        h = x if prev.bias is None else x - prev.bias
+        h = h * (cur.weight / torch.where(prev.weight.abs() < 1e-6, 1e-6, prev.weight))
+        return h if cur.bias is None else h + cur.bias
 
     def partial_query(self, j: int, x: torch.Tensor) -> torch.Tensor:
         """Layer j's speculative query from layer j-1's normalised input x: [B, 1, hidden] -> [B, Hkv, G, d']."""
@@ -79,23 +90,37 @@ class InfinigenCache(OffloadCache):
         j = layer + 1
         if not self.decoding or j < self.dense_layers or j >= self.cfg.num_hidden_layers:
             return
+        if self.opts.renorm:
+            x = self.renormed(j, x)
         q = self.partial_query(j, x)  # [B, Hkv, G, d']
         held = self.held_dev[j]  # [B, Hkv, S]
         s = (q @ self.pk[j].transpose(-1, -2)) / math.sqrt(self.cfg.head_dim)  # [B, Hkv, G, S]
         s = s.float().masked_fill(~held[:, :, None, :], float("-inf"))
         within = s > (s.amax(-1, keepdim=True) - self.alpha)
-        n = within.sum(-1).float().mean(dim=(1, 2)).ceil().long()  # [B]: mean count over query heads
+        counts = within.sum(-1).float()  # [B, Hkv, G]: tokens within alpha of each query head's max
         held_b = held.sum(-1).amax(-1)  # [B]
         cap = torch.clamp((self.opts.budget * held_b).floor().long(), min=1)
         if self.opts.max_kv is not None:
             cap = cap.clamp(max=self.opts.max_kv)
-        n = torch.minimum(torch.minimum(n, cap), held_b).clamp(min=1)
-        agg = s.amax(2)  # [B, Hkv, S]: a token any head of the group wants
+        if self.opts.per_head:  # [B, Hkv]: each KV head its group's mean count
+            n = counts.mean(2).ceil().long()
+        else:  # [B, 1]: one count per sequence, the mean over every query head
+            n = counts.mean(dim=(1, 2)).ceil().long()[:, None]
+        n = torch.minimum(torch.minimum(n, cap[:, None]), held_b[:, None]).clamp(min=1)
+        if self.opts.group_agg == "sum":  # a token's share of the group's attention
+            agg = s.softmax(-1).sum(2)
+        else:  # a token any head of the group wants
+            agg = s.amax(2)  # [B, Hkv, S]
+        if self.opts.sinks or self.opts.recent:  # always fetched, inside the budget
+            pos = self.pos_dev[j]
+            newest = pos.amax(-1, keepdim=True)
+            forced = held & ((pos < self.opts.sinks) | (pos > newest - self.opts.recent))
+            agg = agg.masked_fill(forced, float("inf"))
         n_max = int(n.max())  # the one host sync of a speculation: the fetch size
         top = agg.topk(n_max, dim=-1).indices  # [B, Hkv, n]
-        ok = (torch.arange(n_max, device=top.device) < n[:, None, None]) & torch.gather(held, 2, top)
+        ok = (torch.arange(n_max, device=top.device) < n[..., None]) & torch.gather(held, 2, top)
         slots, ok = top.cpu(), ok.cpu()
-        self.stats.tokens_per_head += n.tolist()
+        self.stats.tokens_per_head += n.float().mean(-1).tolist()
         # prefetch now, while layer j-1 computes: on a copy stream with a GPU; layer j waits on this copy only
         pool = self.pools[j]
         if self.copy_stream is not None:
@@ -154,6 +179,8 @@ class InfinigenCache(OffloadCache):
         self.pk[layer].scatter_(2, dev_slots[..., None].expand(-1, -1, -1, pk.shape[-1]), pk)
         valid = self.valid[:, None, :].expand(-1, slots.shape[1], -1)
         self.held_dev[layer].scatter_(2, dev_slots, valid)
+        pos = torch.where(valid, self.positions[:, None, :].expand_as(valid), -1)
+        self.pos_dev[layer].scatter_(2, dev_slots, pos)
 
     def end(self) -> None:
         before = [p.evicted for p in self.pools]
@@ -161,3 +188,4 @@ class InfinigenCache(OffloadCache):
         for j, pool in enumerate(self.pools):
             if pool.evicted != before[j]:  # the device's view of which slots hold a token
                 self.held_dev[j].copy_((pool.pos >= 0).to(self.device))
+                self.pos_dev[j].copy_(pool.pos.to(self.device))

@@ -22,6 +22,12 @@ class KVOptions:
     dense_layers: int | None = None  # None = the bundle's default
     prefill_chunk: int | None = None
     trace_recall: bool = False
+    # speculation levers (infinigen): measured by `infinigen-rt eval`, defaults from that sweep
+    sinks: int = 0  # the first positions, always fetched (inside the budget)
+    recent: int = 0  # the newest positions, always fetched (inside the budget)
+    renorm: bool = False  # rescale layer i's normalised input by layer i+1's norm weight over layer i's
+    per_head: bool = False  # each KV head fetches its own alpha count instead of the mean over heads
+    group_agg: str = "max"  # how a GQA group's scores rank tokens: "max" of logits or "sum" of probabilities
 
     def check(self) -> None:
         if self.alpha is not None and not self.alpha >= 0:
@@ -42,6 +48,10 @@ class KVOptions:
                     f"--capacity {int(self.capacity)} tokens is below the recent window ({self.window}) that is "
                     "never evicted; raise it or lower --window"
                 )
+        if self.sinks < 0 or self.recent < 0:
+            raise InfinigenError("--sinks and --recent must be >= 0")
+        if self.group_agg not in ("max", "sum"):
+            raise InfinigenError(f"--group-agg must be max or sum, got {self.group_agg!r}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise InfinigenError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
         if self.dense_layers is not None and self.dense_layers < 1:

