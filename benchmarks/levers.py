@@ -34,13 +34,14 @@ def main():
     ap.add_argument("--alpha", type=float, default=None)
     ap.add_argument("--levers", default=",".join(LEVERS))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-oracle", action="store_true")
     a = ap.parse_args()
     engine = Engine(read_bundle(a.bundle), device="cpu", dtype="float32")
     ids, _ = text_ids(engine, a.text, a.seq_len, a.score_from)
     rows = []
     full, _, _ = perplexity(engine, ids, a.score_from)
     print(f"full ppl {full:.4f}", flush=True)
-    for name in ["oracle"] + a.levers.split(","):
+    for name in ([] if a.no_oracle else ["oracle"]) + a.levers.split(","):
         t0 = time.perf_counter()
         if name == "oracle":
             e = engine.with_policy("oracle", KVOptions(budget=a.budget))

@@ -70,9 +70,9 @@ class InfinigenCache(OffloadCache):
         """Layer j-1's normalised input as layer j's norm would give it: exact for RMSNorm (x * g_j / g_{j-1});
         for LayerNorm (x - b_{j-1}) / g_{j-1} * g_j + b_j."""
         prev, cur = self.norms[j - 1], self.norms[j]
-        h = x if prev.bias is None else x - prev.bias
+        h = x if getattr(prev, "bias", None) is None else x - prev.bias
         h = h * (cur.weight / torch.where(prev.weight.abs() < 1e-6, 1e-6, prev.weight))
-        return h if cur.bias is None else h + cur.bias
+        return h if getattr(cur, "bias", None) is None else h + cur.bias
 
     def partial_query(self, j: int, x: torch.Tensor) -> torch.Tensor:
         """Layer j's speculative query from layer j-1's normalised input x: [B, 1, hidden] -> [B, Hkv, G, d']."""
@@ -90,7 +90,7 @@ class InfinigenCache(OffloadCache):
         j = layer + 1
         if not self.decoding or j < self.dense_layers or j >= self.cfg.num_hidden_layers:
             return
-        if self.opts.renorm:
+        if self.opts.renorm and self.cfg.do_layer_norm_before:  # post-LN OPT: the input is not normalised
             x = self.renormed(j, x)
         q = self.partial_query(j, x)  # [B, Hkv, G, d']
         held = self.held_dev[j]  # [B, Hkv, S]

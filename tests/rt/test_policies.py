@@ -205,3 +205,15 @@ def test_h2o_full_budget_is_exact_and_budget_bounds_the_kept_tokens(bundles):
         assert bool(alive[:, :, cache.length - 4 : cache.length].all())  # the recent window is kept
     r = cache.report()
     assert r["evictions"] > 0 and 0 < r["kv_fetched_share"] < 1
+
+
+@pytest.mark.parametrize("name", ["llama31_gqa", "opt"])
+def test_renorm_gives_the_next_layers_normalised_input(name, bundles):
+    """Rescaling layer j-1's normalised input equals layer j's norm applied to the same residual stream."""
+    e = engines(bundles[name], ig=("infinigen", KVOptions(renorm=True)))["ig"]
+    cache = e.make_cache(1, 8)
+    h = torch.randn(1, 3, e.cfg.hidden_size)
+    with torch.no_grad():
+        for j in range(1, e.cfg.num_hidden_layers):
+            prev, cur = cache.norms[j - 1], cache.norms[j]
+            assert torch.allclose(cache.renormed(j, prev(h)), cur(h), atol=1e-4)
