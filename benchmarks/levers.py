@@ -21,6 +21,8 @@ LEVERS = {
     "renorm+sinks4+recent8": {"renorm": True, "sinks": 4, "recent": 8},
     "renorm+sinks+recent+per_head": {"renorm": True, "sinks": 4, "recent": 8, "per_head": True},
     "renorm+sinks+recent+group_sum": {"renorm": True, "sinks": 4, "recent": 8, "group_agg": "sum"},
+    "sinks+recent+group_sum": {"sinks": 4, "recent": 8, "group_agg": "sum"},
+    "renorm+sinks+recent": {"renorm": True, "sinks": 4, "recent": 8},
 }
 
 

@@ -204,6 +204,111 @@ class _progress:
         self.p.update(self.task, completed=max(len(g) for g in generated))
 
 
+@app.command()
+def serve(
+    bundle: BundleArg,
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port (0: any free one, printed at start).")] = 8000,
+    model_name: Annotated[
+        Optional[str], typer.Option("--model-name", help="The model id clients send (default: the bundle folder name).")
+    ] = None,
+    max_batch: Annotated[int, typer.Option("--max-batch", help="Most requests run together in one batch.")] = 8,
+    max_queue: Annotated[int, typer.Option("--max-queue", help="Most requests waiting; beyond it: 429.")] = 64,
+    api_key: Annotated[
+        Optional[str],
+        typer.Option("--api-key", envvar="INFINIGEN_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*."),
+    ] = None,
+    device: Annotated[str, typer.Option(help="auto (cuda when present), cpu, cuda, cuda:N.")] = "auto",
+    dtype: Annotated[
+        str, typer.Option(help="auto (bundle dtype on GPU, float32 on CPU), float32, float16, bfloat16.")
+    ] = "auto",
+    policy: Annotated[str, typer.Option(help="KV policy: full, offload, infinigen, h2o, int4.")] = "full",
+    alpha: Annotated[
+        Optional[float], typer.Option(help="infinigen: logit margin below each head's max [bundle default].")
+    ] = None,
+    budget: Annotated[float, typer.Option(help="infinigen: most tokens fetched per head, share of the context.")] = 0.2,
+    max_kv: Annotated[Optional[int], typer.Option("--max-kv", help="infinigen: most tokens fetched per head.")] = None,
+    capacity: Annotated[
+        Optional[float], typer.Option(help="Host pool tokens per (sequence, KV head): share <= 1 or count.")
+    ] = None,
+    eviction: Annotated[str, typer.Option(help="Pool eviction: counter, lru, fifo.")] = "counter",
+    window: Annotated[int, typer.Option(help="Most recent positions never evicted.")] = 16,
+    dense_layers: Annotated[
+        Optional[int], typer.Option(help="infinigen: first layers attending to everything [bundle default].")
+    ] = None,
+    prefill_chunk: Annotated[Optional[int], typer.Option(help="Prefill in chunks of this many tokens.")] = None,
+    revision: Revision = None,
+    verify: Annotated[bool, typer.Option(help="Check every bundle file's sha256 before loading.")] = True,
+):
+    """Serve a bundle over an OpenAI-compatible HTTP API (needs: pip install 'infinigen\\[serve]').
+
+    /v1/models, /v1/completions, /v1/chat/completions ("stream": true for SSE), /health, /metrics.
+
+    A request may override KV options with {"infinigen": {"alpha": A, "budget": B}}.
+
+    Examples:
+      infinigen-rt serve artifacts/bundles/smollm2-135m
+      infinigen-rt serve artifacts/bundles/smollm2-135m --policy infinigen --max-batch 16 --port 8080
+      INFINIGEN_API_KEY=secret infinigen-rt serve bundles/smol --host 0.0.0.0
+    """
+    from infinigen_rt.errors import InfinigenError
+
+    try:  # the serve extra: imported only here, so the rest of the runtime works without it
+        import fastapi  # noqa: F401
+        import uvicorn
+
+        from infinigen_rt.serve.app import create_app
+    except ImportError as e:
+        # the backslash keeps rich (the one-line error printer) from taking [serve] for markup
+        raise InfinigenError(f"serve needs {e.name or 'fastapi'}: pip install 'infinigen\\[serve]'") from None
+    from pathlib import Path
+
+    from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.engine import Engine
+    from infinigen_rt.hub import resolve_bundle
+    from infinigen_rt.policies import KVOptions
+
+    if max_batch < 1 or max_queue < 1:
+        raise InfinigenError(f"--max-batch and --max-queue must be >= 1, got {max_batch} and {max_queue}")
+    path = resolve_bundle(bundle, revision)
+    sock = _listen_socket(host, port)  # before loading: a taken port fails fast
+    with err_console.status("loading bundle", spinner="dots"):
+        kv = KVOptions(
+            alpha=alpha, budget=budget, max_kv=max_kv, capacity=capacity, eviction=eviction, window=window,
+            dense_layers=dense_layers, prefill_chunk=prefill_chunk,
+        )  # fmt: skip
+        engine = Engine(read_bundle(path, verify=verify), device=device, dtype=dtype, policy=policy, kv=kv)
+    name = model_name or (Path(bundle).name if Path(bundle).exists() else bundle)
+    server_app = create_app(engine, name, max_batch=max_batch, max_queue=max_queue, api_key=api_key)
+    port = sock.getsockname()[1]
+    shown, dt = f"[{host}]" if ":" in host else host, str(engine.dtype).removeprefix("torch.")
+    err_console.print(
+        f"serving [bold]{name}[/] ({policy} on {engine.device}, {dt}, batches of <= {max_batch}) at "
+        f"http://{shown}:{port}/v1" + (" (API key required)" if api_key else ""),
+        soft_wrap=True,
+    )
+    # on Ctrl+C / SIGTERM: open streams get 5 s to end, then are cancelled (their rows stop)
+    config = uvicorn.Config(server_app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _listen_socket(host: str, port: int):
+    """A bound TCP socket for uvicorn; a taken port or a bad address is a one-line error."""
+    import socket
+
+    from infinigen_rt.errors import InfinigenError
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except (OSError, OverflowError) as e:
+        raise InfinigenError(f"cannot listen on {host}:{port} ({e}); pick another --port or --host") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def _register_eval():
     from infinigen_rt.cli_eval import eval_cmd
 
