@@ -1,0 +1,6 @@
+"""`infinigen-rt serve`: an OpenAI-compatible HTTP server over the engine (needs the `serve` extra).
+
+protocol.py (request models, errors, response bodies) -> scheduler.py (one thread owns the engine, batches)
+-> metrics.py (Prometheus text) -> app.py (the FastAPI app: routes, streaming, auth). Only app.py and
+protocol.py import fastapi/pydantic; the CLI imports them when `serve` runs.
+"""
