@@ -34,7 +34,7 @@ pytest.importorskip("uvicorn")
 
 KEY = "sk-test-0123"
 # one torch thread per process: other tests share this machine's two cores, and oversubscribed OpenMP
-# threads make small models hundreds of times slower; the reference CLI runs use the same setting
+# threads made small models 30-300x slower here; the reference CLI runs use the same setting
 ENV = {"OMP_NUM_THREADS": "1"}
 WORDS = " ".join(TOKENIZER_TEXT[:5]).split()
 PROMPTS = [" ".join(WORDS[3 * i : 3 * i + 2 + i % 5]) for i in range(16)]  # different texts and lengths
