@@ -43,7 +43,7 @@ def generate(
     ] = "auto",
     policy: Annotated[str, typer.Option(help="KV policy: full, offload, infinigen, h2o, int4.")] = "full",
     alpha: Annotated[
-        Optional[float], typer.Option(help="infinigen: logit margin below each head's max [bundle default].")
+        Optional[float], typer.Option(help="infinigen: logit margin below each head's max (bundle default).")
     ] = None,
     budget: Annotated[float, typer.Option(help="infinigen: most tokens fetched per head, share of the context.")] = 0.2,
     max_kv: Annotated[Optional[int], typer.Option("--max-kv", help="infinigen: most tokens fetched per head.")] = None,
@@ -53,7 +53,7 @@ def generate(
     eviction: Annotated[str, typer.Option(help="Pool eviction: counter, lru, fifo.")] = "counter",
     window: Annotated[int, typer.Option(help="Most recent positions never evicted.")] = 16,
     dense_layers: Annotated[
-        Optional[int], typer.Option(help="infinigen: first layers attending to everything [bundle default].")
+        Optional[int], typer.Option(help="infinigen: first layers attending to everything (bundle default).")
     ] = None,
     prefill_chunk: Annotated[Optional[int], typer.Option(help="Prefill in chunks of this many tokens.")] = None,
     trace_recall: Annotated[
@@ -224,7 +224,7 @@ def serve(
     ] = "auto",
     policy: Annotated[str, typer.Option(help="KV policy: full, offload, infinigen, h2o, int4.")] = "full",
     alpha: Annotated[
-        Optional[float], typer.Option(help="infinigen: logit margin below each head's max [bundle default].")
+        Optional[float], typer.Option(help="infinigen: logit margin below each head's max (bundle default).")
     ] = None,
     budget: Annotated[float, typer.Option(help="infinigen: most tokens fetched per head, share of the context.")] = 0.2,
     max_kv: Annotated[Optional[int], typer.Option("--max-kv", help="infinigen: most tokens fetched per head.")] = None,
@@ -234,7 +234,7 @@ def serve(
     eviction: Annotated[str, typer.Option(help="Pool eviction: counter, lru, fifo.")] = "counter",
     window: Annotated[int, typer.Option(help="Most recent positions never evicted.")] = 16,
     dense_layers: Annotated[
-        Optional[int], typer.Option(help="infinigen: first layers attending to everything [bundle default].")
+        Optional[int], typer.Option(help="infinigen: first layers attending to everything (bundle default).")
     ] = None,
     prefill_chunk: Annotated[Optional[int], typer.Option(help="Prefill in chunks of this many tokens.")] = None,
     revision: Revision = None,
@@ -259,8 +259,7 @@ def serve(
 
         from infinigen_rt.serve.app import create_app
     except ImportError as e:
-        # the backslash keeps rich (the one-line error printer) from taking [serve] for markup
-        raise InfinigenError(f"serve needs {e.name or 'fastapi'}: pip install 'infinigen\\[serve]'") from None
+        raise InfinigenError(f"serve needs {e.name or 'fastapi'}: pip install 'infinigen[serve]'") from None
     from pathlib import Path
 
     from infinigen_rt.bundle import read_bundle

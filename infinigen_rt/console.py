@@ -8,6 +8,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from infinigen_rt.errors import InfinigenError
 
@@ -45,7 +46,7 @@ def run_app(app: typer.Typer) -> None:
     except InfinigenError as e:
         if os.environ.get(DEBUG_ENV):
             raise
-        err_console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
         sys.exit(1)
     except KeyboardInterrupt:
         err_console.print("[bold red]interrupted[/]")

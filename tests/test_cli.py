@@ -172,3 +172,24 @@ def test_killed_convert_leaves_nothing_loadable(tmp_path, calib_file):
     assert r.returncode == 0, r.stderr
     assert not partial.exists(), "the stale partial folder of the killed convert was not cleaned up"
     assert len(list(out.glob("model-*.safetensors"))) > 3
+
+
+def test_error_text_in_brackets_is_printed_not_taken_for_markup(capsys):
+    import typer
+
+    from infinigen_rt.console import run_app
+    from infinigen_rt.errors import InfinigenError
+
+    app = typer.Typer()
+
+    @app.command()
+    def boom():
+        raise InfinigenError("serve needs fastapi: pip install 'infinigen[serve]'")
+
+    with pytest.raises(SystemExit) as exit_info:
+        import sys
+
+        sys.argv = ["x"]
+        run_app(app)
+    assert exit_info.value.code == 1
+    assert "pip install 'infinigen[serve]'" in capsys.readouterr().err
