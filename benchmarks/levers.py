@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 
 from infinigen_rt.bundle import read_bundle
@@ -14,15 +15,21 @@ from infinigen_rt.engine import Engine
 from infinigen_rt.eval import perplexity, text_ids
 from infinigen_rt.policies import KVOptions
 
-LEVERS = {
-    "baseline": {},
-    "renorm": {"renorm": True},
-    "sinks4+recent8": {"sinks": 4, "recent": 8},
-    "renorm+sinks4+recent8": {"renorm": True, "sinks": 4, "recent": 8},
-    "renorm+sinks+recent+per_head": {"renorm": True, "sinks": 4, "recent": 8, "per_head": True},
-    "renorm+sinks+recent+group_sum": {"renorm": True, "sinks": 4, "recent": 8, "group_agg": "sum"},
-    "sinks+recent+group_sum": {"sinks": 4, "recent": 8, "group_agg": "sum"},
-    "renorm+sinks+recent": {"renorm": True, "sinks": 4, "recent": 8},
+PAPER = {"sinks": 0, "recent": 0, "renorm": False, "group_agg": "max"}  # the reference's speculation
+LEVERS = {  # each relative to KVOptions' defaults (every winning lever on)
+    "paper": PAPER,
+    "sinks4+recent8": {**PAPER, "sinks": 4, "recent": 8},
+    "sinks+recent+sum": {**PAPER, "sinks": 4, "recent": 8, "group_agg": "sum"},
+    "sinks+recent+renorm": {**PAPER, "sinks": 4, "recent": 8, "renorm": True},
+    "defaults": {},
+    "no_renorm": {"renorm": False},
+    "group_max": {"group_agg": "max"},
+    "no_sinks_recent": {"sinks": 0, "recent": 0},
+    "sinks8+recent16": {"sinks": 8, "recent": 16},
+    "per_head": {"per_head": True},
+    "dense1": {"dense_layers": 1},
+    "dense3": {"dense_layers": 3},
+    "dense4": {"dense_layers": 4},
 }
 
 
@@ -33,7 +40,7 @@ def main():
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--score-from", type=int, default=512)
     ap.add_argument("--budget", type=float, default=0.1)
-    ap.add_argument("--alpha", type=float, default=None)
+    ap.add_argument("--alphas", default="", help="comma list of alphas (inf = budget only); empty = bundle's")
     ap.add_argument("--levers", default=",".join(LEVERS))
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-oracle", action="store_true")
@@ -43,16 +50,19 @@ def main():
     rows = []
     full, _, _ = perplexity(engine, ids, a.score_from)
     print(f"full ppl {full:.4f}", flush=True)
-    for name in ([] if a.no_oracle else ["oracle"]) + a.levers.split(","):
+    alphas = [float(x) for x in a.alphas.split(",")] if a.alphas else [None]
+    runs = [("oracle", None)] * (not a.no_oracle) + [(n, al) for al in alphas for n in a.levers.split(",")]
+    for name, alpha in runs:
         t0 = time.perf_counter()
         if name == "oracle":
             e = engine.with_policy("oracle", KVOptions(budget=a.budget))
         else:
-            e = engine.with_policy("infinigen", KVOptions(alpha=a.alpha, budget=a.budget, **LEVERS[name]))
+            e = engine.with_policy("infinigen", KVOptions(alpha=alpha, budget=a.budget, **LEVERS[name]))
         ppl, rep, _ = perplexity(e, ids, a.score_from)
         row = {
             "lever": name,
             "budget": a.budget,
+            "alpha": None if alpha is None or math.isinf(alpha) else alpha,
             "perplexity": round(ppl, 4),
             "delta_pct": round(100 * (ppl / full - 1), 2),
             "kv_fetched_share": rep.get("kv_fetched_share"),

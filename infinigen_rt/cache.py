@@ -37,10 +37,12 @@ class KVCache:
 class DenseCache(KVCache):
     """All KV resident on the compute device in preallocated buffers (the `full` policy)."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype):
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype, layers: int | None = None):
+        """`layers`: buffers for the first `layers` layers only (the others live elsewhere)."""
         shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        n = cfg.num_hidden_layers if layers is None else layers
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n)]
         self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)  # real (non-pad) slots
         self.max_len = max_len
         self.length = 0  # slots filled, the same for every sequence (left padding aligns the ends)

@@ -308,13 +308,15 @@ def _listen_socket(host: str, port: int):
     return sock
 
 
-def _register_eval():
+def _register():
+    from infinigen_rt.cli_bench import bench_cmd
     from infinigen_rt.cli_eval import eval_cmd
 
     app.command("eval")(eval_cmd)
+    app.command("bench")(bench_cmd)
 
 
-_register_eval()
+_register()
 
 
 def main():

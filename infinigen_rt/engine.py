@@ -99,11 +99,32 @@ class Engine:
         kv: KVOptions | None = None,
     ):  # fmt: skip
         self.bundle, self.cfg = bundle, bundle.config
+        self._speculation = None  # (tensors, defaults), loaded once on first use
         self.set_policy(policy, kv)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, bundle.dtype, self.device)
         self.tokenizer = Tokenizer(bundle)
         self.model = load_model(bundle, self.device, self.dtype)
+
+    @classmethod
+    def from_model(
+        cls, cfg, model, device: torch.device, dtype: torch.dtype, speculation: tuple[dict, dict] | None = None,
+        policy: str = "full", kv: KVOptions | None = None,
+    ) -> Engine:  # fmt: skip
+        """An engine around a model built in memory (synthetic benchmarks): no bundle and no tokenizer.
+        `speculation` is (InfiniGen tensors by bundle name, {"alpha", "dense_layers"})."""
+        self = cls.__new__(cls)
+        self.bundle, self.cfg, self.device, self.dtype = None, cfg, torch.device(device), dtype
+        self.model, self.tokenizer, self._speculation = model, None, speculation
+        self.set_policy(policy, kv)
+        return self
+
+    def speculation(self) -> tuple[dict, dict]:
+        """The InfiniGen tensors and defaults (a one-line error for a bundle converted without them)."""
+        if self._speculation is None:
+            tensors = load_infinigen(self.bundle)
+            self._speculation = tensors, (self.bundle.meta.get("infinigen") or {}).get("defaults")
+        return self._speculation
 
     def set_policy(self, policy: str, kv: KVOptions | None = None) -> None:
         """Choose the KV policy and its options (the loaded model stays)."""
@@ -112,8 +133,7 @@ class Engine:
         kv = kv or KVOptions()
         kv.check()
         if policy == "infinigen":  # a bundle without the tensors is a one-line error
-            self.infinigen_defaults = (self.bundle.meta.get("infinigen") or {}).get("defaults")
-            self.infinigen_tensors = load_infinigen(self.bundle)
+            self.infinigen_tensors, self.infinigen_defaults = self.speculation()
             dense = kv.dense_layers or self.infinigen_defaults["dense_layers"]
             if dense >= self.cfg.num_hidden_layers:
                 raise InfinigenError(
@@ -131,6 +151,8 @@ class Engine:
         """Layers attending to everything before selection starts: the option, else the bundle's default."""
         if self.kv.dense_layers is not None:
             return self.kv.dense_layers
+        if self.bundle is None:
+            return self._speculation[1]["dense_layers"] if self._speculation else 2
         return (self.bundle.meta.get("infinigen") or {}).get("defaults", {}).get("dense_layers", 2)
 
     def make_cache(self, batch: int, max_len: int):

@@ -30,6 +30,8 @@ class KVPool:
         self.last = torch.zeros(shape[:3], dtype=torch.long)
         self.eviction, self.window = eviction, window
         self.evicted = 0
+        self.fill = torch.zeros(shape[:2], dtype=torch.long)  # slots written so far, from 0, per (b, h)
+        self.holes = False  # once an eviction frees a slot below `fill`, free slots are found by search
 
     @property
     def row_bytes(self) -> int:
@@ -45,9 +47,14 @@ class KVPool:
 
         Padding tokens are written but their slots stay free. Returns the slots used: [B, Hkv, s] (host)."""
         b, h, s, d = k.shape
-        free = self.pos < 0
-        assert int(free.sum(-1).min()) >= s, "pool full: evict before inserting"
-        slots = torch.argsort((~free).to(torch.int8), dim=-1, stable=True)[..., :s]  # first free slots
+        if not self.holes:  # no eviction yet: the next slots in order
+            assert int(self.fill.max()) + s <= self.pos.shape[-1], "pool full: evict before inserting"
+            slots = self.fill[..., None] + torch.arange(s)
+            self.fill += s
+        else:
+            free = self.pos < 0
+            assert int(free.sum(-1).min()) >= s, "pool full: evict before inserting"
+            slots = torch.argsort((~free).to(torch.int8), dim=-1, stable=True)[..., :s]  # first free slots
         rows = slots[..., None].expand(b, h, s, d)
         self.k.scatter_(2, rows, k.to("cpu", self.k.dtype))
         self.v.scatter_(2, rows, v.to("cpu", self.v.dtype))
@@ -58,19 +65,29 @@ class KVPool:
         return slots
 
     def held_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every held slot: (slots [B, Hkv, n], ok [B, Hkv, n]) with n = the most held by any (b, h)."""
+        """Every held slot: (slots [B, Hkv, n], ok [B, Hkv, n]); ok is False on slots padding n out."""
+        b, h, size = self.pos.shape
+        if not self.holes:  # slots 0..fill-1 (left padding's free slots among them, not ok)
+            n = int(self.fill.max())
+            return torch.arange(n).expand(b, h, n), self.pos[..., :n] >= 0
         n = max(int(self.held().max()), 0)
         slots = torch.argsort((self.pos < 0).to(torch.int8), dim=-1, stable=True)[..., :n]
         return slots, torch.gather(self.pos, 2, slots) >= 0
 
-    def gather(self, slots: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy the K and V rows of `slots` ([B, Hkv, n], host) to `device`: [B, Hkv, n, D] each."""
+    def flat_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """[B, Hkv, n] slots -> row numbers into the pool viewed as [B * Hkv * S, D]."""
         b, h, n = slots.shape
-        rows = slots[..., None].expand(b, h, n, self.k.shape[-1])
-        k, v = torch.gather(self.k, 2, rows), torch.gather(self.v, 2, rows)
-        if torch.device(device).type == "cuda":
-            k, v = k.pin_memory(), v.pin_memory()
-        return k.to(device, non_blocking=True), v.to(device, non_blocking=True)
+        return (slots + torch.arange(b * h).view(b, h, 1) * self.pos.shape[-1]).reshape(-1)
+
+    def gather(self, slots: torch.Tensor, device, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the K and V rows of `slots` ([B, Hkv, n], host) to `device`: [B, Hkv, n + extra, D] each.
+
+        Rows are gathered on the host (one row copy each, into pinned staging when a GPU computes),
+        then sent with one asynchronous copy per tensor. The `extra` last rows per (b, h) are room for
+        the new tokens (copied from slot 0, to be overwritten), so no concatenation follows."""
+        flat = self.flat_rows(pad_slots(slots, extra))
+        shape = (*slots.shape[:2], slots.shape[2] + extra)
+        return take_rows(self.k, flat, shape, device), take_rows(self.v, flat, shape, device)
 
     def mark_selected(self, slots: torch.Tensor, ok: torch.Tensor, step: int) -> None:
         """Count a selection of `slots` (where `ok`) for the counter and LRU policies."""
@@ -94,4 +111,19 @@ class KVPool:
         n = int(victims.sum())
         self.pos.masked_fill_(victims, -1)
         self.evicted += n
+        self.holes = self.holes or n > 0
         return n
+
+
+def pad_slots(slots: torch.Tensor, extra: int) -> torch.Tensor:
+    return torch.cat([slots, slots.new_zeros(*slots.shape[:2], extra)], -1) if extra else slots
+
+
+def take_rows(t: torch.Tensor, flat: torch.Tensor, shape, device) -> torch.Tensor:
+    """Rows `flat` of t ([B, Hkv, S, X] on the host, viewed as [B*Hkv*S, X]) on `device`, shaped [*shape, X]."""
+    x = t.shape[-1]
+    cuda = torch.device(device).type == "cuda"
+    out = torch.empty(flat.numel(), x, dtype=t.dtype, pin_memory=cuda)
+    torch.index_select(t.view(-1, x), 0, flat, out=out)
+    out = out.view(*shape, x)
+    return out.to(device, non_blocking=True) if cuda else out

@@ -4,7 +4,8 @@ i+1 kept on the device; only those rows are fetched.
 
 Per speculated layer j and sequence b: scores s = q~ . K~ / sqrt(D) over every held token; n = the mean
 over query heads of the tokens within `alpha` of the head's maximum, capped by the budget; the top-n
-tokens per KV head (the group's scores aggregated by max) are fetched.
+tokens per KV head (the group's probabilities summed, or its logits' max) are fetched. Sinks and recent
+tokens are always among them. The dense layers (the first `dense_layers`) keep their KV on the device.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from infinigen_rt.policies.offload import OffloadCache
 
 class InfinigenCache(OffloadCache):
     def __init__(self, cfg, batch, max_len, device, dtype, opts, model, tensors: dict, defaults: dict):
-        super().__init__(cfg, batch, max_len, device, dtype, opts)
+        dense = defaults["dense_layers"] if opts.dense_layers is None else opts.dense_layers
+        super().__init__(cfg, batch, max_len, device, dtype, opts, resident=dense)  # dense layers stay on the device
         self.model = model
         self.rope = isinstance(model, Llama)
         self.alpha = defaults["alpha"] if opts.alpha is None else opts.alpha
-        self.dense_layers = defaults["dense_layers"] if opts.dense_layers is None else opts.dense_layers
+        self.dense_layers = dense
         n_layers, hkv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
         self.idx = [tensors[partial_idx_name(j)].to(self.device) for j in range(n_layers)]  # [Hkv, d']
         d_prime = self.idx[0].shape[-1]
@@ -43,12 +45,10 @@ class InfinigenCache(OffloadCache):
                  else None)
                 for j in range(n_layers)
             ]  # fmt: skip
-        self.pk = [torch.zeros(batch, hkv, max_len, d_prime, device=self.device, dtype=dtype) for _ in range(n_layers)]
-        self.held_dev = [
-            torch.zeros(batch, hkv, max_len, dtype=torch.bool, device=self.device) for _ in range(n_layers)
-        ]
-        self.pos_dev = [torch.full((batch, hkv, max_len), -1, dtype=torch.long, device=self.device)
-                        for _ in range(n_layers)]  # fmt: skip
+        spec = range(dense, n_layers)  # the speculated layers' partial keys and held map, on the device
+        self.pk = {j: torch.zeros(batch, hkv, max_len, d_prime, device=self.device, dtype=dtype) for j in spec}
+        self.held_dev = {j: torch.zeros(batch, hkv, max_len, dtype=torch.bool, device=self.device) for j in spec}
+        self.pos_dev = {j: torch.full((batch, hkv, max_len), -1, dtype=torch.long, device=self.device) for j in spec}
         self.norms = [getattr(blk, "input_layernorm", None) or blk.self_attn_layer_norm for blk in model.layers]
         self.pending: dict[int, tuple] = {}  # layer -> (slots, ok, keys, values, copy event)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -57,7 +57,7 @@ class InfinigenCache(OffloadCache):
         super().begin(valid, positions)
         self.decoding = valid.shape[1] == 1
         if self.rope:
-            self.cos_sin = rope_cos_sin(self.model.inv_freq, positions, self.pk[0].dtype)
+            self.cos_sin = rope_cos_sin(self.model.inv_freq, positions, self.pk[self.dense_layers].dtype)
 
     def partial_key(self, j: int, k: torch.Tensor) -> torch.Tensor:
         """k: [B, Hkv, s, D] (post-RoPE) -> the skewed partial key [B, Hkv, s, d']."""
@@ -96,16 +96,19 @@ class InfinigenCache(OffloadCache):
         held = self.held_dev[j]  # [B, Hkv, S]
         s = (q @ self.pk[j].transpose(-1, -2)) / math.sqrt(self.cfg.head_dim)  # [B, Hkv, G, S]
         s = s.float().masked_fill(~held[:, :, None, :], float("-inf"))
-        within = s > (s.amax(-1, keepdim=True) - self.alpha)
-        counts = within.sum(-1).float()  # [B, Hkv, G]: tokens within alpha of each query head's max
         held_b = held.sum(-1).amax(-1)  # [B]
         cap = torch.clamp((self.opts.budget * held_b).floor().long(), min=1)
         if self.opts.max_kv is not None:
             cap = cap.clamp(max=self.opts.max_kv)
-        if self.opts.per_head:  # [B, Hkv]: each KV head its group's mean count
-            n = counts.mean(2).ceil().long()
-        else:  # [B, 1]: one count per sequence, the mean over every query head
-            n = counts.mean(dim=(1, 2)).ceil().long()[:, None]
+        if math.isinf(self.alpha):  # no margin: the budget decides
+            n = cap[:, None]
+        else:
+            within = s > (s.amax(-1, keepdim=True) - self.alpha)
+            counts = within.sum(-1).float()  # [B, Hkv, G]: tokens within alpha of each query head's max
+            if self.opts.per_head:  # [B, Hkv]: each KV head its group's mean count
+                n = counts.mean(2).ceil().long()
+            else:  # [B, 1]: one count per sequence, the mean over every query head
+                n = counts.mean(dim=(1, 2)).ceil().long()[:, None]
         n = torch.minimum(torch.minimum(n, cap[:, None]), held_b[:, None]).clamp(min=1)
         if self.opts.group_agg == "sum":  # a token's share of the group's attention
             agg = s.softmax(-1).sum(2)
@@ -126,17 +129,17 @@ class InfinigenCache(OffloadCache):
         if self.copy_stream is not None:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
-                k, v = pool.gather(slots, self.device)
+                k, v = pool.gather(slots, self.device, extra=1)
                 done = torch.cuda.Event()
                 done.record(self.copy_stream)
         else:
-            k, v, done = *pool.gather(slots, self.device), None
-        self.count_h2d(j, slots.numel() * pool.row_bytes)
+            k, v, done = *pool.gather(slots, self.device, extra=1), None
+        self.count_h2d(j, (slots.numel() + slots.shape[0] * slots.shape[1]) * pool.row_bytes)  # + the new token's row
         self.pending[j] = (slots, ok, k, v, done)
 
-    def fetch(self, layer: int):
+    def fetch(self, layer: int, extra: int = 0):
         if layer not in self.pending:
-            return super().fetch(layer)
+            return super().fetch(layer, extra)
         slots, ok, k, v, done = self.pending[layer]
         if done is not None:
             compute = torch.cuda.current_stream(self.device)
@@ -183,9 +186,10 @@ class InfinigenCache(OffloadCache):
         self.pos_dev[layer].scatter_(2, dev_slots, pos)
 
     def end(self) -> None:
-        before = [p.evicted for p in self.pools]
+        before = {j: self.pools[j].evicted for j in self.pk}
         super().end()
-        for j, pool in enumerate(self.pools):
+        for j in self.pk:
+            pool = self.pools[j]
             if pool.evicted != before[j]:  # the device's view of which slots hold a token
                 self.held_dev[j].copy_((pool.pos >= 0).to(self.device))
                 self.pos_dev[j].copy_(pool.pos.to(self.device))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from infinigen_rt.policies.offload import OffloadCache
-from infinigen_rt.pool import KVPool
+from infinigen_rt.pool import KVPool, pad_slots, take_rows
 
 GROUP = 64
 
@@ -59,10 +59,10 @@ class Int4Pool(KVPool):
             self.meta[name].scatter_(2, slots[..., None].expand(-1, -1, -1, t.shape[-1]), t.to("cpu"))
         return slots
 
-    def gather(self, slots, device):
-        kq, vq = super().gather(slots, device)
-        idx = slots[..., None].expand(-1, -1, -1, self.meta["k_scale"].shape[-1])
-        m = {name: torch.gather(t, 2, idx).to(device, non_blocking=True) for name, t in self.meta.items()}
+    def gather(self, slots, device, extra: int = 0):
+        kq, vq = super().gather(slots, device, extra)
+        flat = self.flat_rows(pad_slots(slots, extra))
+        m = {name: take_rows(t, flat, kq.shape[:3], device) for name, t in self.meta.items()}
         k = dequantize(kq, m["k_scale"], m["k_min"], self.group, self.out_dtype)
         v = dequantize(vq, m["v_scale"], m["v_min"], self.group, self.out_dtype)
         return k, v

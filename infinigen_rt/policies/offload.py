@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from infinigen_rt.cache import KVCache, causal_mask
+from infinigen_rt.cache import DenseCache, KVCache, causal_mask
 from infinigen_rt.config import ModelConfig
 from infinigen_rt.policies.options import KVOptions
 from infinigen_rt.pool import KVPool
@@ -50,21 +50,26 @@ class KVStats:
 class OffloadCache(KVCache):
     pool_class = KVPool  # how the host stores rows (Int4Pool for the int4 policy)
 
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype, opts: KVOptions):
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype, opts: KVOptions, resident: int = 0):
+        """`resident`: the first layers keep their KV on the device (a DenseCache), outside the pool."""
         self.cfg, self.device, self.opts = cfg, torch.device(device), opts
         pin = self.device.type == "cuda"
+        self.resident = DenseCache(cfg, batch, max_len, self.device, dtype, layers=resident) if resident else None
+        self.n_resident = resident
         self.pools = [
-            self.pool_class(
+            None if i < resident else self.pool_class(
                 batch, cfg.num_key_value_heads, cfg.head_dim, max_len, dtype, pin, opts.eviction, opts.window
             )
-            for _ in range(cfg.num_hidden_layers)
-        ]
+            for i in range(cfg.num_hidden_layers)
+        ]  # fmt: skip
         self.group = cfg.num_attention_heads // cfg.num_key_value_heads
         self.lengths = torch.zeros(batch, dtype=torch.long)  # real tokens seen per sequence
-        self.stats = KVStats()
+        self.stats = KVStats(layer_h2d=dict.fromkeys(range(cfg.num_hidden_layers), 0))
         self.step = 0
 
     def begin(self, valid, positions) -> None:
+        if self.resident is not None:
+            self.resident.begin(valid, positions)
         self.valid, self.positions = valid, positions
         self.new_mask = causal_mask(valid, 0)  # [B, 1, s, s] among the new tokens
         self.lengths += valid.sum(-1).cpu()
@@ -75,23 +80,29 @@ class OffloadCache(KVCache):
         return self.pools[layer].held_slots()
 
     def update(self, layer, q, k, v):
-        pool = self.pools[layer]
-        slots, ok, k_old, v_old = self.fetch(layer)
+        if layer < self.n_resident:
+            return self.resident.update(layer, q, k, v)
+        pool, s = self.pools[layer], k.shape[2]
+        decode = s == 1  # one new token: the fetch leaves a row for it (no concatenation)
+        slots, ok, keys, values = self.fetch(layer, extra=1 if decode else 0)
         self.after_fetch(layer, q, slots, ok)
         new_slots = pool.insert(k, v, self.positions, self.valid)
         self.stats.bytes_d2h += k.shape[0] * k.shape[1] * k.shape[2] * pool.row_bytes
         self.after_insert(layer, k, new_slots)
-        keys, values = torch.cat([k_old.to(k.dtype), k], 2), torch.cat([v_old.to(v.dtype), v], 2)
-        s = k.shape[2]
+        if decode:
+            keys[:, :, -1:], values[:, :, -1:] = k, v
+        else:
+            keys, values = torch.cat([keys.to(k.dtype), k], 2), torch.cat([values.to(v.dtype), v], 2)
         old = ok.to(self.device).repeat_interleave(self.group, dim=1)[:, :, None, :]  # [B, H, 1, n]
         mask = torch.cat([old.expand(-1, -1, s, -1), self.new_mask.expand(-1, old.shape[1], -1, -1)], -1)
         return keys, values, mask
 
-    def fetch(self, layer: int):
-        """(slots, ok, keys, values) for `layer`: its selected rows copied to the device now."""
+    def fetch(self, layer: int, extra: int = 0):
+        """(slots, ok, keys, values) for `layer`: its selected rows copied to the device now, plus `extra`
+        rows per (sequence, KV head) at the end for the new tokens (see KVPool.gather)."""
         slots, ok = self.select(layer)
-        k, v = self.pools[layer].gather(slots, self.device)
-        self.count_h2d(layer, slots.numel() * self.pools[layer].row_bytes)
+        k, v = self.pools[layer].gather(slots, self.device, extra)
+        self.count_h2d(layer, k.shape[0] * k.shape[1] * k.shape[2] * self.pools[layer].row_bytes)
         return slots, ok, k, v
 
     def count_h2d(self, layer: int, n_bytes: int) -> None:
@@ -106,8 +117,8 @@ class OffloadCache(KVCache):
 
     def end(self) -> None:
         cap = self.opts.capacity_tokens(self.lengths)
-        for pool in self.pools:
+        for pool in self.pools[self.n_resident :]:
             pool.evict(cap)
 
     def report(self) -> dict:
-        return self.stats.to_dict(sum(p.evicted for p in self.pools))
+        return self.stats.to_dict(sum(p.evicted for p in self.pools[self.n_resident :]))

@@ -65,25 +65,26 @@ def test_offload_moves_exactly_the_kv_bytes(bundles):
     cfg, steps, n = e.cfg, 5, len(PROMPTS[2])
     _, _, cache = greedy_logits(e, [PROMPTS[2]], steps)
     row = 2 * cfg.head_dim * 4  # K and V of one token, one KV head, fp32
-    per_layer_tokens = sum(n + i for i in range(steps))  # each decode step fetches every held token
+    per_layer_tokens = sum(n + i + 1 for i in range(steps))  # every held token, and a row for the new one
     assert cache.stats.bytes_h2d == cfg.num_hidden_layers * cfg.num_key_value_heads * per_layer_tokens * row
     assert cache.stats.bytes_d2h == cfg.num_hidden_layers * cfg.num_key_value_heads * (n + steps) * row
 
 
 def test_infinigen_moves_only_the_fetched_rows(bundles):
     e = engines(bundles["llama31_gqa"], ig=("infinigen", KVOptions(alpha=1.0, budget=0.3)))["ig"]
-    cfg, steps, n = e.cfg, 6, len(PROMPTS[2])
+    cfg, steps = e.cfg, 6
     _, _, cache = greedy_logits(e, [PROMPTS[2]], steps)
     dense = e.infinigen_defaults["dense_layers"]
     row = 2 * cfg.head_dim * 4
-    dense_rows = dense * cfg.num_key_value_heads * sum(n + i for i in range(steps))
     assert cache.stats.fetched < cache.stats.held  # speculation fetched a subset
-    assert cache.stats.bytes_h2d == (dense_rows + cache.stats.fetched) * row
+    spec_rows = (cfg.num_hidden_layers - dense) * cfg.num_key_value_heads * steps  # a row per step for the new token
+    assert cache.stats.bytes_h2d == (cache.stats.fetched + spec_rows) * row  # dense layers' KV stays on the device
+    assert cache.pools[:dense] == [None] * dense and len(cache.resident.k) == dense
     report = cache.report()
     assert 0 < report["kv_fetched_share"] <= 0.3 + 1e-9
     per = report["per_layer"]
     assert sum(per["bytes_h2d"]) == report["bytes_h2d"] and len(per["bytes_h2d"]) == cfg.num_hidden_layers
-    assert per["kv_fetched_share"][:dense] == [None] * dense
+    assert per["kv_fetched_share"][:dense] == [None] * dense and per["bytes_h2d"][:dense] == [0] * dense
     assert all(0 < x <= 0.3 + 1e-9 for x in per["kv_fetched_share"][dense:])
 
 
@@ -109,10 +110,12 @@ def test_capacity_holds_through_generation(eviction, bundles):
         logits = e.prefill(cache, ids, pos, valid)
         p = pos[:, -1:]
         for step in range(20):
-            held = torch.stack([pl.held() for pl in cache.pools])
+            pools = [pl for pl in cache.pools if pl is not None]  # the dense layers' KV is on the device
+            assert len(pools) == e.cfg.num_hidden_layers - e.dense_layers()
+            held = torch.stack([pl.held() for pl in pools])
             assert int(held.max()) <= 24
             newest = int(p)
-            for pl in cache.pools:  # the recent window survives in every (sequence, head)
+            for pl in pools:  # the recent window survives in every (sequence, head)
                 for w in range(newest - 5, newest + 1):
                     assert bool((pl.pos == w).any(-1).all()), (step, w)
             tok = logits.argmax(-1)

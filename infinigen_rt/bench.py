@@ -1,0 +1,441 @@
+"""Decode speed of each KV policy, side by side, against a floor the benchmark measures itself.
+
+A point is (policy, batch, context). For each: a real prefill of `context` tokens through the policy's
+cache, warm-up decode steps, then `gen` timed steps (synchronised clock around each step; the step ends
+with the sampled tokens on the host, as in `generate`), reported as the median. Bytes moved each way
+come from the cache's own counters of the copies it made.
+
+The floor of a step is what memory alone allows: the device reads its weights and whatever KV lives on it
+(all of it for `full` and `h2o`, the partial keys for `infinigen`) at the measured device bandwidth, and
+the fetched KV crosses at the measured host-to-device bandwidth. On a GPU the two overlap (floor = max);
+on a CPU they share one memory system (floor = sum).
+
+Synthetic presets are random-weight models of real shapes built straight on the device (fixed seed, no
+download). Speculation on random weights selects nothing meaningful, so their fetch share is pinned by
+`budget` (alpha = inf: every speculated layer fetches exactly budget x context rows per head).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+import warnings
+from dataclasses import asdict, dataclass
+
+import torch
+
+from infinigen_rt.config import ModelConfig
+from infinigen_rt.engine import Engine
+from infinigen_rt.errors import InfinigenError
+from infinigen_rt.policies import KVOptions
+
+# Hugging Face config.json fields of the real models (the peer script builds transformers models from these)
+PRESETS: dict[str, dict] = {
+    "llama-2-7b": dict(
+        model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
+    ),
+    "llama-3.1-8b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    ),
+    "opt-13b": dict(
+        model_type="opt", vocab_size=50272, hidden_size=5120, ffn_dim=20480, num_hidden_layers=40,
+        num_attention_heads=40, max_position_embeddings=2048, word_embed_proj_dim=5120, do_layer_norm_before=True,
+        activation_function="relu", bos_token_id=2, eos_token_id=2, pad_token_id=1,
+    ),
+    "smollm2-135m": dict(
+        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    ),
+}  # fmt: skip
+PARTIAL_RATIO = 0.3  # synthetic partial columns per head, as in converted bundles
+OOM_STATUS = ("oom-device", "oom-host")
+
+
+def preset_config(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise InfinigenError(f"unknown --synthetic preset {name!r}; available: {', '.join(PRESETS)}")
+    return ModelConfig.from_hf(PRESETS[name])
+
+
+@torch.no_grad()
+def synthetic_engine(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Engine:
+    """A random-weight model of a preset's shapes, built straight on the device, with random orthogonal skews."""
+    from infinigen_rt.bundle import partial_idx_name, partial_q_name, skew_name
+    from infinigen_rt.models import MODELS
+    from infinigen_rt.models.llama import Llama, rope_inv_freq
+
+    cfg = preset_config(name)
+    with torch.device("meta"):
+        model = MODELS[cfg.arch](cfg)
+    model = model.to_empty(device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for pname, p in model.named_parameters():
+        if p.dim() >= 2:
+            p.normal_(0.0, 0.02, generator=gen)
+        else:  # norm weights 1, biases 0
+            p.fill_(1.0 if "norm" in pname and pname.endswith("weight") else 0.0)
+    if isinstance(model, Llama):
+        model.inv_freq = rope_inv_freq(cfg).to(device)
+    model.eval()
+    hkv, d = cfg.num_key_value_heads, cfg.head_dim
+    d_prime = max(1, math.ceil(PARTIAL_RATIO * d))
+    cpu = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for j in range(cfg.num_hidden_layers):
+        tensors[partial_idx_name(j)] = torch.arange(d_prime).repeat(hkv, 1)
+        if cfg.arch == "llama":
+            tensors[skew_name(j)] = torch.linalg.qr(torch.randn(hkv, d, d, generator=cpu))[0]
+        else:
+            tensors[partial_q_name(j, "weight")] = torch.randn(cfg.num_attention_heads * d_prime, cfg.hidden_size,
+                                                               generator=cpu) * 0.02  # fmt: skip
+            tensors[partial_q_name(j, "bias")] = torch.zeros(cfg.num_attention_heads * d_prime)
+    defaults = {"alpha": math.inf, "dense_layers": max(1, min(2, cfg.num_hidden_layers - 1))}
+    return Engine.from_model(cfg, model, device, dtype, speculation=(tensors, defaults))
+
+
+# ---------------------------------------------------------------------------------------------- bandwidth
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(fn, device, reps: int = 5) -> float:
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_bandwidths(device: torch.device, n_bytes: int | None = None) -> dict:
+    """Device memory bandwidth (a large device copy: bytes read + written per second) and host-to-device
+    bandwidth (a large pinned copy; on a CPU a host memory copy, bytes copied per second)."""
+    n = n_bytes or (1 << 30 if device.type == "cuda" else 1 << 28)
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    a.fill_(1)
+    t_dev = _median_seconds(lambda: b.copy_(a), device)
+    if device.type == "cuda":
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=True).fill_(1)
+        t_h2d = _median_seconds(lambda: b.copy_(host, non_blocking=True), device)
+    else:
+        t_h2d = t_dev
+    return {"device_bytes_per_s": 2 * n / t_dev, "h2d_bytes_per_s": n / t_h2d, "probe_bytes": n}
+
+
+# -------------------------------------------------------------------------------------------- the model
+def weight_bytes(engine: Engine) -> int:
+    """Bytes a decode step reads from the weights: every matrix once (the embedding table only as the head)."""
+    m, total = engine.model, 0
+    for name, p in m.named_parameters():
+        if name.startswith(("embed_tokens", "embed_positions")) and not engine.cfg.tie_word_embeddings:
+            continue
+        total += p.numel() * p.element_size()
+    return total
+
+
+def kv_row_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """K and V of one token, one KV head, one layer."""
+    return 2 * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def partial_dim(engine: Engine) -> int:
+    if engine.policy != "infinigen":
+        return 0
+    return next(t for k, t in engine.infinigen_tensors.items() if k.endswith("partial_idx")).shape[-1]
+
+
+def memory_needs(engine: Engine, policy: str, batch: int, context: int, gen: int, chunk: int) -> dict:
+    """Predicted peak bytes on the device and in host memory for one point (to report what cannot fit
+    as an out-of-memory row before allocating it)."""
+    cfg, esz = engine.cfg, torch.empty(0, dtype=engine.dtype).element_size()
+    seq, layers, hkv, d = context + gen + 1, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    tokens = batch * hkv * seq  # (sequence, KV head, slot) triples per layer
+    kv_all = tokens * 2 * d * esz * layers
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    scores = batch * cfg.num_attention_heads * min(chunk, context) * seq * 4  # prefill attention, fp32
+    act = batch * min(chunk, context) * (cfg.intermediate_size * 3 + cfg.hidden_size * 8) * esz + scores
+    dev = weights + act
+    host = 0
+    one_layer = tokens * 2 * d * esz * 3  # a layer fetching everything: gather, staging, the concatenation
+    if policy in ("full", "h2o"):
+        dev += kv_all + (tokens * 5 * layers if policy == "h2o" else 0)
+    else:
+        pool_kv = kv_all if policy != "int4" else tokens * layers * 2 * (d // 2 + 8)
+        host += pool_kv + tokens * 24 * layers  # rows, and positions / hit counts / last use (int64 each)
+        dev += one_layer
+        if policy == "infinigen":
+            dev += tokens * layers * (partial_dim(engine) * esz + 9)  # partial keys, held flags, positions
+    return {"device": dev, "host": host}
+
+
+def host_available() -> int:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+def host_rss() -> int:
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+# -------------------------------------------------------------------------------------------- the points
+@dataclass
+class Point:
+    model: str
+    device: str
+    dtype: str
+    policy: str
+    batch: int
+    context: int
+    gen: int
+    status: str = "ok"  # ok, oom-device, oom-host
+    predicted: bool | None = None  # an OOM row: predicted before allocating (True) or caught (False)
+    prefill_s: float | None = None
+    ms_per_step: float | None = None  # median of the timed steps
+    ms_per_step_p90: float | None = None
+    tokens_per_s: float | None = None  # batch / median step
+    h2d_bytes_per_step: float | None = None
+    d2h_bytes_per_step: float | None = None
+    h2d_achieved_bytes_per_s: float | None = None  # bytes fetched per step / step time
+    kv_fetched_share: float | None = None
+    peak_device_bytes: int | None = None
+    host_rss_bytes: int | None = None  # the process's resident memory at the end of the point
+    floor_ms: float | None = None
+    over_floor: float | None = None  # step time / floor
+    syncs_per_step: float | None = None  # CUDA only: synchronising calls counted in one step
+    copy_overlap: float | None = None  # CUDA only: share of host-to-device copy time under a kernel
+    error: str | None = None
+
+
+def floor_seconds(engine: Engine, policy: str, batch: int, context: int, h2d_bytes: float, bw: dict) -> float:
+    """The memory-bound floor of one decode step (see the module docstring)."""
+    cfg, esz = engine.cfg, torch.empty(0, dtype=engine.dtype).element_size()
+    kv_tokens = batch * cfg.num_key_value_heads * context * cfg.num_hidden_layers
+    dev = weight_bytes(engine)
+    if policy in ("full", "h2o"):
+        dev += kv_tokens * 2 * cfg.head_dim * esz
+    elif policy == "infinigen":
+        dense = engine.dense_layers()
+        spec = (cfg.num_hidden_layers - dense) / cfg.num_hidden_layers
+        dev += kv_tokens * spec * partial_dim(engine) * esz
+    t_dev = dev / bw["device_bytes_per_s"]
+    t_h2d = h2d_bytes / bw["h2d_bytes_per_s"]
+    return max(t_dev, t_h2d) if engine.device.type == "cuda" else t_dev + t_h2d
+
+
+def is_oom(e: BaseException) -> str | None:
+    if isinstance(e, torch.OutOfMemoryError):
+        return "oom-device"
+    text = str(e).lower()
+    if isinstance(e, (RuntimeError, MemoryError)) and ("out of memory" in text or "allocate" in text):
+        return "oom-host" if ("cpu" in text or isinstance(e, MemoryError)) else "oom-device"
+    return None
+
+
+def count_syncs(fn) -> int:
+    """Synchronising CUDA calls made by fn() (torch's sync debug mode, counted)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def interval_overlap(copies: list[tuple[float, float]], kernels: list[tuple[float, float]]) -> float:
+    """Share of the copies' total time during which some kernel runs (intervals as (start, end))."""
+    merged: list[list[float]] = []
+    for s, e in sorted(kernels):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    total = sum(e - s for s, e in copies)
+    if total <= 0:
+        return 0.0
+    covered = 0.0
+    for s, e in copies:
+        for ms, me in merged:
+            covered += max(0.0, min(e, me) - max(s, ms))
+    return covered / total
+
+
+def copy_overlap(step) -> float | None:
+    """Run one decode step under the profiler: how much of its host-to-device copying overlaps compute."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+    copies, kernels = [], []
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        span = (ev.time_range.start, ev.time_range.end)
+        if "HtoD" in ev.name:
+            copies.append(span)
+        elif "Memcpy" not in ev.name and "Memset" not in ev.name:
+            kernels.append(span)
+    return round(interval_overlap(copies, kernels), 4) if copies else None
+
+
+@torch.inference_mode()
+def run_point(
+    engine: Engine, model_name: str, policy: str, batch: int, context: int, gen: int, bw: dict, *,
+    budget: float = 0.1, max_kv: int | None = None, alpha: float | None = None, warmup: int = 3,
+    chunk: int | None = None, prompt: list[int] | None = None, seed: int = 0, trace: bool = True,
+) -> Point:  # fmt: skip
+    dev = engine.device
+    chunk = chunk or max(1, min(context, (4096 if dev.type == "cuda" else 1024) // batch))
+    pt = Point(model_name, str(dev), str(engine.dtype).removeprefix("torch."), policy, batch, context, gen)
+    need = memory_needs(engine, policy, batch, context, gen, chunk)
+    dev_total = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
+    if dev_total is not None and need["device"] > 0.97 * dev_total:
+        pt.status, pt.predicted = "oom-device", True
+    elif need["host"] + (need["device"] if dev.type == "cpu" else 0) > 0.9 * host_available():
+        pt.status, pt.predicted = "oom-host", True
+    if pt.status != "ok":
+        pt.error = f"needs ~{need['device'] / 2**30:.1f} GiB device, {need['host'] / 2**30:.1f} GiB host"
+        return pt
+    e = engine.with_policy(policy, KVOptions(alpha=alpha, budget=budget, max_kv=max_kv, prefill_chunk=chunk))
+    cache = None
+    try:
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        g = torch.Generator().manual_seed(seed)
+        if prompt is not None:
+            ids = torch.tensor([prompt[:context]] * batch)
+            if ids.shape[1] < context:
+                raise InfinigenError(f"the text has {ids.shape[1]} tokens, fewer than --context {context}")
+        else:
+            ids = torch.randint(3, engine.cfg.vocab_size, (batch, context), generator=g)
+        ids = ids.to(dev)
+        pos = torch.arange(context, device=dev).expand(batch, -1)
+        valid = torch.ones(batch, context, dtype=torch.bool, device=dev)
+        total = context + warmup + gen + 3
+        cache = e.make_cache(batch, total)
+        _sync(dev)
+        t0 = time.perf_counter()
+        tok = e.prefill(cache, ids, pos, valid).argmax(-1)
+        tok.tolist()
+        pt.prefill_s = round(time.perf_counter() - t0, 4)
+        one = torch.ones(batch, 1, dtype=torch.bool, device=dev)
+        state = {"tok": tok, "pos": context}
+
+        def step():
+            p = torch.full((batch, 1), state["pos"], device=dev)
+            logits = e.model(state["tok"][:, None], p, cache, one, last_only=True)[:, -1]
+            state["tok"] = logits.argmax(-1)
+            state["tok"].tolist()  # the one sync a step: sampled tokens to the host
+            state["pos"] += 1
+
+        for _ in range(warmup):
+            step()
+        before = cache.report() if hasattr(cache, "report") else {}
+        times = []
+        for _ in range(gen):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        after = cache.report() if hasattr(cache, "report") else {}
+        med = statistics.median(times)
+        pt.ms_per_step = round(1000 * med, 3)
+        pt.ms_per_step_p90 = round(1000 * sorted(times)[int(0.9 * (len(times) - 1))], 3)
+        pt.tokens_per_s = round(batch / med, 2)
+        h2d = (after.get("bytes_h2d", 0) - before.get("bytes_h2d", 0)) / gen
+        pt.h2d_bytes_per_step = round(h2d, 1)
+        pt.d2h_bytes_per_step = round((after.get("bytes_d2h", 0) - before.get("bytes_d2h", 0)) / gen, 1)
+        pt.h2d_achieved_bytes_per_s = round(h2d / med, 1) if h2d else None
+        pt.kv_fetched_share = after.get("kv_fetched_share", 1.0 if policy in ("full", "offload") else None)
+        floor = floor_seconds(e, policy, batch, context, h2d, bw)
+        pt.floor_ms, pt.over_floor = round(1000 * floor, 3), round(med / floor, 2)
+        if dev.type == "cuda":
+            pt.peak_device_bytes = torch.cuda.max_memory_allocated(dev)
+            pt.syncs_per_step = count_syncs(step)
+            if trace:
+                pt.copy_overlap = copy_overlap(step)
+        pt.host_rss_bytes = host_rss()
+    except Exception as ex:  # an allocation that did not fit is a row, not a crash
+        kind = is_oom(ex)
+        if kind is None:
+            raise
+        pt.status, pt.predicted, pt.error = kind, False, str(ex).splitlines()[0][:200]
+    finally:
+        cache = None  # free the pool and device buffers before the next point
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return pt
+
+
+def point_dict(p: Point) -> dict:
+    return asdict(p)
+
+
+def plot(points: list[dict], path, title: str) -> None:
+    """Decode throughput vs context (one panel per batch) and vs batch (one panel per context), per policy."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InfinigenError("--plot needs matplotlib: pip install 'infinigen[plot]'") from None
+    ok = [p for p in points if p["status"] == "ok"]
+    batches = sorted({p["batch"] for p in points})
+    contexts = sorted({p["context"] for p in points})
+    policies = list(dict.fromkeys(p["policy"] for p in points))
+    cols = max(len(batches), len(contexts))
+    fig, axes = plt.subplots(2, cols, figsize=(4.2 * cols, 7), squeeze=False)
+    for row, (fixed, xs, xkey, xlabel) in enumerate(
+        ((batches, contexts, "context", "context (tokens)"), (contexts, batches, "batch", "batch"))
+    ):
+        fkey = "batch" if xkey == "context" else "context"
+        for i in range(cols):
+            ax = axes[row][i]
+            if i >= len(fixed):
+                ax.axis("off")
+                continue
+            for pol in policies:
+                pts = sorted((p[xkey], p["tokens_per_s"]) for p in ok if p["policy"] == pol and p[fkey] == fixed[i])
+                if pts:
+                    ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=pol)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs)
+            ax.set_xticklabels([str(x) for x in xs])
+            ax.set_yscale("log")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("decode tokens/s")
+            ax.set_title(f"{fkey} {fixed[i]}", fontsize=9)
+            ax.grid(alpha=0.3, which="both")
+            if i == 0:
+                ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,196 @@
+"""`infinigen-rt bench`: decode speed of every policy over batches and contexts, against a measured floor."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from infinigen_rt.console import console, err_console, print_json
+
+
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{name} takes integers separated by commas, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise typer.BadParameter(f"{name} takes integers >= 1, got {text!r}")
+    return out
+
+
+def device_name(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def save(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def bench_cmd(
+    bundle: Annotated[Optional[str], typer.Argument(help="Bundle folder or Hub repo id (or use --synthetic).")] = None,
+    synthetic: Annotated[
+        Optional[str],
+        typer.Option(help="Random weights of real shapes: llama-2-7b, llama-3.1-8b, opt-13b, smollm2-135m."),
+    ] = None,
+    batch: Annotated[str, typer.Option(help="Batch sizes, comma-separated.")] = "1,4,16",
+    context: Annotated[str, typer.Option(help="Context lengths (prompt tokens), comma-separated.")] = "2048,8192,32768",
+    gen: Annotated[int, typer.Option(help="Timed decode steps per point (after the warm-up).")] = 128,
+    warmup: Annotated[int, typer.Option(help="Untimed decode steps first.")] = 3,
+    policies: Annotated[str, typer.Option(help="Comma-separated: full, offload, infinigen, h2o, int4.")] = (
+        "full,offload,infinigen,h2o,int4"
+    ),
+    budget: Annotated[float, typer.Option(help="infinigen/h2o: share of the context fetched or kept.")] = 0.1,
+    max_kv: Annotated[Optional[int], typer.Option("--max-kv", help="infinigen: most rows fetched per head.")] = None,
+    alpha: Annotated[
+        Optional[float], typer.Option(help="infinigen alpha [bundle default; inf for --synthetic].")
+    ] = None,
+    text: Annotated[
+        Optional[Path], typer.Option(help="Prompt from this UTF-8 text (a bundle) [random tokens].")
+    ] = None,
+    prefill_chunk: Annotated[Optional[int], typer.Option(help="Prefill in chunks of this many tokens per row.")] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda.")] = "auto",
+    dtype: Annotated[
+        str, typer.Option(help="auto (fp16 synthetic on GPU, fp32 on CPU), float32, float16, bfloat16.")
+    ] = "auto",
+    seed: Annotated[int, typer.Option(help="Seed of the synthetic weights and prompts.")] = 0,
+    trace: Annotated[bool, typer.Option(help="CUDA: profile one step per point for copy/compute overlap.")] = True,
+    out: Annotated[Optional[Path], typer.Option(help="Write results JSON here (after every point).")] = None,
+    plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Write the plot (PNG) here.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the results as one JSON object.")] = False,
+):
+    """Decode speed of each KV policy for every batch x context, with bytes moved, memory and the floor.
+
+    Examples:
+      infinigen-rt bench --synthetic llama-2-7b --batch 8 --context 8192 --policies offload,infinigen
+      infinigen-rt bench artifacts/bundles/smollm2-135m --device cpu --batch 1 --context 8192 --gen 32
+      infinigen-rt bench --synthetic smollm2-135m --batch 1,4 --context 1024,4096 --out bench.json --plot bench.png
+    """
+    import math
+
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from infinigen_rt import __version__
+    from infinigen_rt.bench import PRESETS, measure_bandwidths, plot, point_dict, run_point, synthetic_engine
+    from infinigen_rt.engine import DTYPES, resolve_device
+    from infinigen_rt.errors import InfinigenError
+    from infinigen_rt.policies import RUNTIME_POLICIES
+
+    if (bundle is None) == (synthetic is None):
+        raise InfinigenError("give a BUNDLE or --synthetic PRESET (one of them)")
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    bad = [p for p in names if p not in RUNTIME_POLICIES]
+    if bad or not names:
+        what = bad[0] if bad else policies
+        raise InfinigenError(f"unknown policy {what!r}; available: {', '.join(RUNTIME_POLICIES)}")
+    batches, contexts = _ints(batch, "--batch"), _ints(context, "--context")
+    if gen < 1 or warmup < 0:
+        raise InfinigenError(f"--gen must be >= 1 and --warmup >= 0, got {gen} and {warmup}")
+    if not 0 < budget <= 1:
+        raise InfinigenError(f"--budget must be in (0, 1], got {budget}")
+    if synthetic is not None and synthetic not in PRESETS:
+        raise InfinigenError(f"unknown --synthetic preset {synthetic!r}; available: {', '.join(PRESETS)}")
+    if text is not None and synthetic is not None:
+        raise InfinigenError("--text needs a BUNDLE (a synthetic model has no tokenizer)")
+
+    dev = resolve_device(device)
+    with console.status("building the model", spinner="dots") if not json_out else nullcontext():
+        if synthetic is not None:
+            if dtype == "auto":
+                dt = torch.float16 if dev.type == "cuda" else torch.float32
+            elif dtype in DTYPES:
+                dt = DTYPES[dtype]
+            else:
+                raise InfinigenError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
+            engine = synthetic_engine(synthetic, dev, dt, seed)
+            model_name = f"synthetic:{synthetic}"
+            alpha = math.inf if alpha is None else alpha
+        else:
+            from infinigen_rt.bundle import read_bundle
+            from infinigen_rt.engine import Engine
+            from infinigen_rt.hub import resolve_bundle
+
+            path = resolve_bundle(bundle)
+            engine = Engine(read_bundle(path), device=str(dev), dtype=dtype)
+            model_name = Path(str(path)).name
+        prompt = None
+        if text is not None:
+            from infinigen_rt.eval import text_ids
+
+            prompt, _ = text_ids(engine, text, max(contexts), max(contexts) - 1)
+        bw = measure_bandwidths(dev)
+
+    meta = {
+        "model": model_name, "device": str(dev), "device_name": device_name(dev),
+        "dtype": str(engine.dtype).removeprefix("torch."), "torch": torch.__version__, "infinigen": __version__,
+        "bandwidth": bw, "budget": budget, "max_kv": max_kv, "alpha": None if alpha is None or math.isinf(alpha)
+        else alpha, "gen": gen, "warmup": warmup, "prompt": str(text) if text else "random tokens", "points": [],
+    }  # fmt: skip
+    if not json_out:
+        err_console.print(
+            f"[dim]{meta['device_name']}: device copy {bw['device_bytes_per_s'] / 1e9:.1f} GB/s, "
+            f"host-to-device {bw['h2d_bytes_per_s'] / 1e9:.1f} GB/s (measured)[/]"
+        )
+    todo = [(p, b, c) for c in contexts for b in batches for p in names]
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=err_console, transient=True, disable=json_out)  # fmt: skip
+    with bar:
+        task = bar.add_task("bench", total=len(todo))
+        for p, b, c in todo:
+            bar.update(task, description=f"{p} batch {b} context {c}")
+            pt = run_point(engine, model_name, p, b, c, gen, bw, budget=budget, max_kv=max_kv, alpha=alpha,
+                           warmup=warmup, chunk=prefill_chunk, prompt=prompt, seed=seed, trace=trace)  # fmt: skip
+            meta["points"].append(point_dict(pt))
+            if out:
+                save(out, meta)
+            bar.advance(task)
+    if plot_path:
+        plot(meta["points"], plot_path, f"{model_name} on {meta['device_name']} ({meta['dtype']})")
+    if json_out:
+        print_json(meta)
+        return
+    _table(meta["points"])
+
+
+def _table(points: list[dict]) -> None:
+    from rich.table import Table
+
+    table = Table(title="decode speed (median step)")
+    cols = ("policy", "batch", "context", "prefill s", "ms/step", "tok/s", "H2D MB/step", "H2D GB/s", "KV fetched",
+            "floor ms", "x floor", "syncs", "overlap", "dev GiB", "host GiB")  # fmt: skip
+    for c in cols:
+        table.add_column(c, justify="left" if c == "policy" else "right")
+
+    def f(x, fmt, scale=1.0):
+        return "-" if x is None else format(x / scale, fmt)
+
+    for p in points:
+        if p["status"] != "ok":
+            table.add_row(p["policy"], str(p["batch"]), str(p["context"]), f"[yellow]{p['status']}[/]",
+                          *[""] * (len(cols) - 4))  # fmt: skip
+            continue
+        table.add_row(p["policy"], str(p["batch"]), str(p["context"]), f(p["prefill_s"], ".2f"),
+                      f(p["ms_per_step"], ".2f"), f(p["tokens_per_s"], ".1f"), f(p["h2d_bytes_per_step"], ".2f", 1e6),
+                      f(p["h2d_achieved_bytes_per_s"], ".2f", 1e9), f(p["kv_fetched_share"], ".1%"),
+                      f(p["floor_ms"], ".2f"), f(p["over_floor"], ".2f"), f(p["syncs_per_step"], ".0f"),
+                      f(p["copy_overlap"], ".0%"), f(p["peak_device_bytes"], ".1f", 2**30),
+                      f(p["host_rss_bytes"], ".1f", 2**30))  # fmt: skip
+    console.print(table)
