@@ -76,6 +76,14 @@ def synthetic_engine(name: str, device: torch.device, dtype: torch.dtype, seed: 
     cfg = preset_config(name)
     with torch.device("meta"):
         model = MODELS[cfg.arch](cfg)
+    need = sum(p.numel() for p in model.parameters()) * torch.empty(0, dtype=dtype).element_size()
+    have = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host_available()
+    if need > 0.9 * have:
+        where = "free on the GPU" if device.type == "cuda" else "available in host memory"
+        raise InfinigenError(
+            f"{name} in {str(dtype).removeprefix('torch.')} needs {need / 2**30:.1f} GiB of weights, "
+            f"{have / 2**30:.1f} GiB is {where}; use a smaller preset or another device"
+        )
     model = model.to_empty(device=device).to(dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
     for pname, p in model.named_parameters():
@@ -174,11 +182,13 @@ def memory_needs(engine: Engine, policy: str, batch: int, context: int, gen: int
     if policy in ("full", "h2o"):
         dev += kv_all + (tokens * 5 * layers if policy == "h2o" else 0)
     else:
-        pool_kv = kv_all if policy != "int4" else tokens * layers * 2 * (d // 2 + 8)
-        host += pool_kv + tokens * 24 * layers  # rows, and positions / hit counts / last use (int64 each)
-        dev += one_layer
+        resident = engine.dense_layers() if policy == "infinigen" else 0  # dense layers' KV on the device
+        pooled = layers - resident
+        pool_kv = tokens * pooled * (2 * d * esz if policy != "int4" else 2 * (d // 2 + 8))
+        host += pool_kv + tokens * 24 * pooled  # rows, and positions / hit counts / last use (int64 each)
+        dev += one_layer + tokens * resident * 2 * d * esz
         if policy == "infinigen":
-            dev += tokens * layers * (partial_dim(engine) * esz + 9)  # partial keys, held flags, positions
+            dev += tokens * pooled * (partial_dim(engine) * esz + 9)  # partial keys, held flags, positions
     return {"device": dev, "host": host}
 
 
@@ -238,10 +248,9 @@ def floor_seconds(engine: Engine, policy: str, batch: int, context: int, h2d_byt
     dev = weight_bytes(engine)
     if policy in ("full", "h2o"):
         dev += kv_tokens * 2 * cfg.head_dim * esz
-    elif policy == "infinigen":
-        dense = engine.dense_layers()
-        spec = (cfg.num_hidden_layers - dense) / cfg.num_hidden_layers
-        dev += kv_tokens * spec * partial_dim(engine) * esz
+    elif policy == "infinigen":  # partial keys of the speculated layers; all KV of the dense ones
+        dense = engine.dense_layers() / cfg.num_hidden_layers
+        dev += kv_tokens * ((1 - dense) * partial_dim(engine) + dense * 2 * cfg.head_dim) * esz
     t_dev = dev / bw["device_bytes_per_s"]
     t_h2d = h2d_bytes / bw["h2d_bytes_per_s"]
     return max(t_dev, t_h2d) if engine.device.type == "cuda" else t_dev + t_h2d
@@ -311,18 +320,21 @@ def run_point(
     chunk: int | None = None, prompt: list[int] | None = None, seed: int = 0, trace: bool = True,
 ) -> Point:  # fmt: skip
     dev = engine.device
-    chunk = chunk or max(1, min(context, (4096 if dev.type == "cuda" else 1024) // batch))
+    if chunk is None:  # the whole prompt at once (no history to re-fetch) unless its activations are too large
+        limit = 131072 if dev.type == "cuda" else 16384
+        chunk = context if batch * context <= limit else max(1, limit // batch)
     pt = Point(model_name, str(dev), str(engine.dtype).removeprefix("torch."), policy, batch, context, gen)
-    need = memory_needs(engine, policy, batch, context, gen, chunk)
+    e = engine.with_policy(policy, KVOptions(alpha=alpha, budget=budget, max_kv=max_kv, prefill_chunk=chunk))
+    need = memory_needs(e, policy, batch, context, gen, chunk)
     dev_total = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
     if dev_total is not None and need["device"] > 0.97 * dev_total:
         pt.status, pt.predicted = "oom-device", True
     elif need["host"] + (need["device"] if dev.type == "cpu" else 0) > 0.9 * host_available():
         pt.status, pt.predicted = "oom-host", True
     if pt.status != "ok":
-        pt.error = f"needs ~{need['device'] / 2**30:.1f} GiB device, {need['host'] / 2**30:.1f} GiB host"
+        dev_gib, host_gib = need["device"] / 2**30, need["host"] / 2**30
+        pt.error = f"needs ~{dev_gib:.1f} GiB on the compute device and {host_gib:.1f} GiB of host pool"
         return pt
-    e = engine.with_policy(policy, KVOptions(alpha=alpha, budget=budget, max_kv=max_kv, prefill_chunk=chunk))
     cache = None
     try:
         if dev.type == "cuda":

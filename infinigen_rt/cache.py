@@ -27,7 +27,8 @@ class KVCache:
     def update(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Store k, v: [B, Hkv, S, D] (q: [B, H, S, D], post-RoPE); return (keys, values, mask) to attend over.
 
-        keys/values: [B, Hkv, T, D]; mask: [B, 1, S, T] bool, True where a query may attend."""
+        keys/values: [B, Hkv, T, D]; mask: [B, 1, S, T] bool, True where a query may attend, or None for
+        plain causal attention among the new tokens only (T == S, no padding: the fused kernels' fast path)."""
         raise NotImplementedError
 
     def end(self) -> None:
@@ -56,11 +57,13 @@ class DenseCache(KVCache):
         self.start, self.length = self.length, self.length + s
         self.valid[:, self.start : self.length] = valid
         self.mask = causal_mask(self.valid[:, : self.length], self.start)
+        self.plain = self.start == 0 and s > 1 and bool(valid.all())  # a first prefill without padding
 
     def update(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         self.k[layer][:, :, self.start : self.length] = k
         self.v[layer][:, :, self.start : self.length] = v
-        return self.k[layer][:, :, : self.length], self.v[layer][:, :, : self.length], self.mask
+        mask = None if self.plain else self.mask
+        return self.k[layer][:, :, : self.length], self.v[layer][:, :, : self.length], mask
 
 
 def causal_mask(valid: torch.Tensor, start: int) -> torch.Tensor:

@@ -99,7 +99,9 @@ def eval_cmd(
     from rich.table import Table
 
     table = Table(title=f"perplexity on {text.name} ({seq_len} tokens, scored from {score_from})")
-    for col in ("policy", "budget", "alpha", "perplexity", "vs full", "KV fetched", "recall", "bytes/token", "s"):
+    cols = ("policy", "budget", "alpha", "perplexity", "vs full", "KV fetched", "KV attended", "recall", "bytes/token",
+            "s")  # fmt: skip
+    for col in cols:
         table.add_column(col, justify="left" if col == "policy" else "right")
     for r in rows:
 
@@ -108,5 +110,6 @@ def eval_cmd(
 
         table.add_row(r.policy, f(r.budget, ".2f"), f(r.alpha, "g"), f(r.perplexity, ".3f"),
                       "-" if r.delta_pct is None else f"{r.delta_pct:+.2f} %", f(r.kv_fetched_share, ".1%"),
+                      f(r.kv_attended_share, ".1%"),
                       f(r.recall, ".3f"), f(r.bytes_per_token, ",.0f"), f(r.seconds, ".0f"))  # fmt: skip
     console.print(table)

@@ -33,6 +33,7 @@ class Row:
     perplexity: float
     delta_pct: float | None
     kv_fetched_share: float | None
+    kv_attended_share: float | None  # over every layer: the dense layers attend all of it
     recall: float | None
     bytes_per_token: float | None
     seconds: float
@@ -118,10 +119,17 @@ def run_sweep(engine: Engine, ids, score_from, todo, done: list[Row], recall=Tru
         if policy == "full":
             full = ppl
         h2d = report.get("bytes_h2d")
+        share = report.get("kv_fetched_share", 1.0 if policy in ("full", "offload") else None)
+        attended = share
+        if policy in ("infinigen", "oracle") and share is not None:  # the first layers attend everything
+            dense = e.dense_layers() / e.cfg.num_hidden_layers
+            attended = dense + (1 - dense) * share
+        elif policy == "int4":
+            attended = 1.0
         rows.append(Row(
             policy=policy, budget=budget, alpha=alpha, perplexity=round(ppl, 4),
             delta_pct=round(100 * (ppl / full - 1), 3) if full else None,
-            kv_fetched_share=report.get("kv_fetched_share", 1.0 if policy in ("full", "offload") else None),
+            kv_fetched_share=share, kv_attended_share=None if attended is None else round(attended, 6),
             recall=report.get("attention_recall"), bytes_per_token=round(h2d / steps, 1) if h2d else None,
             seconds=round(time.perf_counter() - t0, 2),
         ))  # fmt: skip
@@ -143,7 +151,7 @@ def load_done(path: Path, meta: dict) -> list[Row]:
         return []
     try:
         old = json.loads(path.read_text())
-        rows = [Row(**r) for r in old["rows"]]
+        rows = [Row(**{"kv_attended_share": None, **r}) for r in old["rows"]]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise InfinigenError(f"cannot resume from {path}: not an eval result file ({e})") from None
     for k in ("bundle", "text_sha256", "seq_len", "score_from"):

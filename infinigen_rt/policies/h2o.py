@@ -29,7 +29,8 @@ class H2OCache(DenseCache):
         self.attended = self.possible = self.evictions = 0
 
     def update(self, layer, q, k, v):
-        keys, values, mask = super().update(layer, q, k, v)  # mask: [B, 1, s, T]
+        keys, values, _ = super().update(layer, q, k, v)
+        mask = self.mask  # [B, 1, s, T]
         t, s = self.length, q.shape[2]
         self.alive[layer][:, :, self.start : t] = self.valid[:, None, self.start : t]  # new tokens join
         alive = self.alive[layer][:, :, :t]  # [B, Hkv, T]

@@ -72,6 +72,8 @@ class OffloadCache(KVCache):
             self.resident.begin(valid, positions)
         self.valid, self.positions = valid, positions
         self.new_mask = causal_mask(valid, 0)  # [B, 1, s, s] among the new tokens
+        s = valid.shape[1]
+        self.plain = s > 1 and int(self.lengths.max()) == 0 and bool(valid.all())  # a first prefill, no padding
         self.lengths += valid.sum(-1).cpu()
         self.step += 1
 
@@ -93,6 +95,8 @@ class OffloadCache(KVCache):
             keys[:, :, -1:], values[:, :, -1:] = k, v
         else:
             keys, values = torch.cat([keys.to(k.dtype), k], 2), torch.cat([values.to(v.dtype), v], 2)
+        if self.plain:  # nothing held yet: plain causal attention among the new tokens
+            return keys, values, None
         old = ok.to(self.device).repeat_interleave(self.group, dim=1)[:, :, None, :]  # [B, H, 1, n]
         mask = torch.cat([old.expand(-1, -1, s, -1), self.new_mask.expand(-1, old.shape[1], -1, -1)], -1)
         return keys, values, mask

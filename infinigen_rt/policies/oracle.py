@@ -21,7 +21,8 @@ class OracleCache(DenseCache):
         self.recall: list[float] = []
 
     def update(self, layer, q, k, v):
-        keys, values, mask = super().update(layer, q, k, v)  # mask: [B, 1, s, T]
+        keys, values, mask = super().update(layer, q, k, v)
+        mask = self.mask if mask is None else mask  # [B, 1, s, T]
         if q.shape[2] != 1 or layer < self.dense_layers:
             return keys, values, mask
         scores = q @ keys.repeat_interleave(self.group, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])

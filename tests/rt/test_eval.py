@@ -81,6 +81,8 @@ def test_sweep_json_schema_and_resume(bundles, tiny_text, tmp_path):
     assert got == [("full", None), ("infinigen", 0.2), ("infinigen", 0.5), ("h2o", 0.2), ("h2o", 0.5),
                    ("int4", None), ("oracle", 0.2), ("oracle", 0.5)]  # fmt: skip
     assert res["rows"][0]["delta_pct"] == 0 and res["rows"][1]["recall"] is not None
+    ig = res["rows"][1]  # the dense layers attend everything: the attended share is above the fetched one
+    assert ig["kv_fetched_share"] < ig["kv_attended_share"] < 1 and res["rows"][5]["kv_attended_share"] == 1.0
     assert json.loads(out.read_text())["rows"] == res["rows"]
 
     # resume: finished rows are read back, not recomputed (a marked row keeps its mark)
