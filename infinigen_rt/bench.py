@@ -259,9 +259,11 @@ def floor_seconds(engine: Engine, policy: str, batch: int, context: int, h2d_byt
 def is_oom(e: BaseException) -> str | None:
     if isinstance(e, torch.OutOfMemoryError):
         return "oom-device"
+    if isinstance(e, MemoryError):
+        return "oom-host"
     text = str(e).lower()
-    if isinstance(e, (RuntimeError, MemoryError)) and ("out of memory" in text or "allocate" in text):
-        return "oom-host" if ("cpu" in text or isinstance(e, MemoryError)) else "oom-device"
+    if isinstance(e, RuntimeError) and ("out of memory" in text or "can't allocate" in text):
+        return "oom-host" if "cpu" in text or "pinned" in text else "oom-device"
     return None
 
 

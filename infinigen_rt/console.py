@@ -58,7 +58,8 @@ def run_app(app: typer.Typer) -> None:
     except Exception as e:  # click usage errors come through here in non-standalone mode
         import click
 
-        if isinstance(e, click.ClickException):
+        # typer may vendor its own click: recognise its usage errors by their shape too
+        if isinstance(e, click.ClickException) or (callable(getattr(e, "show", None)) and hasattr(e, "exit_code")):
             e.show()
             sys.exit(e.exit_code)
         raise

@@ -37,3 +37,15 @@ def test_cuda_policies_match_cpu(policy, bundles):
     assert [g.token_ids for g in gpu] == [c.token_ids for c in cpu]
     if policy != "h2o":
         assert stats.to_dict()["bytes_h2d"] > 0
+
+
+def test_bench_point_on_cuda_counts_syncs_and_overlap():
+    from infinigen_rt.bench import measure_bandwidths, run_point, synthetic_engine
+
+    dev = torch.device("cuda")
+    e = synthetic_engine("smollm2-135m", dev, torch.float16)
+    bw = measure_bandwidths(dev, 1 << 26)
+    p = run_point(e, "t", "infinigen", 2, 512, 4, bw, warmup=2)
+    assert p.status == "ok" and p.peak_device_bytes > 0 and p.h2d_bytes_per_step > 0
+    assert p.syncs_per_step >= 1  # at least the sampled tokens' copy to the host is seen
+    assert p.copy_overlap is not None and 0 <= p.copy_overlap <= 1

@@ -1,0 +1,99 @@
+"""`infinigen-rt bench`: a tiny smoke run of every policy (the real runs are benchmarks, not tests), the bytes it
+reports against what the policies must move, out-of-memory rows, the overlap arithmetic, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from infinigen_rt.bench import (
+    interval_overlap,
+    is_oom,
+    kv_row_bytes,
+    preset_config,
+    run_point,
+    synthetic_engine,
+)
+from tests.conftest import run_cli, shakespeare
+from tests.test_cli import one_line_error
+
+BW = {"device_bytes_per_s": 1e10, "h2d_bytes_per_s": 5e9}
+
+
+@pytest.fixture(scope="module")
+def smol_synthetic():
+    return synthetic_engine("smollm2-135m", torch.device("cpu"), torch.float32, seed=0)
+
+
+def test_bench_cli_smoke_every_policy(tmp_path):
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
+    r = run_cli("rt", "bench", "--synthetic", "smollm2-135m", "--device", "cpu", "--batch", "1,2", "--context", "48",
+                "--gen", "3", "--warmup", "1", "--json", "--out", out, "--plot", png)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert json.loads(out.read_text()) == res and png.stat().st_size > 10_000
+    assert res["bandwidth"]["device_bytes_per_s"] > 0 and res["bandwidth"]["h2d_bytes_per_s"] > 0
+    pts = {(p["policy"], p["batch"]): p for p in res["points"]}
+    assert len(pts) == 10 and all(p["status"] == "ok" for p in pts.values())
+    for p in pts.values():
+        assert p["ms_per_step"] > 0 and p["floor_ms"] > 0 and p["over_floor"] == pytest.approx(
+            p["ms_per_step"] / p["floor_ms"], rel=0.02
+        )
+        assert p["tokens_per_s"] == pytest.approx(1000 * p["batch"] / p["ms_per_step"], rel=0.01)
+    assert pts[("full", 1)]["h2d_bytes_per_step"] == 0  # nothing moves: KV resident on the device
+    # infinigen fetches about the budget; int4 a quarter-ish of every row; offload all of it
+    assert pts[("infinigen", 2)]["h2d_bytes_per_step"] < pts[("int4", 2)]["h2d_bytes_per_step"]
+    assert pts[("int4", 2)]["h2d_bytes_per_step"] < pts[("offload", 2)]["h2d_bytes_per_step"]
+    assert 0 < pts[("infinigen", 1)]["kv_fetched_share"] <= 0.1 + 1e-9
+
+
+def test_offload_bytes_are_every_held_row(smol_synthetic):
+    cfg = preset_config("smollm2-135m")
+    ctx, warm, gen, b = 40, 2, 4, 2
+    p = run_point(smol_synthetic, "t", "offload", b, ctx, gen, BW, warmup=warm, trace=False)
+    held = ctx + warm + (gen - 1) / 2 + 1  # mean over the timed steps of held tokens plus the new one's row
+    row = kv_row_bytes(cfg, torch.float32)
+    assert p.h2d_bytes_per_step == pytest.approx(cfg.num_hidden_layers * cfg.num_key_value_heads * b * held * row)
+    assert p.d2h_bytes_per_step == cfg.num_hidden_layers * cfg.num_key_value_heads * b * row  # the new token
+
+
+def test_infinigen_fetch_share_is_pinned_by_budget(smol_synthetic):
+    p = run_point(smol_synthetic, "t", "infinigen", 1, 200, 3, BW, budget=0.25, warmup=1, trace=False)
+    assert p.status == "ok" and 0.2 < p.kv_fetched_share <= 0.25 + 1e-9
+    q = run_point(smol_synthetic, "t", "infinigen", 1, 200, 3, BW, max_kv=8, warmup=1, trace=False)
+    assert q.kv_fetched_share < p.kv_fetched_share and q.h2d_bytes_per_step < p.h2d_bytes_per_step
+
+
+def test_points_that_cannot_fit_are_rows(smol_synthetic):
+    p = run_point(smol_synthetic, "t", "offload", 4096, 1 << 22, 2, BW, trace=False)
+    assert p.status in ("oom-host", "oom-device") and p.predicted and "GiB" in p.error and p.ms_per_step is None
+    assert is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 10 bytes"))
+    assert is_oom(MemoryError()) == "oom-host" and is_oom(ValueError("x")) is None
+
+
+def test_interval_overlap():
+    assert interval_overlap([(0, 10)], [(0, 5), (3, 8)]) == pytest.approx(0.8)  # union of kernels, not the sum
+    assert interval_overlap([(0, 10), (20, 30)], [(25, 40)]) == pytest.approx(0.25)
+    assert interval_overlap([(0, 10)], []) == 0.0
+
+
+@pytest.mark.slow
+def test_bench_a_bundle_with_real_text(smollm2_bundle, tmp_path):
+    r = run_cli("rt", "bench", smollm2_bundle, "--device", "cpu", "--batch", "1", "--context", "96", "--gen", "2",
+                "--policies", "full,infinigen", "--text", shakespeare("hamlet_gut.txt"), "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["prompt"].endswith("hamlet_gut.txt") and [p["status"] for p in res["points"]] == ["ok", "ok"]
+
+
+def test_bench_bad_input(bundles, tmp_path):
+    one_line_error(run_cli("rt", "bench", "--synthetic", "gpt-5"), "unknown --synthetic", "llama-2-7b")
+    one_line_error(run_cli("rt", "bench"), "--synthetic")
+    one_line_error(run_cli("rt", "bench", bundles["opt"], "--synthetic", "smollm2-135m"), "one of them")
+    one_line_error(run_cli("rt", "bench", "--synthetic", "smollm2-135m", "--policies", "oracle"), "unknown policy")
+    one_line_error(run_cli("rt", "bench", "--synthetic", "smollm2-135m", "--budget", "0"), "--budget")
+    r = run_cli("rt", "bench", "--synthetic", "smollm2-135m", "--batch", "0")
+    assert r.returncode != 0 and "--batch" in r.stderr and "Traceback" not in r.stderr
+    one_line_error(run_cli("rt", "bench", "--synthetic", "smollm2-135m", "--text", "x.txt"), "--text needs a BUNDLE")
