@@ -7,7 +7,6 @@ than one layer's activations, so a 7B model calibrates in the memory of its weig
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 
 from infinigen_rt.cache import DenseCache
 from infinigen_rt.engine import pad_batch
-from infinigen_rt.errors import InfinigenError
+from infinigen_rt.errors import InfinigenError, read_utf8
 from infinigen_rt.models.llama import Llama, apply_rope, rope_cos_sin
 
 DEFAULT_CALIB = "hf://datasets/roneneldan/TinyStories/TinyStories-valid.txt"
@@ -38,12 +37,8 @@ def read_calib_text(spec: str | None) -> CalibText:
         path = Path(spec).expanduser()
         if not path.is_file():
             raise InfinigenError(f"calibration text {spec} does not exist; pass --calib-text FILE (any UTF-8 text)")
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise InfinigenError(f"calibration text {spec} is not UTF-8 text") from None
-    return CalibText(text, spec, hashlib.sha256(data).hexdigest())
+    text, sha = read_utf8(path, f"calibration text {spec}")
+    return CalibText(text, spec, sha)
 
 
 def _fetch_hub_text(spec: str, explicit: bool) -> Path:

@@ -192,24 +192,23 @@ def memory_needs(engine: Engine, policy: str, batch: int, context: int, gen: int
     return {"device": dev, "host": host}
 
 
-def host_available() -> int:
+def _proc_bytes(path: str, key: str, default: int) -> int:
+    """A `KEY: N kB` line of a /proc file, in bytes (default where there is no /proc)."""
     try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
+        for line in open(path):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 1 << 62
+    return default
+
+
+def host_available() -> int:
+    return _proc_bytes("/proc/meminfo", "MemAvailable", 1 << 62)
 
 
 def host_rss() -> int:
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _proc_bytes("/proc/self/status", "VmRSS", 0)
 
 
 # -------------------------------------------------------------------------------------------- the points

@@ -26,6 +26,23 @@ Revision = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag
 
 add_version_option(app, "infinigen-rt", __version__)
 
+# engine and KV options shared by generate and serve
+Device = Annotated[str, typer.Option(help="auto (cuda when present), cpu, cuda, cuda:N.")]
+Dtype = Annotated[str, typer.Option(help="auto (bundle dtype on GPU, float32 on CPU), float32, float16, bfloat16.")]
+Policy = Annotated[str, typer.Option(help="KV policy: full, offload, infinigen, h2o, int4.")]
+Alpha = Annotated[Optional[float], typer.Option(help="infinigen: logit margin below each head's max (bundle default).")]
+Budget = Annotated[float, typer.Option(help="infinigen: most tokens fetched per head, share of the context.")]
+MaxKV = Annotated[Optional[int], typer.Option("--max-kv", help="infinigen: most tokens fetched per head.")]
+Capacity = Annotated[
+    Optional[float], typer.Option(help="Host pool tokens per (sequence, KV head): share <= 1 or count.")
+]
+Eviction = Annotated[str, typer.Option(help="Pool eviction: counter, lru, fifo.")]
+Window = Annotated[int, typer.Option(help="Most recent positions never evicted.")]
+DenseLayers = Annotated[
+    Optional[int], typer.Option(help="infinigen: first layers attending to everything (bundle default).")
+]
+PrefillChunk = Annotated[Optional[int], typer.Option(help="Prefill in chunks of this many tokens.")]
+
 
 @app.command()
 def generate(
@@ -37,25 +54,17 @@ def generate(
     top_k: Annotated[int, typer.Option("--top-k", help="0 = off.")] = 0,
     seed: Annotated[Optional[int], typer.Option(help="Seed for sampling.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
-    device: Annotated[str, typer.Option(help="auto (cuda when present), cpu, cuda, cuda:N.")] = "auto",
-    dtype: Annotated[
-        str, typer.Option(help="auto (bundle dtype on GPU, float32 on CPU), float32, float16, bfloat16.")
-    ] = "auto",
-    policy: Annotated[str, typer.Option(help="KV policy: full, offload, infinigen, h2o, int4.")] = "full",
-    alpha: Annotated[
-        Optional[float], typer.Option(help="infinigen: logit margin below each head's max (bundle default).")
-    ] = None,
-    budget: Annotated[float, typer.Option(help="infinigen: most tokens fetched per head, share of the context.")] = 0.2,
-    max_kv: Annotated[Optional[int], typer.Option("--max-kv", help="infinigen: most tokens fetched per head.")] = None,
-    capacity: Annotated[
-        Optional[float], typer.Option(help="Host pool tokens per (sequence, KV head): share <= 1 or count.")
-    ] = None,
-    eviction: Annotated[str, typer.Option(help="Pool eviction: counter, lru, fifo.")] = "counter",
-    window: Annotated[int, typer.Option(help="Most recent positions never evicted.")] = 16,
-    dense_layers: Annotated[
-        Optional[int], typer.Option(help="infinigen: first layers attending to everything (bundle default).")
-    ] = None,
-    prefill_chunk: Annotated[Optional[int], typer.Option(help="Prefill in chunks of this many tokens.")] = None,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    policy: Policy = "full",
+    alpha: Alpha = None,
+    budget: Budget = 0.2,
+    max_kv: MaxKV = None,
+    capacity: Capacity = None,
+    eviction: Eviction = "counter",
+    window: Window = 16,
+    dense_layers: DenseLayers = None,
+    prefill_chunk: PrefillChunk = None,
     trace_recall: Annotated[
         bool,
         typer.Option(
@@ -218,25 +227,17 @@ def serve(
         Optional[str],
         typer.Option("--api-key", envvar="INFINIGEN_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*."),
     ] = None,
-    device: Annotated[str, typer.Option(help="auto (cuda when present), cpu, cuda, cuda:N.")] = "auto",
-    dtype: Annotated[
-        str, typer.Option(help="auto (bundle dtype on GPU, float32 on CPU), float32, float16, bfloat16.")
-    ] = "auto",
-    policy: Annotated[str, typer.Option(help="KV policy: full, offload, infinigen, h2o, int4.")] = "full",
-    alpha: Annotated[
-        Optional[float], typer.Option(help="infinigen: logit margin below each head's max (bundle default).")
-    ] = None,
-    budget: Annotated[float, typer.Option(help="infinigen: most tokens fetched per head, share of the context.")] = 0.2,
-    max_kv: Annotated[Optional[int], typer.Option("--max-kv", help="infinigen: most tokens fetched per head.")] = None,
-    capacity: Annotated[
-        Optional[float], typer.Option(help="Host pool tokens per (sequence, KV head): share <= 1 or count.")
-    ] = None,
-    eviction: Annotated[str, typer.Option(help="Pool eviction: counter, lru, fifo.")] = "counter",
-    window: Annotated[int, typer.Option(help="Most recent positions never evicted.")] = 16,
-    dense_layers: Annotated[
-        Optional[int], typer.Option(help="infinigen: first layers attending to everything (bundle default).")
-    ] = None,
-    prefill_chunk: Annotated[Optional[int], typer.Option(help="Prefill in chunks of this many tokens.")] = None,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    policy: Policy = "full",
+    alpha: Alpha = None,
+    budget: Budget = 0.2,
+    max_kv: MaxKV = None,
+    capacity: Capacity = None,
+    eviction: Eviction = "counter",
+    window: Window = 16,
+    dense_layers: DenseLayers = None,
+    prefill_chunk: PrefillChunk = None,
     revision: Revision = None,
     verify: Annotated[bool, typer.Option(help="Check every bundle file's sha256 before loading.")] = True,
 ):

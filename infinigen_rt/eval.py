@@ -8,7 +8,6 @@ exactly what it would see when generating.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -19,7 +18,7 @@ from pathlib import Path
 import torch
 
 from infinigen_rt.engine import Engine
-from infinigen_rt.errors import InfinigenError
+from infinigen_rt.errors import InfinigenError, read_utf8
 from infinigen_rt.policies import KVOptions
 
 SWEPT = {"infinigen", "h2o", "oracle"}  # policies with a budget; the others run once
@@ -47,11 +46,7 @@ def text_ids(engine: Engine, path: str | Path, seq_len: int, score_from: int) ->
     p = Path(path)
     if not p.is_file():
         raise InfinigenError(f"--text {p} does not exist")
-    data = p.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise InfinigenError(f"--text {p} is not UTF-8 text") from None
+    text, sha = read_utf8(p, f"--text {p}")
     if not text.strip():
         raise InfinigenError(f"--text {p} is empty")
     if not 0 < score_from < seq_len:
@@ -59,7 +54,7 @@ def text_ids(engine: Engine, path: str | Path, seq_len: int, score_from: int) ->
     ids = engine.tokenizer.encode(text)
     if len(ids) < seq_len:
         raise InfinigenError(f"--text {p} has {len(ids)} tokens, fewer than --seq-len {seq_len}; give a longer text")
-    return ids[:seq_len], hashlib.sha256(data).hexdigest()
+    return ids[:seq_len], sha
 
 
 @torch.inference_mode()
