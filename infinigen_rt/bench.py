@@ -231,7 +231,7 @@ class Point:
     d2h_bytes_per_step: float | None = None
     h2d_achieved_bytes_per_s: float | None = None  # bytes fetched per step / step time
     kv_fetched_share: float | None = None
-    peak_device_bytes: int | None = None
+    peak_device_bytes: int | None = None  # side by side (--interleave): includes the other policies' caches
     host_rss_bytes: int | None = None  # the process's resident memory at the end of the point
     floor_ms: float | None = None
     over_floor: float | None = None  # step time / floor
@@ -315,28 +315,45 @@ def copy_overlap(step) -> float | None:
 
 
 @torch.inference_mode()
-def run_point(
-    engine: Engine, model_name: str, policy: str, batch: int, context: int, gen: int, bw: dict, *,
+def run_point(engine: Engine, model_name: str, policy: str, batch: int, context: int, gen: int, bw: dict,
+              **kw) -> Point:  # fmt: skip
+    """One policy at one (batch, context): see run_points."""
+    return run_points(engine, model_name, [policy], batch, context, gen, bw, **kw)[0]
+
+
+@torch.inference_mode()
+def run_points(
+    engine: Engine, model_name: str, policies: list[str], batch: int, context: int, gen: int, bw: dict, *,
     budget: float = 0.1, max_kv: int | None = None, alpha: float | None = None, warmup: int = 3,
     chunk: int | None = None, prompt: list[int] | None = None, seed: int = 0, trace: bool = True,
-) -> Point:  # fmt: skip
+) -> list[Point]:  # fmt: skip
+    """Several policies at one (batch, context), timed side by side: each prefills its own cache, then every
+    timed step round runs one decode step of each policy (the order rotating), so a machine whose speed
+    drifts (a shared VM) slows them alike. With one policy this is the plain sequential measurement."""
     dev = engine.device
     if chunk is None:  # the whole prompt at once (no history to re-fetch) unless its activations are too large
         limit = 131072 if dev.type == "cuda" else 16384
         chunk = context if batch * context <= limit else max(1, limit // batch)
-    pt = Point(model_name, str(dev), str(engine.dtype).removeprefix("torch."), policy, batch, context, gen)
-    e = engine.with_policy(policy, KVOptions(alpha=alpha, budget=budget, max_kv=max_kv, prefill_chunk=chunk))
-    need = memory_needs(e, policy, batch, context, gen, chunk)
+    points = [Point(model_name, str(dev), str(engine.dtype).removeprefix("torch."), p, batch, context, gen)
+              for p in policies]  # fmt: skip
+    engines = [engine.with_policy(p, KVOptions(alpha=alpha, budget=budget, max_kv=max_kv, prefill_chunk=chunk))
+               for p in policies]  # fmt: skip
+    needs = [memory_needs(e, p, batch, context, gen, chunk) for e, p in zip(engines, policies, strict=True)]
     dev_total = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
-    if dev_total is not None and need["device"] > 0.97 * dev_total:
-        pt.status, pt.predicted = "oom-device", True
-    elif need["host"] + (need["device"] if dev.type == "cpu" else 0) > 0.9 * host_available():
-        pt.status, pt.predicted = "oom-host", True
-    if pt.status != "ok":
-        dev_gib, host_gib = need["device"] / 2**30, need["host"] / 2**30
-        pt.error = f"needs ~{dev_gib:.1f} GiB on the compute device and {host_gib:.1f} GiB of host pool"
-        return pt
-    cache = None
+    dev_sum, host_sum = sum(n["device"] for n in needs), sum(n["host"] for n in needs)
+    for pt, need in zip(points, needs, strict=True):
+        if dev_total is not None and (need["device"] > 0.97 * dev_total or dev_sum > 0.97 * dev_total):
+            pt.status, pt.predicted = "oom-device", True
+        elif max(need["host"], host_sum) + (dev_sum if dev.type == "cpu" else 0) > 0.9 * host_available():
+            pt.status, pt.predicted = "oom-host", True
+        if pt.status != "ok":
+            dev_gib, host_gib = need["device"] / 2**30, need["host"] / 2**30
+            pt.error = f"needs ~{dev_gib:.1f} GiB on the compute device and {host_gib:.1f} GiB of host pool"
+            if len(points) > 1:
+                pt.error += f" ({len(points)} policies side by side: measure them one at a time)"
+    if all(pt.status != "ok" for pt in points):
+        return points
+    runs = {}  # index -> (engine, cache, step, times, counters before)
     try:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
@@ -350,60 +367,91 @@ def run_point(
         ids = ids.to(dev)
         pos = torch.arange(context, device=dev).expand(batch, -1)
         valid = torch.ones(batch, context, dtype=torch.bool, device=dev)
-        total = context + warmup + gen + 3
-        cache = e.make_cache(batch, total)
-        _sync(dev)
-        t0 = time.perf_counter()
-        tok = e.prefill(cache, ids, pos, valid).argmax(-1)
-        tok.tolist()
-        pt.prefill_s = round(time.perf_counter() - t0, 4)
         one = torch.ones(batch, 1, dtype=torch.bool, device=dev)
-        state = {"tok": tok, "pos": context}
-
-        def step():
-            p = torch.full((batch, 1), state["pos"], device=dev)
-            logits = e.model(state["tok"][:, None], p, cache, one, last_only=True)[:, -1]
-            state["tok"] = logits.argmax(-1)
-            state["tok"].tolist()  # the one sync a step: sampled tokens to the host
-            state["pos"] += 1
-
-        for _ in range(warmup):
-            step()
-        before = cache.report() if hasattr(cache, "report") else {}
-        times = []
-        for _ in range(gen):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        after = cache.report() if hasattr(cache, "report") else {}
-        med = statistics.median(times)
-        pt.ms_per_step = round(1000 * med, 3)
-        pt.ms_per_step_p90 = round(1000 * sorted(times)[int(0.9 * (len(times) - 1))], 3)
-        pt.tokens_per_s = round(batch / med, 2)
-        h2d = (after.get("bytes_h2d", 0) - before.get("bytes_h2d", 0)) / gen
-        pt.h2d_bytes_per_step = round(h2d, 1)
-        pt.d2h_bytes_per_step = round((after.get("bytes_d2h", 0) - before.get("bytes_d2h", 0)) / gen, 1)
-        pt.h2d_achieved_bytes_per_s = round(h2d / med, 1) if h2d else None
-        pt.kv_fetched_share = after.get("kv_fetched_share", 1.0 if policy in ("full", "offload") else None)
-        floor = floor_seconds(e, policy, batch, context, h2d, bw)
-        pt.floor_ms, pt.over_floor = round(1000 * floor, 3), round(med / floor, 2)
-        if dev.type == "cuda":
-            pt.peak_device_bytes = torch.cuda.max_memory_allocated(dev)
-            pt.syncs_per_step = count_syncs(step)
-            if trace:
-                pt.copy_overlap = copy_overlap(step)
-        pt.host_rss_bytes = host_rss()
-    except Exception as ex:  # an allocation that did not fit is a row, not a crash
-        kind = is_oom(ex)
-        if kind is None:
-            raise
-        pt.status, pt.predicted, pt.error = kind, False, str(ex).splitlines()[0][:200]
+        for i, (pt, e) in enumerate(zip(points, engines, strict=True)):
+            if pt.status != "ok":
+                continue
+            try:
+                cache = e.make_cache(batch, context + warmup + gen + 3)
+                _sync(dev)
+                t0 = time.perf_counter()
+                tok = e.prefill(cache, ids, pos, valid).argmax(-1)
+                tok.tolist()
+                pt.prefill_s = round(time.perf_counter() - t0, 4)
+                step = _stepper(e, cache, tok, context, one)
+                for _ in range(warmup):
+                    step()
+                runs[i] = (e, cache, step, [], cache.report() if hasattr(cache, "report") else {})
+            except Exception as ex:
+                _out_of_memory(pt, ex, dev)
+                cache = step = None
+        for r in range(gen):
+            order = list(runs)
+            for i in order[r % len(order) :] + order[: r % len(order)] if order else []:
+                try:
+                    t0 = time.perf_counter()
+                    runs[i][2]()
+                    runs[i][3].append(time.perf_counter() - t0)
+                except Exception as ex:
+                    del runs[i]
+                    _out_of_memory(points[i], ex, dev)
+        for i, (e, cache, step, times, before) in runs.items():
+            _finish(points[i], e, cache, step, times, before, bw, trace)
     finally:
-        cache = None  # free the pool and device buffers before the next point
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-    return pt
+        runs = None  # free the pools and device buffers before the next point
+        _free(dev)
+    return points
+
+
+def _stepper(e: Engine, cache, tok: torch.Tensor, context: int, one: torch.Tensor):
+    """A closure running one greedy decode step; it ends with the sampled tokens on the host, as in generate."""
+    state = {"tok": tok, "pos": context}
+    batch, dev = tok.shape[0], tok.device
+
+    def step():
+        p = torch.full((batch, 1), state["pos"], device=dev)
+        logits = e.model(state["tok"][:, None], p, cache, one, last_only=True)[:, -1]
+        state["tok"] = logits.argmax(-1)
+        state["tok"].tolist()  # the one sync a step: sampled tokens to the host
+        state["pos"] += 1
+
+    return step
+
+
+def _finish(pt: Point, e: Engine, cache, step, times: list[float], before: dict, bw: dict, trace: bool) -> None:
+    dev, gen, batch = e.device, len(times), pt.batch
+    after = cache.report() if hasattr(cache, "report") else {}
+    med = statistics.median(times)
+    pt.ms_per_step = round(1000 * med, 3)
+    pt.ms_per_step_p90 = round(1000 * sorted(times)[int(0.9 * (len(times) - 1))], 3)
+    pt.tokens_per_s = round(batch / med, 2)
+    h2d = (after.get("bytes_h2d", 0) - before.get("bytes_h2d", 0)) / gen
+    pt.h2d_bytes_per_step = round(h2d, 1)
+    pt.d2h_bytes_per_step = round((after.get("bytes_d2h", 0) - before.get("bytes_d2h", 0)) / gen, 1)
+    pt.h2d_achieved_bytes_per_s = round(h2d / med, 1) if h2d else None
+    pt.kv_fetched_share = after.get("kv_fetched_share", 1.0 if pt.policy in ("full", "offload") else None)
+    floor = floor_seconds(e, pt.policy, batch, pt.context, h2d, bw)
+    pt.floor_ms, pt.over_floor = round(1000 * floor, 3), round(med / floor, 2)
+    if dev.type == "cuda":
+        pt.peak_device_bytes = torch.cuda.max_memory_allocated(dev)
+        pt.syncs_per_step = count_syncs(step)
+        if trace:
+            pt.copy_overlap = copy_overlap(step)
+    pt.host_rss_bytes = host_rss()
+
+
+def _out_of_memory(pt: Point, ex: BaseException, dev: torch.device) -> None:
+    """An allocation that did not fit is a row, not a crash; anything else propagates."""
+    if (kind := is_oom(ex)) is None:
+        raise ex
+    pt.status, pt.predicted, pt.error = kind, False, str(ex).splitlines()[0][:200]
+    _free(dev)
+
+
+def _free(dev: torch.device) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def point_dict(p: Point) -> dict:

@@ -18,7 +18,8 @@ class KVCache:
     """The interface. Keys and values are per KV head, never expanded to query heads."""
 
     def begin(self, valid: torch.Tensor, positions: torch.Tensor) -> None:
-        """Start a forward pass over S new tokens; valid: [B, S] bool (False = left padding); positions: [B, S]."""
+        """Start a forward pass over S new tokens; valid: [B, S] bool (False = left padding); positions: [B, S].
+        A decode step (S == 1) passes valid all True: padding only ever comes with a prompt."""
         raise NotImplementedError
 
     def observe(self, layer: int, x: torch.Tensor) -> None:
@@ -48,7 +49,8 @@ class DenseCache(KVCache):
         self.max_len = max_len
         self.length = 0  # slots filled, the same for every sequence (left padding aligns the ends)
         self.start = 0
-        self.mask = None
+        self.padded = False  # some slot holds padding (then attention needs a mask)
+        self._mask = None
 
     def begin(self, valid: torch.Tensor, positions: torch.Tensor) -> None:
         s = valid.shape[1]
@@ -56,13 +58,23 @@ class DenseCache(KVCache):
             raise ValueError(f"cache holds {self.max_len} tokens, asked for {self.length + s}")
         self.start, self.length = self.length, self.length + s
         self.valid[:, self.start : self.length] = valid
-        self.mask = causal_mask(self.valid[:, : self.length], self.start)
-        self.plain = self.start == 0 and s > 1 and bool(valid.all())  # a first prefill without padding
+        self._mask = None
+        if s > 1:  # a decode step brings no padding (see KVCache.begin): no host sync then
+            self.padded = self.padded or not bool(valid.all())
+        # no mask at all: a first prefill without padding (causal) or a decode step over padding-free slots
+        self.unmasked = not self.padded and (s == 1 or self.start == 0)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[B, 1, S, T] bool: causal over the real slots (built when a policy or a padded batch asks)."""
+        if self._mask is None:
+            self._mask = causal_mask(self.valid[:, : self.length], self.start)
+        return self._mask
 
     def update(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         self.k[layer][:, :, self.start : self.length] = k
         self.v[layer][:, :, self.start : self.length] = v
-        mask = None if self.plain else self.mask
+        mask = None if self.unmasked else self.mask
         return self.k[layer][:, :, : self.length], self.v[layer][:, :, : self.length], mask
 
 

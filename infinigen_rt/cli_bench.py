@@ -72,6 +72,10 @@ def bench_cmd(
     ] = "auto",
     seed: Annotated[int, typer.Option(help="Seed of the synthetic weights and prompts.")] = 0,
     trace: Annotated[bool, typer.Option(help="CUDA: profile one step per point for copy/compute overlap.")] = True,
+    interleave: Annotated[
+        bool, typer.Option(help="Time the policies side by side: per (batch, context) all caches at once, one "
+                           "decode step of each in turn (for a machine whose speed drifts).")
+    ] = False,
     out: Annotated[Optional[Path], typer.Option(help="Write results JSON here (after every point).")] = None,
     plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Write the plot (PNG) here.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the results as one JSON object.")] = False,
@@ -89,7 +93,7 @@ def bench_cmd(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from infinigen_rt import __version__
-    from infinigen_rt.bench import PRESETS, measure_bandwidths, plot, point_dict, run_point, synthetic_engine
+    from infinigen_rt.bench import PRESETS, measure_bandwidths, plot, point_dict, run_points, synthetic_engine
     from infinigen_rt.engine import DTYPES, resolve_device
     from infinigen_rt.errors import InfinigenError
     from infinigen_rt.policies import RUNTIME_POLICIES
@@ -142,23 +146,25 @@ def bench_cmd(
         "model": model_name, "device": str(dev), "device_name": device_name(dev),
         "dtype": str(engine.dtype).removeprefix("torch."), "torch": torch.__version__, "infinigen": __version__,
         "bandwidth": bw, "budget": budget, "max_kv": max_kv, "alpha": None if alpha is None or math.isinf(alpha)
-        else alpha, "gen": gen, "warmup": warmup, "prompt": str(text) if text else "random tokens", "points": [],
+        else alpha, "gen": gen, "warmup": warmup, "interleave": interleave,
+        "prompt": str(text) if text else "random tokens", "points": [],
     }  # fmt: skip
     if not json_out:
         err_console.print(
             f"[dim]{meta['device_name']}: device copy {bw['device_bytes_per_s'] / 1e9:.1f} GB/s, "
             f"host-to-device {bw['h2d_bytes_per_s'] / 1e9:.1f} GB/s (measured)[/]"
         )
-    todo = [(p, b, c) for c in contexts for b in batches for p in names]
+    groups = [names] if interleave else [[p] for p in names]
+    todo = [(g, b, c) for c in contexts for b in batches for g in groups]
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    console=err_console, transient=True, disable=json_out)  # fmt: skip
     with bar:
         task = bar.add_task("bench", total=len(todo))
-        for p, b, c in todo:
-            bar.update(task, description=f"{p} batch {b} context {c}")
-            pt = run_point(engine, model_name, p, b, c, gen, bw, budget=budget, max_kv=max_kv, alpha=alpha,
-                           warmup=warmup, chunk=prefill_chunk, prompt=prompt, seed=seed, trace=trace)  # fmt: skip
-            meta["points"].append(point_dict(pt))
+        for g, b, c in todo:
+            bar.update(task, description=f"{','.join(g)} batch {b} context {c}")
+            pts = run_points(engine, model_name, g, b, c, gen, bw, budget=budget, max_kv=max_kv, alpha=alpha,
+                             warmup=warmup, chunk=prefill_chunk, prompt=prompt, seed=seed, trace=trace)  # fmt: skip
+            meta["points"] += [point_dict(pt) for pt in pts]
             if out:
                 save(out, meta)
             bar.advance(task)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import ctypes
+import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -91,6 +94,25 @@ def memory_stats(device: torch.device) -> dict:
     return out
 
 
+def keep_host_heap() -> None:
+    """Keep freed mid-sized host blocks in the heap (glibc only; an explicit MALLOC_* setting wins).
+
+    By default glibc hands blocks above 128 KiB back to the OS on free and takes fresh zeroed pages on the
+    next allocation. A CPU decode step allocates dozens of such temporaries per layer (scores over the
+    context, fetched rows), so it pays page faults on every one: measured on SmolLM2 at 8k context on the
+    2-core VM, infinigen 160 -> 118 ms per step, full 131 -> 129. Blocks up to 32 MiB now come from the heap,
+    and the heap is not trimmed; the process keeps its peak footprint instead."""
+    if not sys.platform.startswith("linux") or any(k.startswith("MALLOC_") for k in os.environ):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (musl): nothing to tune
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 32 << 20)
+    libc.mallopt(m_trim_threshold, 1 << 30)
+
+
 class Engine:
     """Loads a bundle once; `generate` runs batches of prompts through one KV policy."""
 
@@ -103,6 +125,8 @@ class Engine:
         self.set_policy(policy, kv)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, bundle.dtype, self.device)
+        if self.device.type == "cpu":
+            keep_host_heap()
         self.tokenizer = Tokenizer(bundle)
         self.model = load_model(bundle, self.device, self.dtype)
 
@@ -114,6 +138,8 @@ class Engine:
         """An engine around a model built in memory (synthetic benchmarks): no bundle and no tokenizer.
         `speculation` is (InfiniGen tensors by bundle name, {"alpha", "dense_layers"})."""
         self = cls.__new__(cls)
+        if torch.device(device).type == "cpu":
+            keep_host_heap()
         self.bundle, self.cfg, self.device, self.dtype = None, cfg, torch.device(device), dtype
         self.model, self.tokenizer, self._speculation = model, None, speculation
         self.set_policy(policy, kv)

@@ -45,8 +45,8 @@ class InfinigenCache(OffloadCache):
                  else None)
                 for j in range(n_layers)
             ]  # fmt: skip
-        spec = range(dense, n_layers)  # the speculated layers' partial keys and held map, on the device
-        self.pk = {j: torch.zeros(batch, hkv, max_len, d_prime, device=self.device, dtype=dtype) for j in spec}
+        spec = range(dense, n_layers)  # the speculated layers' partial keys (transposed) and held map, on the device
+        self.pk = {j: torch.zeros(batch, hkv, d_prime, max_len, device=self.device, dtype=dtype) for j in spec}
         self.held_dev = {j: torch.zeros(batch, hkv, max_len, dtype=torch.bool, device=self.device) for j in spec}
         self.pos_dev = {j: torch.full((batch, hkv, max_len), -1, dtype=torch.long, device=self.device) for j in spec}
         self.norms = [getattr(blk, "input_layernorm", None) or blk.self_attn_layer_norm for blk in model.layers]
@@ -92,9 +92,9 @@ class InfinigenCache(OffloadCache):
             return
         if self.opts.renorm and self.cfg.do_layer_norm_before:  # post-LN OPT: the input is not normalised
             x = self.renormed(j, x)
-        q = self.partial_query(j, x)  # [B, Hkv, G, d']
+        q = self.partial_query(j, x) / math.sqrt(self.cfg.head_dim)  # [B, Hkv, G, d'], scaled
         held = self.held_dev[j]  # [B, Hkv, S]
-        s = (q @ self.pk[j].transpose(-1, -2)) / math.sqrt(self.cfg.head_dim)  # [B, Hkv, G, S]
+        s = q @ self.pk[j]  # [B, Hkv, G, S]: a plain batched matmul over the transposed partial keys
         s = s.float().masked_fill(~held[:, :, None, :], float("-inf"))
         held_b = held.sum(-1).amax(-1)  # [B]
         cap = torch.clamp((self.opts.budget * held_b).floor().long(), min=1)
@@ -119,9 +119,13 @@ class InfinigenCache(OffloadCache):
             newest = pos.amax(-1, keepdim=True)
             forced = held & ((pos < self.opts.sinks) | (pos > newest - self.opts.recent))
             agg = agg.masked_fill(forced, float("inf"))
-        n_max = int(n.max())  # the one host sync of a speculation: the fetch size
-        top = agg.topk(n_max, dim=-1).indices  # [B, Hkv, n]
-        ok = (torch.arange(n_max, device=top.device) < n[..., None]) & torch.gather(held, 2, top)
+        n_min, n_max = torch.stack([n.min(), n.max()]).tolist()  # the one host sync of a speculation: the fetch size
+        # every row fetching the same count needs no order among the chosen (an unsorted top-k is several times
+        # cheaper on a CPU once k is a sizeable share); rows fetching fewer take the first n of a sorted top-k
+        top = agg.topk(n_max, dim=-1, sorted=n_min != n_max).indices  # [B, Hkv, n]
+        ok = torch.gather(held, 2, top)
+        if n_min != n_max:
+            ok &= torch.arange(n_max, device=top.device) < n[..., None]
         slots, ok = top.cpu(), ok.cpu()
         self.stats.tokens_per_head += n.float().mean(-1).tolist()
         # prefetch now, while layer j-1 computes: on a copy stream with a GPU; layer j waits on this copy only
@@ -178,8 +182,8 @@ class InfinigenCache(OffloadCache):
 
     def after_insert(self, layer, k, slots) -> None:
         dev_slots = slots.to(self.device)
-        pk = self.partial_key(layer, k)
-        self.pk[layer].scatter_(2, dev_slots[..., None].expand(-1, -1, -1, pk.shape[-1]), pk)
+        pk = self.partial_key(layer, k).transpose(-1, -2)  # [B, Hkv, d', s]
+        self.pk[layer].scatter_(3, dev_slots[:, :, None, :].expand(-1, -1, pk.shape[2], -1), pk)
         valid = self.valid[:, None, :].expand(-1, slots.shape[1], -1)
         self.held_dev[layer].scatter_(2, dev_slots, valid)
         pos = torch.where(valid, self.positions[:, None, :].expand_as(valid), -1)

@@ -97,6 +97,8 @@ class OffloadCache(KVCache):
             keys, values = torch.cat([keys.to(k.dtype), k], 2), torch.cat([values.to(v.dtype), v], 2)
         if self.plain:  # nothing held yet: plain causal attention among the new tokens
             return keys, values, None
+        if decode and bool(ok.all()):  # every fetched row is a real token (ok lives on the host): no mask
+            return keys, values, None
         old = ok.to(self.device).repeat_interleave(self.group, dim=1)[:, :, None, :]  # [B, H, 1, n]
         mask = torch.cat([old.expand(-1, -1, s, -1), self.new_mask.expand(-1, old.shape[1], -1, -1)], -1)
         return keys, values, mask

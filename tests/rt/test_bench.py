@@ -14,6 +14,7 @@ from infinigen_rt.bench import (
     kv_row_bytes,
     preset_config,
     run_point,
+    run_points,
     synthetic_engine,
 )
 from tests.conftest import run_cli, shakespeare
@@ -57,6 +58,16 @@ def test_offload_bytes_are_every_held_row(smol_synthetic):
     row = kv_row_bytes(cfg, torch.float32)
     assert p.h2d_bytes_per_step == pytest.approx(cfg.num_hidden_layers * cfg.num_key_value_heads * b * held * row)
     assert p.d2h_bytes_per_step == cfg.num_hidden_layers * cfg.num_key_value_heads * b * row  # the new token
+
+
+def test_side_by_side_points_move_what_each_policy_moves_alone(smol_synthetic):
+    kw = dict(warmup=1, trace=False, budget=0.25)
+    together = run_points(smol_synthetic, "t", ["offload", "infinigen", "full"], 2, 64, 4, BW, **kw)
+    assert [p.policy for p in together] == ["offload", "infinigen", "full"] and all(p.status == "ok" for p in together)
+    for p in together:  # each policy's own cache and counters, as if it had run alone
+        alone = run_point(smol_synthetic, "t", p.policy, 2, 64, 4, BW, **kw)
+        assert (p.h2d_bytes_per_step, p.d2h_bytes_per_step) == (alone.h2d_bytes_per_step, alone.d2h_bytes_per_step)
+        assert p.kv_fetched_share == alone.kv_fetched_share and p.ms_per_step > 0
 
 
 def test_infinigen_fetch_share_is_pinned_by_budget(smol_synthetic):
