@@ -32,6 +32,7 @@ class KVPool:
         self.evicted = 0
         self.fill = torch.zeros(shape[:2], dtype=torch.long)  # slots written so far, from 0, per (b, h)
         self.holes = False  # once an eviction frees a slot below `fill`, free slots are found by search
+        self.n_held = torch.zeros(shape[:2], dtype=torch.long)  # tokens held per (b, h), kept up to date
 
     @property
     def row_bytes(self) -> int:
@@ -40,7 +41,7 @@ class KVPool:
 
     def held(self) -> torch.Tensor:
         """Tokens held per (sequence, KV head): [B, Hkv]."""
-        return (self.pos >= 0).sum(-1)
+        return self.n_held.clone()
 
     def insert(self, k, v, positions, valid) -> torch.Tensor:
         """Write s new tokens into free slots. k, v: [B, Hkv, s, D] (any device); positions, valid: [B, s].
@@ -58,8 +59,10 @@ class KVPool:
         rows = slots[..., None].expand(b, h, s, d)
         self.k.scatter_(2, rows, k.to("cpu", self.k.dtype))
         self.v.scatter_(2, rows, v.to("cpu", self.v.dtype))
-        new_pos = torch.where(valid.cpu(), positions.cpu(), -1)[:, None, :].expand(b, h, s)
+        valid = valid.cpu()
+        new_pos = torch.where(valid, positions.cpu(), -1)[:, None, :].expand(b, h, s)
         self.pos.scatter_(2, slots, new_pos)
+        self.n_held += valid.sum(-1)[:, None]
         self.hits.scatter_(2, slots, torch.zeros_like(slots))
         self.last.scatter_(2, slots, torch.zeros_like(slots))
         return slots
@@ -108,6 +111,7 @@ class KVPool:
         order = rank.argsort(dim=-1, stable=True)
         nth = torch.empty_like(order).scatter_(2, order, torch.arange(order.shape[-1]).expand_as(order))
         victims = (nth < over[..., None]) & (self.pos >= 0) & ~recent
+        self.n_held -= victims.sum(-1)
         n = int(victims.sum())
         self.pos.masked_fill_(victims, -1)
         self.evicted += n

@@ -93,15 +93,25 @@ class InfinigenCache(OffloadCache):
         if self.opts.renorm and self.cfg.do_layer_norm_before:  # post-LN OPT: the input is not normalised
             x = self.renormed(j, x)
         q = self.partial_query(j, x) / math.sqrt(self.cfg.head_dim)  # [B, Hkv, G, d'], scaled
-        held = self.held_dev[j]  # [B, Hkv, S]
-        s = q @ self.pk[j]  # [B, Hkv, G, S]: a plain batched matmul over the transposed partial keys
-        s = s.float().masked_fill(~held[:, :, None, :], float("-inf"))
-        held_b = held.sum(-1).amax(-1)  # [B]
-        cap = torch.clamp((self.opts.budget * held_b).floor().long(), min=1)
-        if self.opts.max_kv is not None:
-            cap = cap.clamp(max=self.opts.max_kv)
+        pool, inf = self.pools[j], float("inf")
+        # the common case: no eviction yet and no padding, so the held slots are exactly 0..t-1 in position
+        # order; the host knows t, and no mask over the context is needed (sinks: the first slots; recent: the last)
+        prefix = not pool.holes and not self.padded
+        if prefix:
+            t = int(pool.fill.max())
+            s = (q @ self.pk[j][..., :t]).float()  # [B, Hkv, G, t]: a batched matmul over the transposed keys
+            cap = max(1, math.floor(self.opts.budget * t))
+            cap = min(cap, t, self.opts.max_kv or cap)
+        else:
+            held = self.held_dev[j]  # [B, Hkv, S]
+            s = (q @ self.pk[j]).float().masked_fill(~held[:, :, None, :], -inf)
+            held_b = held.sum(-1).amax(-1)  # [B]
+            cap = torch.clamp((self.opts.budget * held_b).floor().long(), min=1)
+            if self.opts.max_kv is not None:
+                cap = cap.clamp(max=self.opts.max_kv)
+            cap = torch.minimum(cap, held_b)[:, None]
         if math.isinf(self.alpha):  # no margin: the budget decides
-            n = cap[:, None]
+            n = cap
         else:
             within = s > (s.amax(-1, keepdim=True) - self.alpha)
             counts = within.sum(-1).float()  # [B, Hkv, G]: tokens within alpha of each query head's max
@@ -109,27 +119,34 @@ class InfinigenCache(OffloadCache):
                 n = counts.mean(2).ceil().long()
             else:  # [B, 1]: one count per sequence, the mean over every query head
                 n = counts.mean(dim=(1, 2)).ceil().long()[:, None]
-        n = torch.minimum(torch.minimum(n, cap[:, None]), held_b[:, None]).clamp(min=1)
+            n = n.clamp(1, cap) if prefix else torch.minimum(n, cap).clamp(min=1)
         if self.opts.group_agg == "sum":  # a token's share of the group's attention
             agg = s.softmax(-1).sum(2)
         else:  # a token any head of the group wants
             agg = s.amax(2)  # [B, Hkv, S]
-        if self.opts.sinks or self.opts.recent:  # always fetched, inside the budget
+        if prefix:  # always fetched, inside the budget
+            agg[..., : self.opts.sinks] = inf
+            if self.opts.recent:
+                agg[..., max(t - self.opts.recent, 0) :] = inf
+        elif self.opts.sinks or self.opts.recent:
             pos = self.pos_dev[j]
             newest = pos.amax(-1, keepdim=True)
             forced = held & ((pos < self.opts.sinks) | (pos > newest - self.opts.recent))
-            agg = agg.masked_fill(forced, float("inf"))
-        n_min, n_max = torch.stack([n.min(), n.max()]).tolist()  # the one host sync of a speculation: the fetch size
+            agg = agg.masked_fill(forced, inf)
+        if isinstance(n, int):  # known on the host
+            n_min = n_max = n
+            n = torch.full((q.shape[0], 1), n)
+        else:  # the one host sync of a speculation: the fetch size
+            n_min, n_max = torch.stack([n.min(), n.max()]).tolist()
         # every row fetching the same count needs no order among the chosen (an unsorted top-k is several times
         # cheaper on a CPU once k is a sizeable share); rows fetching fewer take the first n of a sorted top-k
         top = agg.topk(n_max, dim=-1, sorted=n_min != n_max).indices  # [B, Hkv, n]
-        ok = torch.gather(held, 2, top)
+        ok = torch.ones_like(top, dtype=torch.bool) if prefix else torch.gather(held, 2, top)
         if n_min != n_max:
             ok &= torch.arange(n_max, device=top.device) < n[..., None]
         slots, ok = top.cpu(), ok.cpu()
         self.stats.tokens_per_head += n.float().mean(-1).tolist()
         # prefetch now, while layer j-1 computes: on a copy stream with a GPU; layer j waits on this copy only
-        pool = self.pools[j]
         if self.copy_stream is not None:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):

@@ -66,6 +66,7 @@ class OffloadCache(KVCache):
         self.lengths = torch.zeros(batch, dtype=torch.long)  # real tokens seen per sequence
         self.stats = KVStats(layer_h2d=dict.fromkeys(range(cfg.num_hidden_layers), 0))
         self.step = 0
+        self.padded = False  # some slot holds padding (decode steps bring none: see KVCache.begin)
 
     def begin(self, valid, positions) -> None:
         if self.resident is not None:
@@ -73,7 +74,9 @@ class OffloadCache(KVCache):
         self.valid, self.positions = valid, positions
         self.new_mask = causal_mask(valid, 0)  # [B, 1, s, s] among the new tokens
         s = valid.shape[1]
-        self.plain = s > 1 and int(self.lengths.max()) == 0 and bool(valid.all())  # a first prefill, no padding
+        if s > 1:
+            self.padded = self.padded or not bool(valid.all())
+        self.plain = s > 1 and int(self.lengths.max()) == 0 and not self.padded  # a first prefill, no padding
         self.lengths += valid.sum(-1).cpu()
         self.step += 1
 
@@ -122,6 +125,8 @@ class OffloadCache(KVCache):
         """Hook for subclasses: the new tokens' keys went into `slots`."""
 
     def end(self) -> None:
+        if self.opts.capacity is None:  # the pool holds everything: nothing to evict
+            return
         cap = self.opts.capacity_tokens(self.lengths)
         for pool in self.pools[self.n_resident :]:
             pool.evict(cap)

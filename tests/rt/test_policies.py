@@ -99,6 +99,23 @@ def test_per_sequence_selection(bundles):
     assert not torch.equal(hits[0], hits[1])
 
 
+@pytest.mark.parametrize("name", ["llama31_gqa", "opt"])
+def test_a_row_selects_the_same_alone_and_left_padded(name, bundles):
+    """Alone, a row's held slots are a host-known prefix (no masks); left-padded beside a longer row, speculation
+    masks the padding and fetches per row: the same tokens get selected, the same logits come out."""
+    e = engines(bundles[name], ig=("infinigen", KVOptions(alpha=math.inf, budget=0.3)))["ig"]  # n > sinks + recent
+    g = torch.Generator().manual_seed(5)
+    short, long = (torch.randint(4, e.cfg.vocab_size, (n,), generator=g).tolist() for n in (60, 71))
+    alone_logits, _, alone = greedy_logits(e, [short], 5)
+    both_logits, _, both = greedy_logits(e, [long, short], 5)
+    torch.testing.assert_close(both_logits[:, 1], alone_logits[:, 0], rtol=1e-4, atol=1e-4)
+    for j in range(e.dense_layers(), e.cfg.num_hidden_layers):
+        a, b = alone.pools[j], both.pools[j]
+        held = b.pos[1] >= 0  # [Hkv, S]: the padded row's real tokens, in position order
+        hits_b = b.hits[1][held].view(held.shape[0], -1)
+        assert torch.equal(hits_b, a.hits[0][:, : hits_b.shape[1]]) and hits_b.sum() > 0
+
+
 @pytest.mark.parametrize("eviction", ["counter", "lru", "fifo"])
 def test_capacity_holds_through_generation(eviction, bundles):
     kv = KVOptions(alpha=2.0, budget=0.5, capacity=24, window=6, eviction=eviction)
