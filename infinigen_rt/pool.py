@@ -32,6 +32,7 @@ class KVPool:
         self.evicted = 0
         self.fill = torch.zeros(shape[:2], dtype=torch.long)  # slots written so far, from 0, per (b, h)
         self.holes = False  # once an eviction frees a slot below `fill`, free slots are found by search
+        self.appended: tuple[int, int] | None = (0, 0)  # the slot range the last insert wrote, while in order
         self.n_held = torch.zeros(shape[:2], dtype=torch.long)  # tokens held per (b, h), kept up to date
 
     @property
@@ -48,21 +49,28 @@ class KVPool:
 
         Padding tokens are written but their slots stay free. Returns the slots used: [B, Hkv, s] (host)."""
         b, h, s, d = k.shape
-        if not self.holes:  # no eviction yet: the next slots in order
-            assert int(self.fill.max()) + s <= self.pos.shape[-1], "pool full: evict before inserting"
-            slots = self.fill[..., None] + torch.arange(s)
+        valid = valid.cpu()
+        new_pos = torch.where(valid, positions.cpu(), -1)[:, None, :].expand(b, h, s)
+        self.n_held += valid.sum(-1)[:, None]
+        if not self.holes:  # no eviction yet: the next slots in order, the same for every (b, h)
+            f = self.appended[1]
+            assert f + s <= self.pos.shape[-1], "pool full: evict before inserting"
             self.fill += s
-        else:
-            free = self.pos < 0
-            assert int(free.sum(-1).min()) >= s, "pool full: evict before inserting"
-            slots = torch.argsort((~free).to(torch.int8), dim=-1, stable=True)[..., :s]  # first free slots
+            self.appended = (f, f + s)
+            self.k[:, :, f : f + s] = k
+            self.v[:, :, f : f + s] = v
+            self.pos[:, :, f : f + s] = new_pos
+            self.hits[:, :, f : f + s] = 0
+            self.last[:, :, f : f + s] = 0
+            return torch.arange(f, f + s).expand(b, h, s)
+        free = self.pos < 0
+        assert int(free.sum(-1).min()) >= s, "pool full: evict before inserting"
+        slots = torch.argsort((~free).to(torch.int8), dim=-1, stable=True)[..., :s]  # first free slots
+        self.appended = None
         rows = slots[..., None].expand(b, h, s, d)
         self.k.scatter_(2, rows, k.to("cpu", self.k.dtype))
         self.v.scatter_(2, rows, v.to("cpu", self.v.dtype))
-        valid = valid.cpu()
-        new_pos = torch.where(valid, positions.cpu(), -1)[:, None, :].expand(b, h, s)
         self.pos.scatter_(2, slots, new_pos)
-        self.n_held += valid.sum(-1)[:, None]
         self.hits.scatter_(2, slots, torch.zeros_like(slots))
         self.last.scatter_(2, slots, torch.zeros_like(slots))
         return slots
@@ -92,8 +100,12 @@ class KVPool:
         shape = (*slots.shape[:2], slots.shape[2] + extra)
         return take_rows(self.k, flat, shape, device), take_rows(self.v, flat, shape, device)
 
-    def mark_selected(self, slots: torch.Tensor, ok: torch.Tensor, step: int) -> None:
-        """Count a selection of `slots` (where `ok`) for the counter and LRU policies."""
+    def mark_selected(self, slots: torch.Tensor, ok: torch.Tensor | None, step: int) -> None:
+        """Count a selection of `slots` (where `ok`; None: all of them) for the counter and LRU policies."""
+        if ok is None:
+            self.hits.scatter_add_(2, slots, torch.ones_like(slots))
+            self.last.scatter_(2, slots, step)
+            return
         self.hits.scatter_add_(2, slots, ok.long())
         self.last.scatter_(2, slots, torch.where(ok, step, torch.gather(self.last, 2, slots)))
 

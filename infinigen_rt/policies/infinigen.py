@@ -31,18 +31,20 @@ class InfinigenCache(OffloadCache):
         n_layers, hkv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
         self.idx = [tensors[partial_idx_name(j)].to(self.device) for j in range(n_layers)]  # [Hkv, d']
         d_prime = self.idx[0].shape[-1]
-        if self.rope:  # the skew's chosen columns: [Hkv, D, d']
+        scale = 1 / math.sqrt(d)  # folded into the query side once, not applied to scores over the context
+        if self.rope:  # the skew's chosen columns: [Hkv, D, d'] (keys) and scaled (queries)
             self.a_part = [
                 torch.gather(tensors[skew_name(j)].to(self.device), 2, self.idx[j][:, None, :].expand(hkv, d, -1)).to(
                     dtype
                 )
                 for j in range(n_layers)
             ]
+            self.a_part_q = [(a * scale)[None] for a in self.a_part]
         else:  # OPT: skew folded into the weights; the partial query weight is a real smaller matmul
             self.pq = [
-                (tensors[partial_q_name(j, "weight")].to(self.device, dtype),
-                 tensors[partial_q_name(j, "bias")].to(self.device, dtype) if partial_q_name(j, "bias") in tensors
-                 else None)
+                (tensors[partial_q_name(j, "weight")].to(self.device, dtype) * scale,
+                 tensors[partial_q_name(j, "bias")].to(self.device, dtype) * scale
+                 if partial_q_name(j, "bias") in tensors else None)
                 for j in range(n_layers)
             ]  # fmt: skip
         spec = range(dense, n_layers)  # the speculated layers' partial keys (transposed) and held map, on the device
@@ -50,7 +52,8 @@ class InfinigenCache(OffloadCache):
         self.held_dev = {j: torch.zeros(batch, hkv, max_len, dtype=torch.bool, device=self.device) for j in spec}
         self.pos_dev = {j: torch.full((batch, hkv, max_len), -1, dtype=torch.long, device=self.device) for j in spec}
         self.norms = [getattr(blk, "input_layernorm", None) or blk.self_attn_layer_norm for blk in model.layers]
-        self.pending: dict[int, tuple] = {}  # layer -> (slots, ok, keys, values, copy event)
+        self.renorm = [None] + [self._renorm_affine(j) for j in range(1, n_layers)]  # (scale, shift or None)
+        self.pending: dict[int, tuple] = {}  # layer -> (slots, ok, keys, values, copy event, all ok)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def begin(self, valid, positions) -> None:
@@ -66,22 +69,30 @@ class InfinigenCache(OffloadCache):
         idx = self.idx[j]
         return torch.gather(k, -1, idx[None, :, None, :].expand(k.shape[0], -1, k.shape[2], -1))
 
+    def _renorm_affine(self, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        prev, cur = self.norms[j - 1], self.norms[j]
+        ratio = cur.weight / torch.where(prev.weight.abs() < 1e-6, 1e-6, prev.weight)
+        pb, cb = getattr(prev, "bias", None), getattr(cur, "bias", None)
+        if pb is None and cb is None:
+            return ratio, None
+        shift = (cb if cb is not None else 0) - (pb * ratio if pb is not None else 0)
+        return ratio, shift
+
     def renormed(self, j: int, x: torch.Tensor) -> torch.Tensor:
         """Layer j-1's normalised input as layer j's norm would give it: exact for RMSNorm (x * g_j / g_{j-1});
-        for LayerNorm (x - b_{j-1}) / g_{j-1} * g_j + b_j."""
-        prev, cur = self.norms[j - 1], self.norms[j]
-        h = x if getattr(prev, "bias", None) is None else x - prev.bias
-        h = h * (cur.weight / torch.where(prev.weight.abs() < 1e-6, 1e-6, prev.weight))
-        return h if getattr(cur, "bias", None) is None else h + cur.bias
+        for LayerNorm (x - b_{j-1}) / g_{j-1} * g_j + b_j (one affine map, computed once per layer)."""
+        ratio, shift = self.renorm[j]
+        return x * ratio if shift is None else torch.addcmul(shift, x, ratio)
 
     def partial_query(self, j: int, x: torch.Tensor) -> torch.Tensor:
-        """Layer j's speculative query from layer j-1's normalised input x: [B, 1, hidden] -> [B, Hkv, G, d']."""
+        """Layer j's speculative query from layer j-1's normalised input x: [B, 1, hidden] -> [B, Hkv, G, d'],
+        already divided by sqrt(head_dim)."""
         b, hkv, g, d = x.shape[0], self.cfg.num_key_value_heads, self.group, self.cfg.head_dim
         if self.rope:  # RoPE sits between projection and dot product: full query, rotate, then skew
             proj = self.model.layers[j].self_attn.q_proj
             q = F.linear(x, proj.weight, proj.bias).view(b, 1, hkv * g, d).transpose(1, 2)
             q = apply_rope(q, *self.cos_sin).view(b, hkv, g, d)
-            return q @ self.a_part[j][None]
+            return q @ self.a_part_q[j]
         w, bias = self.pq[j]
         return F.linear(x, w, bias).view(b, hkv, g, -1)
 
@@ -92,7 +103,7 @@ class InfinigenCache(OffloadCache):
             return
         if self.opts.renorm and self.cfg.do_layer_norm_before:  # post-LN OPT: the input is not normalised
             x = self.renormed(j, x)
-        q = self.partial_query(j, x) / math.sqrt(self.cfg.head_dim)  # [B, Hkv, G, d'], scaled
+        q = self.partial_query(j, x)  # [B, Hkv, G, d'], scaled
         pool, inf = self.pools[j], float("inf")
         # the common case: no eviction yet and no padding, so the held slots are exactly 0..t-1 in position
         # order; the host knows t, and no mask over the context is needed (sinks: the first slots; recent: the last)
@@ -113,12 +124,11 @@ class InfinigenCache(OffloadCache):
         if math.isinf(self.alpha):  # no margin: the budget decides
             n = cap
         else:
-            within = s > (s.amax(-1, keepdim=True) - self.alpha)
-            counts = within.sum(-1).float()  # [B, Hkv, G]: tokens within alpha of each query head's max
+            within = s > (s.amax(-1, keepdim=True) - self.alpha)  # tokens within alpha of each query head's max
             if self.opts.per_head:  # [B, Hkv]: each KV head its group's mean count
-                n = counts.mean(2).ceil().long()
+                n = within.sum(-1).float().mean(2).ceil().long()
             else:  # [B, 1]: one count per sequence, the mean over every query head
-                n = counts.mean(dim=(1, 2)).ceil().long()[:, None]
+                n = (within.sum(dim=(1, 2, 3)) / (s.shape[1] * s.shape[2])).ceil().long()[:, None]
             n = n.clamp(1, cap) if prefix else torch.minimum(n, cap).clamp(min=1)
         if self.opts.group_agg == "sum":  # a token's share of the group's attention
             agg = s.softmax(-1).sum(2)
@@ -135,17 +145,22 @@ class InfinigenCache(OffloadCache):
             agg = agg.masked_fill(forced, inf)
         if isinstance(n, int):  # known on the host
             n_min = n_max = n
-            n = torch.full((q.shape[0], 1), n)
-        else:  # the one host sync of a speculation: the fetch size
-            n_min, n_max = torch.stack([n.min(), n.max()]).tolist()
+            per_row = [n] * q.shape[0]
+        else:  # the one host sync of a speculation: the fetch size (and each row's mean, for the stats)
+            *per_row, n_min, n_max = torch.cat([n.float().mean(-1), n.min()[None], n.max()[None]]).tolist()
+            n_min, n_max = int(n_min), int(n_max)
         # every row fetching the same count needs no order among the chosen (an unsorted top-k is several times
         # cheaper on a CPU once k is a sizeable share); rows fetching fewer take the first n of a sorted top-k
         top = agg.topk(n_max, dim=-1, sorted=n_min != n_max).indices  # [B, Hkv, n]
-        ok = torch.ones_like(top, dtype=torch.bool) if prefix else torch.gather(held, 2, top)
-        if n_min != n_max:
-            ok &= torch.arange(n_max, device=top.device) < n[..., None]
-        slots, ok = top.cpu(), ok.cpu()
-        self.stats.tokens_per_head += n.float().mean(-1).tolist()
+        if prefix and n_min == n_max:  # every chosen slot holds a token and counts
+            ok = torch.ones(top.shape, dtype=torch.bool)
+        else:
+            ok = torch.ones_like(top, dtype=torch.bool) if prefix else torch.gather(held, 2, top)
+            if n_min != n_max:
+                ok &= torch.arange(n_max, device=top.device) < n[..., None]
+            ok = ok.cpu()
+        slots = top.cpu()
+        self.stats.tokens_per_head += per_row
         # prefetch now, while layer j-1 computes: on a copy stream with a GPU; layer j waits on this copy only
         if self.copy_stream is not None:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -156,12 +171,12 @@ class InfinigenCache(OffloadCache):
         else:
             k, v, done = *pool.gather(slots, self.device, extra=1), None
         self.count_h2d(j, (slots.numel() + slots.shape[0] * slots.shape[1]) * pool.row_bytes)  # + the new token's row
-        self.pending[j] = (slots, ok, k, v, done)
+        self.pending[j] = (slots, ok, k, v, done, prefix and n_min == n_max)
 
     def fetch(self, layer: int, extra: int = 0):
         if layer not in self.pending:
             return super().fetch(layer, extra)
-        slots, ok, k, v, done = self.pending[layer]
+        slots, ok, k, v, done, _ = self.pending[layer]
         if done is not None:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_event(done)
@@ -172,10 +187,10 @@ class InfinigenCache(OffloadCache):
     def after_fetch(self, layer, q, slots, ok) -> None:
         if layer not in self.pending:
             return
-        del self.pending[layer]
+        every = self.pending.pop(layer)[-1]  # every chosen slot counts (no per-row limits, no free slots)
         pool = self.pools[layer]
-        pool.mark_selected(slots, ok, self.step)
-        fetched, held = int(ok.sum()), int(pool.held().sum())
+        pool.mark_selected(slots, None if every else ok, self.step)
+        fetched, held = ok.numel() if every else int(ok.sum()), int(pool.held().sum())
         self.stats.fetched += fetched
         self.stats.held += held
         per = self.stats.layer_fetched.setdefault(layer, [0, 0])
@@ -198,12 +213,18 @@ class InfinigenCache(OffloadCache):
         return float((p[:, :, 0] * in_set).sum(-1).mean())
 
     def after_insert(self, layer, k, slots) -> None:
-        dev_slots = slots.to(self.device)
         pk = self.partial_key(layer, k).transpose(-1, -2)  # [B, Hkv, d', s]
-        self.pk[layer].scatter_(3, dev_slots[:, :, None, :].expand(-1, -1, pk.shape[2], -1), pk)
         valid = self.valid[:, None, :].expand(-1, slots.shape[1], -1)
-        self.held_dev[layer].scatter_(2, dev_slots, valid)
         pos = torch.where(valid, self.positions[:, None, :].expand_as(valid), -1)
+        if self.pools[layer].appended is not None:  # in order: one slot range for every (b, h)
+            a, b = self.pools[layer].appended
+            self.pk[layer][..., a:b] = pk
+            self.held_dev[layer][..., a:b] = valid
+            self.pos_dev[layer][..., a:b] = pos
+            return
+        dev_slots = slots.to(self.device)
+        self.pk[layer].scatter_(3, dev_slots[:, :, None, :].expand(-1, -1, pk.shape[2], -1), pk)
+        self.held_dev[layer].scatter_(2, dev_slots, valid)
         self.pos_dev[layer].scatter_(2, dev_slots, pos)
 
     def end(self) -> None:
