@@ -429,7 +429,9 @@ def _finish(pt: Point, e: Engine, cache, step, times: list[float], before: dict,
     pt.h2d_bytes_per_step = round(h2d, 1)
     pt.d2h_bytes_per_step = round((after.get("bytes_d2h", 0) - before.get("bytes_d2h", 0)) / gen, 1)
     pt.h2d_achieved_bytes_per_s = round(h2d / med, 1) if h2d else None
-    pt.kv_fetched_share = after.get("kv_fetched_share", 1.0 if pt.policy in ("full", "offload") else None)
+    pt.kv_fetched_share = after.get("kv_fetched_share")
+    if pt.kv_fetched_share is None and pt.policy in ("full", "offload"):  # every held row, every layer
+        pt.kv_fetched_share = 1.0
     floor = floor_seconds(e, pt.policy, batch, pt.context, h2d, bw)
     pt.floor_ms, pt.over_floor = round(1000 * floor, 3), round(med / floor, 2)
     if dev.type == "cuda":

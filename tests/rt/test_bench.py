@@ -58,6 +58,7 @@ def test_offload_bytes_are_every_held_row(smol_synthetic):
     row = kv_row_bytes(cfg, torch.float32)
     assert p.h2d_bytes_per_step == pytest.approx(cfg.num_hidden_layers * cfg.num_key_value_heads * b * held * row)
     assert p.d2h_bytes_per_step == cfg.num_hidden_layers * cfg.num_key_value_heads * b * row  # the new token
+    assert p.kv_fetched_share == 1.0
 
 
 def test_side_by_side_points_move_what_each_policy_moves_alone(smol_synthetic):
