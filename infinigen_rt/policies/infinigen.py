@@ -11,6 +11,7 @@ tokens are always among them. The dense layers (the first `dense_layers`) keep t
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,17 @@ import torch.nn.functional as F
 from infinigen_rt.bundle import partial_idx_name, partial_q_name, skew_name
 from infinigen_rt.models.llama import Llama, apply_rope, rope_cos_sin
 from infinigen_rt.policies.offload import OffloadCache
+
+_SPECULATOR: ThreadPoolExecutor | None = None
+
+
+def speculator() -> ThreadPoolExecutor:
+    """One worker thread per process that speculates on the CPU. Torch ops release the GIL, so layer j+1's
+    selection and row gather run on the second core while the main thread computes layer j."""
+    global _SPECULATOR
+    if _SPECULATOR is None:
+        _SPECULATOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinigen-speculate")
+    return _SPECULATOR
 
 
 class InfinigenCache(OffloadCache):
@@ -53,12 +65,15 @@ class InfinigenCache(OffloadCache):
         self.pos_dev = {j: torch.full((batch, hkv, max_len), -1, dtype=torch.long, device=self.device) for j in spec}
         self.norms = [getattr(blk, "input_layernorm", None) or blk.self_attn_layer_norm for blk in model.layers]
         self.renorm = [None] + [self._renorm_affine(j) for j in range(1, n_layers)]  # (scale, shift or None)
-        self.pending: dict[int, tuple] = {}  # layer -> (slots, ok, keys, values, copy event, all ok)
+        self.pending: dict[int, tuple | Future] = {}  # layer -> what `speculate` returns (or will)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # a CPU with a core to spare speculates on a worker thread (a GPU overlaps through the copy stream)
+        self.overlap = self.device.type == "cpu" and torch.get_num_threads() > 1
 
     def begin(self, valid, positions) -> None:
         super().begin(valid, positions)
-        self.decoding = valid.shape[1] == 1
+        # one new token over a held context (a one-token prompt's first pass holds nothing to choose from)
+        self.decoding = valid.shape[1] == 1 and int(self.lengths.max()) > 1
         if self.rope:
             self.cos_sin = rope_cos_sin(self.model.inv_freq, positions, self.pk[self.dense_layers].dtype)
 
@@ -96,11 +111,19 @@ class InfinigenCache(OffloadCache):
         w, bias = self.pq[j]
         return F.linear(x, w, bias).view(b, hkv, g, -1)
 
-    @torch.no_grad()
     def observe(self, layer: int, x: torch.Tensor) -> None:
         j = layer + 1
         if not self.decoding or j < self.dense_layers or j >= self.cfg.num_hidden_layers:
             return
+        if self.overlap:  # on the other core, while layer j-1 computes
+            self.pending[j] = speculator().submit(self.speculate, j, x)
+        else:
+            self.pending[j] = self.speculate(j, x)
+
+    @torch.inference_mode()
+    def speculate(self, j: int, x: torch.Tensor) -> tuple:
+        """Choose layer j's rows from layer j-1's normalised input x and start copying them.
+        Returns (slots, ok, keys, values, copy event, every chosen slot counts, per-row counts, bytes fetched)."""
         if self.opts.renorm and self.cfg.do_layer_norm_before:  # post-LN OPT: the input is not normalised
             x = self.renormed(j, x)
         q = self.partial_query(j, x)  # [B, Hkv, G, d'], scaled
@@ -160,7 +183,6 @@ class InfinigenCache(OffloadCache):
                 ok &= torch.arange(n_max, device=top.device) < n[..., None]
             ok = ok.cpu()
         slots = top.cpu()
-        self.stats.tokens_per_head += per_row
         # prefetch now, while layer j-1 computes: on a copy stream with a GPU; layer j waits on this copy only
         if self.copy_stream is not None:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -170,13 +192,17 @@ class InfinigenCache(OffloadCache):
                 done.record(self.copy_stream)
         else:
             k, v, done = *pool.gather(slots, self.device, extra=1), None
-        self.count_h2d(j, (slots.numel() + slots.shape[0] * slots.shape[1]) * pool.row_bytes)  # + the new token's row
-        self.pending[j] = (slots, ok, k, v, done, prefix and n_min == n_max)
+        n_bytes = (slots.numel() + slots.shape[0] * slots.shape[1]) * pool.row_bytes  # + the new token's row
+        return slots, ok, k, v, done, prefix and n_min == n_max, per_row, n_bytes
 
     def fetch(self, layer: int, extra: int = 0):
         if layer not in self.pending:
             return super().fetch(layer, extra)
-        slots, ok, k, v, done, _ = self.pending[layer]
+        if isinstance(self.pending[layer], Future):  # speculated on the other core: wait for it
+            self.pending[layer] = self.pending[layer].result()
+        slots, ok, k, v, done, _, per_row, n_bytes = self.pending[layer]
+        self.count_h2d(layer, n_bytes)  # the counters change on this thread only
+        self.stats.tokens_per_head += per_row
         if done is not None:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_event(done)
@@ -187,7 +213,7 @@ class InfinigenCache(OffloadCache):
     def after_fetch(self, layer, q, slots, ok) -> None:
         if layer not in self.pending:
             return
-        every = self.pending.pop(layer)[-1]  # every chosen slot counts (no per-row limits, no free slots)
+        every = self.pending.pop(layer)[5]  # every chosen slot counts (no per-row limits, no free slots)
         pool = self.pools[layer]
         pool.mark_selected(slots, None if every else ok, self.step)
         fetched, held = ok.numel() if every else int(ok.sum()), int(pool.held().sum())

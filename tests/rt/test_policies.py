@@ -116,6 +116,34 @@ def test_a_row_selects_the_same_alone_and_left_padded(name, bundles):
         assert torch.equal(hits_b, a.hits[0][:, : hits_b.shape[1]]) and hits_b.sum() > 0
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_speculating_on_a_worker_thread_changes_nothing(batch, bundles):
+    """On a CPU with two threads, speculation and the row gather run on a worker while the layer before computes;
+    the tokens chosen, the logits and the bytes counted are those of the same work done inline. Batch 1 takes
+    the unmasked in-order path; batch 2 (left padding, a capacity that evicts) the masked one."""
+    kv = KVOptions(alpha=1.0, budget=0.3, capacity=0.6 if batch == 2 else None)
+    e = engines(bundles["llama31_gqa"], ig=("infinigen", kv))["ig"]
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(4, e.cfg.vocab_size, (n,), generator=g).tolist() for n in (50, 37)[:batch]]
+    runs = []
+    for overlap in (False, True):
+        cache = e.make_cache(batch, 50 + 9)
+        cache.overlap = overlap
+        logits, _, cache = greedy_logits(e, prompts, 8, cache=cache)
+        runs.append((logits, cache.report(), [p.hits.clone() for p in cache.pools[e.dense_layers():]]))
+    (l0, r0, h0), (l1, r1, h1) = runs
+    torch.testing.assert_close(l1, l0, rtol=0, atol=0)
+    assert r1 == r0 and r0["bytes_h2d"] > 0 and (r0["evictions"] > 0) == (batch == 2)
+    assert all(torch.equal(a, b) for a, b in zip(h0, h1, strict=True))
+
+
+def test_a_one_token_prompt_generates(bundles):
+    """Its first pass is one token over an empty pool: nothing to speculate on yet."""
+    e = engines(bundles["llama31_gqa"], ig=("infinigen", KVOptions(budget=0.3)))["ig"]
+    logits, toks, cache = greedy_logits(e, [[5]], 6)
+    assert toks.shape == (1, 6) and torch.isfinite(logits).all() and cache.report()["bytes_h2d"] > 0
+
+
 @pytest.mark.parametrize("eviction", ["counter", "lru", "fifo"])
 def test_capacity_holds_through_generation(eviction, bundles):
     kv = KVOptions(alpha=2.0, budget=0.5, capacity=24, window=6, eviction=eviction)
