@@ -6,6 +6,9 @@ Per speculated layer j and sequence b: scores s = q~ . K~ / sqrt(D) over every h
 over query heads of the tokens within `alpha` of the head's maximum, capped by the budget; the top-n
 tokens per KV head (the group's probabilities summed, or its logits' max) are fetched. Sinks and recent
 tokens are always among them. The dense layers (the first `dense_layers`) keep their KV on the device.
+
+The selection and the copy of layer i+1's rows overlap layer i's compute: on a GPU through a copy stream,
+on a CPU with two threads or more through a worker thread (torch ops release the GIL).
 """
 
 from __future__ import annotations
