@@ -30,9 +30,8 @@ class KVPool:
         self.last = torch.zeros(shape[:3], dtype=torch.long)
         self.eviction, self.window = eviction, window
         self.evicted = 0
-        self.fill = torch.zeros(shape[:2], dtype=torch.long)  # slots written so far, from 0, per (b, h)
+        self.fill = 0  # slots written in order from 0, the same for every (b, h), until the first eviction
         self.holes = False  # once an eviction frees a slot below `fill`, free slots are found by search
-        self.appended: tuple[int, int] | None = (0, 0)  # the slot range the last insert wrote, while in order
         self.n_held = torch.zeros(shape[:2], dtype=torch.long)  # tokens held per (b, h), kept up to date
 
     @property
@@ -53,10 +52,9 @@ class KVPool:
         new_pos = torch.where(valid, positions.cpu(), -1)[:, None, :].expand(b, h, s)
         self.n_held += valid.sum(-1)[:, None]
         if not self.holes:  # no eviction yet: the next slots in order, the same for every (b, h)
-            f = self.appended[1]
+            f = self.fill
             assert f + s <= self.pos.shape[-1], "pool full: evict before inserting"
             self.fill += s
-            self.appended = (f, f + s)
             self.k[:, :, f : f + s] = k
             self.v[:, :, f : f + s] = v
             self.pos[:, :, f : f + s] = new_pos
@@ -66,7 +64,6 @@ class KVPool:
         free = self.pos < 0
         assert int(free.sum(-1).min()) >= s, "pool full: evict before inserting"
         slots = torch.argsort((~free).to(torch.int8), dim=-1, stable=True)[..., :s]  # first free slots
-        self.appended = None
         rows = slots[..., None].expand(b, h, s, d)
         self.k.scatter_(2, rows, k.to("cpu", self.k.dtype))
         self.v.scatter_(2, rows, v.to("cpu", self.v.dtype))
@@ -79,7 +76,7 @@ class KVPool:
         """Every held slot: (slots [B, Hkv, n], ok [B, Hkv, n]); ok is False on slots padding n out."""
         b, h, size = self.pos.shape
         if not self.holes:  # slots 0..fill-1 (left padding's free slots among them, not ok)
-            n = int(self.fill.max())
+            n = self.fill
             return torch.arange(n).expand(b, h, n), self.pos[..., :n] >= 0
         n = max(int(self.held().max()), 0)
         slots = torch.argsort((self.pos < 0).to(torch.int8), dim=-1, stable=True)[..., :n]

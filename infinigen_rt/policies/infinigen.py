@@ -135,7 +135,7 @@ class InfinigenCache(OffloadCache):
         # order; the host knows t, and no mask over the context is needed (sinks: the first slots; recent: the last)
         prefix = not pool.holes and not self.padded
         if prefix:
-            t = int(pool.fill.max())
+            t = pool.fill
             s = (q @ self.pk[j][..., :t]).float()  # [B, Hkv, G, t]: a batched matmul over the transposed keys
             cap = max(1, math.floor(self.opts.budget * t))
             cap = min(cap, t, self.opts.max_kv or cap)
@@ -178,10 +178,12 @@ class InfinigenCache(OffloadCache):
         # every row fetching the same count needs no order among the chosen (an unsorted top-k is several times
         # cheaper on a CPU once k is a sizeable share); rows fetching fewer take the first n of a sorted top-k
         top = agg.topk(n_max, dim=-1, sorted=n_min != n_max).indices  # [B, Hkv, n]
-        if prefix and n_min == n_max:  # every chosen slot holds a token and counts
+        if prefix:  # every chosen slot holds a token; built on the host (rows fetching fewer drop their tail)
             ok = torch.ones(top.shape, dtype=torch.bool)
+            if n_min != n_max:
+                ok &= torch.arange(n_max) < n.cpu()[..., None]
         else:
-            ok = torch.ones_like(top, dtype=torch.bool) if prefix else torch.gather(held, 2, top)
+            ok = torch.gather(held, 2, top)
             if n_min != n_max:
                 ok &= torch.arange(n_max, device=top.device) < n[..., None]
             ok = ok.cpu()
@@ -245,8 +247,9 @@ class InfinigenCache(OffloadCache):
         pk = self.partial_key(layer, k).transpose(-1, -2)  # [B, Hkv, d', s]
         valid = self.valid[:, None, :].expand(-1, slots.shape[1], -1)
         pos = torch.where(valid, self.positions[:, None, :].expand_as(valid), -1)
-        if self.pools[layer].appended is not None:  # in order: one slot range for every (b, h)
-            a, b = self.pools[layer].appended
+        pool = self.pools[layer]
+        if not pool.holes:  # written in order: the last s slots before `fill`, the same for every (b, h)
+            a, b = pool.fill - k.shape[2], pool.fill
             self.pk[layer][..., a:b] = pk
             self.held_dev[layer][..., a:b] = valid
             self.pos_dev[layer][..., a:b] = pos
