@@ -14,7 +14,8 @@ import torch
 
 from infinigen_rt.cache import DenseCache
 from infinigen_rt.engine import pad_batch
-from infinigen_rt.errors import InfinigenError, read_utf8
+from infinigen_rt.errors import InfinigenError, notice
+from infinigen_rt.files import read_utf8
 from infinigen_rt.models.llama import Llama, apply_rope, rope_cos_sin
 
 DEFAULT_CALIB = "hf://datasets/roneneldan/TinyStories/TinyStories-valid.txt"
@@ -24,7 +25,7 @@ MIN_CALIB_TOKENS = 64
 @dataclass
 class CalibText:
     text: str
-    name: str  # a path or hf:// address
+    name: str  # the file's name (never its local path: bundle.json is published) or the hf:// address
     sha256: str
 
 
@@ -38,7 +39,7 @@ def read_calib_text(spec: str | None) -> CalibText:
         if not path.is_file():
             raise InfinigenError(f"calibration text {spec} does not exist; pass --calib-text FILE (any UTF-8 text)")
     text, sha = read_utf8(path, f"calibration text {spec}")
-    return CalibText(text, spec, sha)
+    return CalibText(text, spec if spec.startswith("hf://") else path.name, sha)
 
 
 def _fetch_hub_text(spec: str, explicit: bool) -> Path:
@@ -74,12 +75,17 @@ class Grams:
 
 
 def calib_token_ids(ids: list[int], text: CalibText, n: int, max_positions: int) -> list[int]:
-    """The first n tokens of the text (at most the model's positions); too short a text is an error."""
-    n = min(n, max_positions)
+    """The first n tokens of the text (at most the model's positions); too short a text is an error, and fewer
+    tokens than asked for a notice."""
     if len(ids) < MIN_CALIB_TOKENS:
         raise InfinigenError(
             f"calibration text {text.name} has only {len(ids)} tokens; give at least {MIN_CALIB_TOKENS}"
         )
+    if n > max_positions:
+        notice(f"--calib-tokens {n} lowered to {max_positions}, the model's positions")
+        n = max_positions
+    if len(ids) < n:
+        notice(f"calibration text {text.name} has {len(ids)} tokens: calibrating on them, not --calib-tokens {n}")
     return ids[:n]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def model_card(meta: dict, license_: str | None, base_model: str | None) -> str:
     cfg, src = meta["config"], meta["source"]
-    origin = src.get("repo_id") or src.get("file") or src.get("path", "a local checkpoint")
+    origin = src.get("repo_id") or src.get("file") or src.get("name") or "a local checkpoint"
     front = ["---", "library_name: infinigen"]
     if base_model:
         front.append(f"base_model: {base_model}")

@@ -46,11 +46,14 @@ def convert(
     dtype: Annotated[str, typer.Option(help="auto (the source's), float32, float16, bfloat16.")] = "auto",
     revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or sha).")] = None,
     shard_size: Annotated[str, typer.Option(help="Largest weight shard, e.g. 4GB.")] = "4GB",
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing bundle at --out.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace the bundle at --out (only a bundle: anything else is refused).")
+    ] = False,
     calib_text: Annotated[
         Optional[str],
         typer.Option(
-            help=f"Calibration text: a UTF-8 file or hf://[datasets/]OWNER/REPO/PATH [default: {DEFAULT_CALIB}]"
+            # rich reads [..] as markup: escaped, or the help loses them
+            help=f"Calibration text: a UTF-8 file or hf://\\[datasets/]OWNER/REPO/PATH \\[default: {DEFAULT_CALIB}]"
         ),
     ] = None,
     calib_tokens: Annotated[int, typer.Option(help="Calibration tokens (capped by the model's positions).")] = 2048,

@@ -1,7 +1,8 @@
 """convert(): a checkpoint (Hub repo id, local folder or GGUF file) -> a bundle folder, written atomically.
 
-The bundle is built in a hidden sibling folder `.NAME.partial-PID` and renamed into place at the end,
-so an interrupted or failed convert never leaves anything loadable at the target.
+The bundle is built in a hidden sibling folder `.NAME.partial-PID` and renamed into place at the end. Its
+manifest is bundle.partial.json until bundle.json is written last, so an interrupted or failed convert leaves
+nothing loadable, neither at the target nor in the hidden folder. `--force` replaces a bundle, nothing else.
 """
 
 from __future__ import annotations
@@ -26,14 +27,17 @@ from infinigen_rt.bundle import (
     FORMAT_VERSION,
     INFINIGEN_FILE,
     MODEL_CARD,
+    PARTIAL_JSON,
     TOKENIZER_JSON,
+    is_bundle,
     read_bundle,
     sha256_file,
     shard_name,
 )
 from infinigen_rt.config import ModelConfig
 from infinigen_rt.errors import InfinigenError
-from infinigen_rt.hub import looks_like_repo_id
+from infinigen_rt.files import check_writable_dir
+from infinigen_rt.hub import from_hub, looks_like_repo_id
 from infinigen_rt.models import MODELS
 
 DEFAULT_SHARD_BYTES = 4 * 1024**3
@@ -58,7 +62,7 @@ def open_source(source: str, revision: str | None = None) -> Source:
     if looks_like_repo_id(source):
         from infinigen_prep.sources.hub import hub_source
 
-        return hub_source(source, revision)
+        return from_hub(source, lambda: hub_source(source, revision), "file or folder")
     raise InfinigenError(f"{source}: no such file or folder (and not a Hub repo id like owner/name)")
 
 
@@ -138,13 +142,42 @@ def clean_stale_partials(out: Path) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def write_meta(folder: Path, meta: dict) -> None:
-    """Hash the bundle's files (weights, tokenizer, InfiniGen tensors) and write bundle.json."""
+def write_meta(folder: Path, meta: dict, final: bool) -> None:
+    """Hash the bundle's files (weights, tokenizer, InfiniGen tensors) and write its manifest: PARTIAL_JSON while
+    the bundle is built, bundle.json when `final` (last of all, so only a finished folder loads)."""
     names = sorted(set(meta["weight_map"].values())) + [TOKENIZER_JSON]
     if meta.get("infinigen"):
         names.append(INFINIGEN_FILE)
     meta["files"] = {f: {"sha256": sha256_file(folder / f), "size": (folder / f).stat().st_size} for f in names}
-    (folder / BUNDLE_JSON).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    text = json.dumps(meta, indent=2, sort_keys=True) + "\n"
+    (folder / (BUNDLE_JSON if final else PARTIAL_JSON)).write_text(text, encoding="utf-8")
+    if final:
+        (folder / PARTIAL_JSON).unlink(missing_ok=True)
+
+
+def check_out(out: Path, source: str, force: bool) -> None:
+    """Refuse an --out that would destroy something: the source itself, a folder holding it, or (with --force)
+    anything but an InfiniGen bundle."""
+    where = Path(os.path.abspath(out))
+    src = Path(source).expanduser()
+    if src.exists():
+        src, real = src.resolve(), where.resolve()
+        if real == src or real in src.parents:
+            what = "is the source" if real == src else f"holds the source {source}"
+            raise InfinigenError(f"--out {out} {what}; converting would replace it: choose another --out")
+    if not os.path.lexists(where):
+        return
+    if not force:
+        raise InfinigenError(f"{out} already exists; choose another --out or pass --force to replace the bundle there")
+    if not is_bundle(where):
+        what = (
+            "a symbolic link" if where.is_symlink()
+            else f"a folder without a {BUNDLE_JSON} that says so" if where.is_dir()
+            else "a file"
+        )  # fmt: skip
+        raise InfinigenError(
+            f"--force replaces only an InfiniGen bundle, and {out} is {what}; remove it yourself or pick another --out"
+        )
 
 
 def convert(
@@ -160,30 +193,30 @@ def convert(
 ) -> Path:
     """Convert `source` into a bundle at `out`, with the InfiniGen tensors unless `infinigen` is False.
 
-    `progress(stage, done, total, label)` is called per tensor written and per layer calibrated."""
+    `force` replaces an existing bundle at `out` (never anything else). `progress(stage, done, total, label)` is
+    called per tensor written and per layer calibrated."""
     out = Path(out).expanduser()
-    if out.exists() and not force:
-        raise InfinigenError(f"{out} already exists; choose another --out or pass --force to replace it")
+    target = Path(os.path.abspath(out))  # "." and ".." resolved: the name and parent are real
     if shard_bytes <= 0:
         raise InfinigenError("--shard-size must be positive")
     prep = prep or PrepOptions()
     if infinigen:
         prep.check()
-    src = open_source(source, revision)
-    cfg = ModelConfig.from_hf(src.config, src.generation_eos_ids())
-    mapping = plan(src, cfg)
-    # fetch the calibration text before any weight is written: no network fails fast
-    text = read_calib_text(prep.calib_text) if infinigen else None
-    dtype_name = choose_dtype(dtype, src)
-    tdtype = DTYPES[dtype_name]
-    tok = src.tokenizer()
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale_partials(out)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    check_out(out, source, force)
+    check_writable_dir(target.parent, f"--out {out}")  # before any download or calibration
+    clean_stale_partials(target)
+    tmp = target.parent / f".{target.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
+        src = open_source(source, revision)
+        cfg = ModelConfig.from_hf(src.config, src.generation_eos_ids())
+        mapping = plan(src, cfg)
+        # fetch the calibration text before any weight is written: no network fails fast
+        text = read_calib_text(prep.calib_text) if infinigen else None
+        dtype_name = choose_dtype(dtype, src)
+        tdtype = DTYPES[dtype_name]
+        tok = src.tokenizer()
         groups = shards(mapping, src, tdtype, shard_bytes)
         weight_map, done = {}, 0
         from safetensors.torch import save_file
@@ -220,19 +253,20 @@ def convert(
             "weight_map": weight_map,
             "files": {},
         }
-        write_meta(tmp, meta)
-        if infinigen:  # calibrate through the dense bundle just written, then add the InfiniGen tensors
+        if infinigen:  # calibrate through the dense model just written, then add the InfiniGen tensors
+            write_meta(tmp, meta, final=False)
             meta["infinigen"] = add_infinigen(tmp, text, prep, progress)
-        write_meta(tmp, meta)
         (tmp / MODEL_CARD).write_text(model_card(meta, src.license, src.base_model), encoding="utf-8")
+        write_meta(tmp, meta, final=True)
         read_bundle(tmp, verify=False)  # what we wrote must load
-        if out.exists():  # --force: swap, then drop the old one
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            out.rename(old)
-            tmp.rename(out)
+        if os.path.lexists(target):  # --force: swap, then drop the old bundle
+            check_out(out, source, force)  # still a bundle, not something put there meanwhile
+            old = target.parent / f".{target.name}.old-{os.getpid()}"
+            target.rename(old)
+            tmp.rename(target)
             shutil.rmtree(old, ignore_errors=True)
         else:
-            tmp.rename(out)
+            tmp.rename(target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

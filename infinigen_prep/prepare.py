@@ -83,7 +83,7 @@ def add_infinigen(folder: Path, text: CalibText, opts: PrepOptions, progress=Non
     from infinigen_rt.tokenizer import Tokenizer
 
     opts.check()
-    bundle = read_bundle(folder, verify=False)
+    bundle = read_bundle(folder, verify=False, partial=True)
     cfg = bundle.config
     device = resolve_device(opts.device)
     model = load_model(bundle, device, calib_dtype(bundle, device))
@@ -142,7 +142,7 @@ def add_infinigen(folder: Path, text: CalibText, opts: PrepOptions, progress=Non
             "skewed": round(energy_share(grams, skews, opts.partial_ratio), 6),
             "unskewed": round(energy_share(grams, [skew_matrix(g, False) for g in grams.q], opts.partial_ratio), 6),
         },
-        "calibration": {"name": text.name, "sha256": text.sha256, "tokens": len(ids)},
+        "calibration": {"name": text.name, "sha256": text.sha256, "tokens": len(ids)},  # a file name, never a path
         "defaults": {"alpha": DEFAULT_ALPHA[cfg.arch], "dense_layers": max(1, min(DENSE_LAYERS, n_layers - 1))},
     }
 

@@ -29,6 +29,7 @@ import torch
 from infinigen_rt.config import ModelConfig
 from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
+from infinigen_rt.files import pyplot, save_figure
 from infinigen_rt.policies import KVOptions
 
 # Hugging Face config.json fields of the real models (the peer script builds transformers models from these)
@@ -462,13 +463,7 @@ def point_dict(p: Point) -> dict:
 
 def plot(points: list[dict], path, title: str) -> None:
     """Decode throughput vs context (one panel per batch) and vs batch (one panel per context), per policy."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise InfinigenError("--plot needs matplotlib: pip install 'infinigen[plot]'") from None
+    plt = pyplot()
     ok = [p for p in points if p["status"] == "ok"]
     batches = sorted({p["batch"] for p in points})
     contexts = sorted({p["context"] for p in points})
@@ -500,5 +495,4 @@ def plot(points: list[dict], path, title: str) -> None:
                 ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)

@@ -28,6 +28,9 @@ from infinigen_rt.errors import InfinigenError
 FORMAT = "infinigen-bundle"
 FORMAT_VERSION = 1
 BUNDLE_JSON = "bundle.json"
+# a bundle being built holds its manifest under this name; bundle.json is written last, so nothing loads a
+# folder that a killed convert left behind
+PARTIAL_JSON = "bundle.partial.json"
 TOKENIZER_JSON = "tokenizer.json"
 MODEL_CARD = "README.md"
 INFINIGEN_FILE = "infinigen.safetensors"
@@ -67,15 +70,28 @@ class Bundle:
         return self.meta.get("tokenizer", {})
 
 
-def read_bundle(path: str | Path, verify: bool = True) -> Bundle:
-    """Read and check a bundle folder; every problem is a one-line InfinigenError."""
+def is_bundle(path: Path) -> bool:
+    """Whether `path` is a folder whose bundle.json says it is an InfiniGen bundle (its files unchecked)."""
+    try:
+        meta = json.loads((path / BUNDLE_JSON).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return path.is_dir() and not path.is_symlink() and isinstance(meta, dict) and meta.get("format") == FORMAT
+
+
+def read_bundle(path: str | Path, verify: bool = True, partial: bool = False) -> Bundle:
+    """Read and check a bundle folder; every problem is a one-line InfinigenError.
+
+    `partial`: read a bundle still being built (its manifest is PARTIAL_JSON); only the converter does."""
     path = Path(path)
     if not path.exists():
         raise InfinigenError(f"no bundle at {path}: the folder does not exist (convert one with infinigen-prep)")
     if not path.is_dir():
         raise InfinigenError(f"{path} is a file, not a bundle folder (convert it with `infinigen-prep convert`)")
-    meta_path = path / BUNDLE_JSON
+    meta_path = path / (PARTIAL_JSON if partial else BUNDLE_JSON)
     if not meta_path.is_file():
+        if (path / PARTIAL_JSON).is_file():
+            raise InfinigenError(f"{path} is an unfinished bundle: its convert was interrupted; run the convert again")
         raise InfinigenError(f"{path} is not an InfiniGen bundle: no {BUNDLE_JSON} (convert with infinigen-prep)")
     try:
         meta = json.loads(meta_path.read_text())

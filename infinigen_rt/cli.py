@@ -88,13 +88,20 @@ def generate(
       infinigen-rt generate bundles/smol - --policy infinigen --budget 0.1 --capacity 0.5 --json < book.txt
     """
     from infinigen_rt.bundle import read_bundle
-    from infinigen_rt.engine import Engine
+    from infinigen_rt.engine import Engine, check_context
+    from infinigen_rt.errors import InfinigenError, notice
     from infinigen_rt.hub import resolve_bundle
     from infinigen_rt.policies import KVOptions
     from infinigen_rt.sampling import SamplingParams
+    from infinigen_rt.tokenizer import check_text
 
     if prompt == "-":
-        prompt = sys.stdin.read()
+        try:
+            prompt = sys.stdin.buffer.read().decode("utf-8")
+        except UnicodeDecodeError as e:
+            byte = e.object[e.start]
+            raise InfinigenError(f"standard input is not UTF-8 text (byte 0x{byte:02X} at {e.start})") from None
+    check_text(prompt, "the prompt")
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     path = resolve_bundle(bundle, revision)
     with console.status("loading bundle", spinner="dots") if not json_out else nullcontext():
@@ -102,6 +109,12 @@ def generate(
         engine = Engine(read_bundle(path, verify=verify), device=device, dtype=dtype, policy=policy, kv=kv)
     tok = engine.tokenizer
     ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
+    context = engine.cfg.max_position_embeddings
+    room = context - len(ids)
+    if 0 < room < max_new_tokens:  # a prompt that leaves no room at all is refused below
+        notice(f"--max-new-tokens {max_new_tokens} capped to {room}: what the prompt leaves of the {context} positions")
+        max_new_tokens = room
+    check_context(len(ids), max_new_tokens, context)
 
     printer = _StreamPrinter(tok) if stream and not json_out else None
     if printer is None and not json_out:
@@ -154,9 +167,14 @@ def pull(
       infinigen-rt pull user/smollm2-135m-infinigen
       infinigen-rt pull user/smollm2-135m-infinigen --revision v1 --out bundles/smol
     """
+    from pathlib import Path
+
     from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.files import check_writable_dir
     from infinigen_rt.hub import download
 
+    if out is not None:
+        check_writable_dir(Path(out), "the bundle")
     path = download(repo_id, revision, local_dir=out)
     b = read_bundle(path, verify=True)
     if json_out:
@@ -223,6 +241,10 @@ def serve(
     ] = None,
     max_batch: Annotated[int, typer.Option("--max-batch", help="Most requests run together in one batch.")] = 8,
     max_queue: Annotated[int, typer.Option("--max-queue", help="Most requests waiting; beyond it: 429.")] = 64,
+    max_body: Annotated[
+        Optional[int],
+        typer.Option("--max-body", help="Largest request body in bytes, else 413 (default: 32 x context, >= 1 MiB)."),
+    ] = None,
     api_key: Annotated[
         Optional[str],
         typer.Option("--api-key", envvar="INFINIGEN_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*."),
@@ -270,6 +292,8 @@ def serve(
 
     if max_batch < 1 or max_queue < 1:
         raise InfinigenError(f"--max-batch and --max-queue must be >= 1, got {max_batch} and {max_queue}")
+    if max_body is not None and max_body < 1024:
+        raise InfinigenError(f"--max-body must be at least 1024 bytes, got {max_body}")
     path = resolve_bundle(bundle, revision)
     sock = _listen_socket(host, port)  # before loading: a taken port fails fast
     with err_console.status("loading bundle", spinner="dots"):
@@ -279,7 +303,7 @@ def serve(
         )  # fmt: skip
         engine = Engine(read_bundle(path, verify=verify), device=device, dtype=dtype, policy=policy, kv=kv)
     name = model_name or (Path(bundle).name if Path(bundle).exists() else bundle)
-    server_app = create_app(engine, name, max_batch=max_batch, max_queue=max_queue, api_key=api_key)
+    server_app = create_app(engine, name, max_batch=max_batch, max_queue=max_queue, api_key=api_key, max_body=max_body)
     port = sock.getsockname()[1]
     shown, dt = f"[{host}]" if ":" in host else host, str(engine.dtype).removeprefix("torch.")
     err_console.print(

@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from infinigen_rt.console import console, err_console, print_json
+from infinigen_rt.files import check_outputs, write_atomic
 
 
 def _ints(text: str, name: str) -> list[int]:
@@ -39,9 +40,7 @@ def device_name(device) -> str:
 
 
 def save(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    tmp.replace(path)
+    write_atomic(path, json.dumps(obj, indent=2) + "\n", "--out")
 
 
 def bench_cmd(
@@ -114,6 +113,7 @@ def bench_cmd(
         raise InfinigenError(f"unknown --synthetic preset {synthetic!r}; available: {', '.join(PRESETS)}")
     if text is not None and synthetic is not None:
         raise InfinigenError("--text needs a BUNDLE (a synthetic model has no tokenizer)")
+    check_outputs(out, plot_path)
 
     dev = resolve_device(device)
     with console.status("building the model", spinner="dots") if not json_out else nullcontext():

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from infinigen_rt.console import console, err_console, print_json
+from infinigen_rt.files import check_outputs
 
 
 def _floats(text: str | None, name: str) -> list[float]:
@@ -64,6 +65,7 @@ def eval_cmd(
         raise InfinigenError(f"--budgets must be in (0, 1], got {budgets}")
     if resume and out is None:
         raise InfinigenError("--resume reads the rows already in --out: pass --out FILE")
+    check_outputs(out, plot_path)
     path = resolve_bundle(bundle)
     engine = Engine(read_bundle(path), device=device, dtype=dtype)
     if "infinigen" in names and not alpha_list:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-from infinigen_rt.errors import InfinigenError
+from infinigen_rt.errors import InfinigenError, InfinigenWarning
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
@@ -39,8 +40,23 @@ def add_version_option(app: typer.Typer, name: str, version: str) -> None:
         pass
 
 
+def show_notices() -> None:
+    """Print each InfinigenWarning as one `warning:` line on stderr (other warnings as Python shows them)."""
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, InfinigenWarning):
+            err_console.print(f"[bold yellow]warning:[/] {escape(str(message))}", soft_wrap=True)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    warnings.simplefilter("always", InfinigenWarning)
+
+
 def run_app(app: typer.Typer) -> None:
     """Run a Typer app; user errors print as one line (INFINIGEN_DEBUG=1 shows the traceback)."""
+    show_notices()
     try:
         app(standalone_mode=False)
     except InfinigenError as e:

@@ -216,9 +216,7 @@ class Engine:
         if min(limits) < 1:
             raise InfinigenError(f"max-new-tokens must be >= 1, got {min(limits)}")
         s, steps = max(len(p) for p in prompts), max(limits)
-        limit = self.cfg.max_position_embeddings
-        if self.cfg.arch == "opt" and s + steps > limit:
-            raise InfinigenError(f"prompt ({s}) + max-new-tokens ({steps}) exceeds the model's {limit} positions")
+        check_context(s, steps, self.cfg.max_position_embeddings)
         gens = [torch.Generator(device=self.device).manual_seed(p.seed) if p.seed is not None else None for p in params]
         ids, positions, valid = pad_batch(prompts, self.tokenizer.pad_id, self.device)
         cache = self.make_cache(b, s + steps)
@@ -278,6 +276,17 @@ class Engine:
             text = texts[i] if texts[i] is not None else self.tokenizer.decode(out[i])
             results.append(Generation(text, out[i], list(prompts[i]), reasons[i] or "length"))
         return results, stats
+
+
+def check_context(prompt_tokens: int, new_tokens: int, context: int) -> None:
+    """A prompt and its new tokens must fit the model's positions (the KV cache is sized by their sum)."""
+    if prompt_tokens >= context:
+        raise InfinigenError(f"the prompt is {prompt_tokens} tokens but the model's context is {context}; shorten it")
+    if prompt_tokens + new_tokens > context:
+        raise InfinigenError(
+            f"the prompt's {prompt_tokens} tokens + max-new-tokens {new_tokens} exceed the model's context of "
+            f"{context} tokens; ask for at most {context - prompt_tokens}"
+        )
 
 
 def per_row(value, b: int, name: str, nested: bool = False) -> list:

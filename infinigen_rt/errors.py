@@ -1,16 +1,17 @@
-"""The one error type a user can cause. Its message says what to do; the CLIs print it on one line."""
+"""The one error type a user can cause, and the notice a user should see. Messages say what to do; the CLIs
+print each on one line."""
+
+import warnings
 
 
 class InfinigenError(Exception):
     """A user-facing error (bad path, corrupt bundle, unsupported model, impossible option)."""
 
 
-def read_utf8(path, label: str) -> tuple[str, str]:
-    """A UTF-8 text file's text and sha256; `label` names it in the one-line error when it is not UTF-8."""
-    import hashlib
+class InfinigenWarning(UserWarning):
+    """Something changed from what the user asked for (a value capped, a default taken); the work goes on."""
 
-    data = open(path, "rb").read()
-    try:
-        return data.decode("utf-8"), hashlib.sha256(data).hexdigest()
-    except UnicodeDecodeError:
-        raise InfinigenError(f"{label} is not UTF-8 text") from None
+
+def notice(message: str) -> None:
+    """Tell the user (the CLIs print `warning: MESSAGE` on one line; a library caller sees a warning)."""
+    warnings.warn(message, InfinigenWarning, stacklevel=2)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,7 +17,8 @@ from pathlib import Path
 import torch
 
 from infinigen_rt.engine import Engine
-from infinigen_rt.errors import InfinigenError, read_utf8
+from infinigen_rt.errors import InfinigenError
+from infinigen_rt.files import pyplot, read_utf8, save_figure, write_atomic
 from infinigen_rt.policies import KVOptions
 
 SWEPT = {"infinigen", "h2o", "oracle"}  # policies with a budget; the others run once
@@ -135,9 +135,7 @@ def run_sweep(engine: Engine, ids, score_from, todo, done: list[Row], recall=Tru
 
 def save(path: Path, meta: dict, rows: list[Row]) -> None:
     """Write the results atomically (a resumed or interrupted sweep never leaves half a file)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({**meta, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
-    tmp.replace(path)
+    write_atomic(path, json.dumps({**meta, "rows": [asdict(r) for r in rows]}, indent=2) + "\n", "--out")
 
 
 def load_done(path: Path, meta: dict) -> list[Row]:
@@ -157,13 +155,7 @@ def load_done(path: Path, meta: dict) -> list[Row]:
 
 def plot(rows: list[Row], path: Path, title: str) -> None:
     """Perplexity change vs share of KV fetched, one line per policy (the paper's figure)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise InfinigenError("--plot needs matplotlib: pip install 'infinigen[plot]'") from None
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for policy in dict.fromkeys(r.policy for r in rows if r.policy != "full"):
         pts = sorted((r.kv_fetched_share, r.delta_pct) for r in rows if r.policy == policy and r.kv_fetched_share)
@@ -176,5 +168,4 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)

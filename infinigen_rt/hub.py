@@ -96,9 +96,22 @@ def download(repo_id: str, revision: str | None = None, allow_patterns=None, loc
         raise hub_error(e, repo_id, revision) from None
 
 
+def from_hub(arg: str, fetch, what: str = "folder"):
+    """`fetch()` for an argument that names no local path but looks like OWNER/NAME; a failure says both.
+
+    When OWNER is a local folder the argument is a missing local path, not a repo id: no Hub request."""
+    owner = arg.split("/")[0]
+    if Path(owner).expanduser().is_dir():
+        raise InfinigenError(f"{arg}: no such {what} (the folder {owner}/ is here, so this is a local path)")
+    try:
+        return fetch()
+    except InfinigenError as e:
+        raise InfinigenError(f"{arg}: no such local {what}, and as a Hub repo id: {e}") from None
+
+
 def resolve_bundle(arg: str, revision: str | None = None) -> Path:
     """A bundle argument: an existing folder, or a Hub repo id to pull into the cache."""
     p = Path(arg).expanduser()
     if p.exists() or not looks_like_repo_id(arg):
         return p
-    return download(arg, revision)
+    return from_hub(arg, lambda: download(arg, revision), "bundle folder")

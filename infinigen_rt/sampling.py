@@ -27,9 +27,11 @@ class SamplingParams:
 
 def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """logits: [B, V] -> token ids [B]."""
-    if p.temperature == 0:
+    if p.temperature < torch.finfo(torch.float32).tiny:  # 0, or too small for float32 to divide by: greedy
         return logits.argmax(-1)
-    logits = logits.float() / p.temperature
+    # the max subtracted first: a tiny temperature sends the others to -inf, never the best to +inf (NaN)
+    logits = logits.float()
+    logits = (logits - logits.amax(-1, keepdim=True)) / p.temperature
     if p.top_k:
         kth = torch.topk(logits, min(p.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -38,6 +40,7 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator |
         cum = sorted_logits.softmax(-1).cumsum(-1)
         # drop a token when the mass before it already reaches top_p (the best token always stays)
         drop = (cum - sorted_logits.softmax(-1)) >= p.top_p
+        drop[:, 0] = False  # even for a top_p that rounds to 0 in float32
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

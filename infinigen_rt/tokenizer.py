@@ -6,6 +6,20 @@ from infinigen_rt.bundle import TOKENIZER_JSON, Bundle
 from infinigen_rt.errors import InfinigenError
 
 
+def check_text(text: str, what: str) -> None:
+    """Refuse a str that is not Unicode text: a lone surrogate (valid JSON: "\\ud800") or a byte that was not
+    UTF-8 (Python keeps those of argv as U+DC80..U+DCFF). The tokenizer cannot encode either."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        ch = ord(text[e.start])
+        if 0xDC80 <= ch <= 0xDCFF:  # surrogateescape: the raw byte
+            why = f"is not UTF-8 text (byte 0x{ch - 0xDC00:02X} at character {e.start})"
+        else:
+            why = f"holds a lone surrogate \\u{ch:04x} at character {e.start}, which is not Unicode text"
+        raise InfinigenError(f"{what} {why}; send UTF-8 text") from None
+
+
 class Tokenizer:
     def __init__(self, bundle: Bundle):
         from tokenizers import Tokenizer as HFTokenizer
@@ -25,6 +39,7 @@ class Tokenizer:
         self.pad_id = pad if pad is not None else (min(self.eos_ids) if self.eos_ids else 0)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        check_text(text, "the text")
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -168,7 +168,10 @@ def tiny_convert(src, out, calib_file, **kw) -> Path:
     from infinigen_prep.prepare import PrepOptions
 
     prep_keys = {"calib_tokens", "partial_ratio", "skew", "partial_select"}
-    prep = PrepOptions(calib_text=str(calib_file), **{k: kw.pop(k) for k in list(kw) if k in prep_keys})
+    # 256 tokens: all the tiny models' positions (more would be lowered, with a notice)
+    prep = PrepOptions(
+        calib_text=str(calib_file), **{"calib_tokens": 256, **{k: kw.pop(k) for k in list(kw) if k in prep_keys}}
+    )
     return convert(str(src), out, prep=prep, **kw)
 
 

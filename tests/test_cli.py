@@ -193,3 +193,151 @@ def test_error_text_in_brackets_is_printed_not_taken_for_markup(capsys):
         run_app(app)
     assert exit_info.value.code == 1
     assert "pip install 'infinigen[serve]'" in capsys.readouterr().err
+
+
+# ---- nothing lost: --force, the source, outputs that cannot be written, a killed calibration ----
+
+
+def tree(folder) -> dict[str, bytes]:
+    """Every file under `folder` with its bytes (to prove nothing changed)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_force_never_replaces_the_source_or_what_is_not_a_bundle(checkpoints, tmp_path, calib_file):
+    src = tmp_path / "tiny"
+    shutil.copytree(checkpoints["llama31_gqa"], src)
+    before = tree(src)
+    convert = ("prep", "convert", src, "--calib-text", calib_file, "--force", "--out")
+    one_line_error(run_cli(*convert, src), "is the source")  # it was deleted, exit 0
+    one_line_error(run_cli(*convert, tmp_path), "holds the source")
+    assert tree(src) == before
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my own work")
+    one_line_error(run_cli(*convert, mine), "replaces only an InfiniGen bundle", "folder")
+    assert tree(mine) == {"notes.txt": b"my own work"}
+
+    plain = tmp_path / "plain.txt"
+    plain.write_text("keep me")
+    one_line_error(run_cli(*convert, plain), "replaces only an InfiniGen bundle", "file")
+    assert plain.read_text() == "keep me"
+    assert not list(tmp_path.glob(".*")), "a hidden .old or .partial folder was left behind"
+
+    bundle = tmp_path / "bundle"  # a real bundle is what --force replaces
+    assert run_cli(*convert[:-2], "--out", bundle).returncode == 0
+    r = run_cli(*convert, bundle, "--no-infinigen")
+    assert r.returncode == 0, r.stderr
+    assert "infinigen" not in json.loads((bundle / "bundle.json").read_text())
+    assert not list(tmp_path.glob(".*")) and tree(src) == before
+
+
+def test_bundle_json_records_no_local_path(checkpoints, tmp_path, calib_file):
+    out = tmp_path / "b"
+    r = run_cli(
+        "prep", "convert", checkpoints["opt"], "--out", out, "--calib-text", calib_file, "--calib-tokens", "999"
+    )
+    assert r.returncode == 0, r.stderr
+    # what push publishes: bundle.json and the model card name files, never where they were on this machine
+    for name in ("bundle.json", "README.md"):
+        text = (out / name).read_text()
+        assert str(calib_file.parent) not in text and str(checkpoints["opt"].parent) not in text, name
+    meta = json.loads((out / "bundle.json").read_text())
+    assert meta["infinigen"]["calibration"]["name"] == calib_file.name
+    assert meta["source"] == {"kind": "local", "name": "opt"}
+    # the tiny model has 256 positions: the lowered --calib-tokens is said, on one line
+    assert "warning: --calib-tokens 999 lowered to 256" in r.stderr
+    assert meta["infinigen"]["calibration"]["tokens"] == 256
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys"), reason="needs /sys, a folder nobody can write in")
+def test_outputs_that_cannot_be_written_fail_before_any_work(bundles, checkpoints, tmp_path, calib_file):
+    b = bundles["tied_hd64"]
+    t0 = time.monotonic()
+    one_line_error(run_cli("prep", "convert", checkpoints["opt"], "--out", "/sys/bundle"), "cannot write", "/sys")
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(["the king said to the queen"] * 40))
+    args = ("rt", "eval", b, "--text", text, "--seq-len", 64, "--score-from", 32, "--policies", "full")
+    one_line_error(run_cli(*args, "--out", "/sys/x.json"), "cannot write --out /sys/x.json")
+    one_line_error(run_cli(*args, "--plot", "/proc/nope/x.png"), "cannot write --plot")
+    one_line_error(run_cli(*args, "--out", tmp_path), "is a folder")
+    one_line_error(run_cli("rt", "bench", b, "--context", 32, "--batch", 1, "--out", "/sys/b.json"), "cannot write")
+    offline = {"HF_HUB_OFFLINE": "1"}  # refused before the Hub is asked (offline, that would be another error)
+    one_line_error(run_cli("rt", "pull", "owner/name", "--out", "/sys/b", env=offline), "cannot write", "/sys")
+    assert time.monotonic() - t0 < 60  # refused at once, not after the sweep
+    r = run_cli(*args, "--out", tmp_path / "deep" / "er" / "r.json")  # missing folders are made
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "deep" / "er" / "r.json").read_text())["rows"][0]["policy"] == "full"
+
+
+def test_killed_calibration_leaves_nothing_loadable(tmp_path, calib_file):
+    """SIGKILL a convert once its weights are written and calibration has begun: the hidden folder holds a dense
+    model, but no bundle.json, so nothing loads it; the next convert cleans it up."""
+    src = make_checkpoint(tmp_path / "big", "llama2_mha", layers=8)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "infinigen_prep.cli", "convert", str(src), "--out", str(out),
+           "--calib-text", str(calib_file)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, partial = time.time() + 120, None
+    while time.time() < deadline and proc.poll() is None:
+        found = list(tmp_path.glob(".out.partial-*/bundle.partial.json"))
+        if found:
+            os.kill(proc.pid, signal.SIGKILL)
+            partial = found[0].parent
+            break
+        time.sleep(0.002)
+    proc.wait()
+    assert partial is not None, "convert finished before it could be killed"
+    assert not out.exists() and partial.is_dir() and not (partial / "bundle.json").exists()
+    one_line_error(run_cli("rt", "generate", partial, "hi"), "unfinished bundle", "convert again")
+    one_line_error(run_cli("prep", "inspect", partial), "unfinished bundle")
+    r = run_cli("prep", "convert", src, "--out", out, "--calib-text", calib_file)
+    assert r.returncode == 0, r.stderr
+    assert not partial.exists() and (out / "bundle.json").is_file() and not (out / "bundle.partial.json").exists()
+
+
+# ---- prompts: longer than the context, more new tokens than it leaves, not UTF-8 ----
+
+
+def test_prompt_beyond_the_context_is_refused_at_once(bundles):
+    b = bundles["llama31_gqa"]  # 256 positions
+    t0 = time.monotonic()
+    one_line_error(run_cli("rt", "generate", b, "king " * 400, "-n", 4), "context is 256", "shorten")
+    one_line_error(run_cli("rt", "generate", b, "-", "-n", 4, input="king " * 400), "context is 256")
+    assert time.monotonic() - t0 < 60
+
+
+def test_huge_max_new_tokens_is_capped_with_a_notice(bundles):
+    r = run_cli("rt", "generate", bundles["llama31_gqa"], "The king said", "-n", 1_000_000_000, "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    room = 256 - len(out["prompt_token_ids"])
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines == [
+        f"warning: --max-new-tokens 1000000000 capped to {room}: what the prompt leaves of the 256 positions"
+    ]
+    assert 1 <= len(out["token_ids"]) <= room
+
+
+def test_non_utf8_prompts_are_one_line_errors(bundles):
+    b = str(bundles["tied_hd64"])
+    cmd = [sys.executable, "-m", "infinigen_rt.cli", "generate", b]
+    env = {**os.environ, "COLUMNS": "200"}
+    r = subprocess.run([*cmd, b"caf\xff"], capture_output=True, text=True, env=env)  # argv: raw bytes
+    one_line_error(r, "not UTF-8", "0xFF")
+    r = subprocess.run([*cmd, "-"], input=b"caf\xff\xfe", capture_output=True, env=env)
+    one_line_error(subprocess.CompletedProcess(r.args, r.returncode, r.stdout.decode(), r.stderr.decode()),
+                   "standard input is not UTF-8")  # fmt: skip
+
+
+def test_missing_local_path_shaped_like_a_repo_id(bundles, tmp_path):
+    (tmp_path / "bundles").mkdir()
+    env = {"HF_HUB_OFFLINE": "1"}
+    r = subprocess.run(
+        [sys.executable, "-m", "infinigen_rt.cli", "generate", "bundles/smol", "hi"],
+        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, **env, "COLUMNS": "200"},
+    )  # fmt: skip
+    one_line_error(r, "bundles/smol: no such bundle folder", "local path")
+    # OWNER is no local folder: the Hub is asked, and the error says both
+    one_line_error(run_cli("rt", "generate", "nobody-here/smol", "hi", env=env), "no such local", "Hub")
+    one_line_error(run_cli("prep", "convert", "nobody-here/ckpt", "--out", tmp_path / "o", env=env), "no such local")

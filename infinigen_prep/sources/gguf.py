@@ -105,9 +105,18 @@ class GGUFSource(Source):
             raise InfinigenError(f"GGUF file not found: {self.path}")
         try:
             self._reader = gguf.GGUFReader(self.path)
-        except (ValueError, IndexError, KeyError, OverflowError, MemoryError, OSError) as e:  # magic, size...
-            reason = " ".join(str(e).split()) or type(e).__name__
-            raise InfinigenError(f"{self.path} is not a readable GGUF file: {reason}") from None
+        except OSError as e:
+            raise InfinigenError(f"cannot read {self.path} ({e.strerror or e})") from None
+        except (ValueError, IndexError, KeyError, OverflowError, MemoryError, TypeError):
+            # numpy's own text (reshape sizes, dtype views) says nothing to a user: say what is wrong instead
+            with open(self.path, "rb") as f:
+                magic = f.read(4)
+            if magic != b"GGUF":
+                raise InfinigenError(f"{self.path} is not a GGUF file (it does not start with 'GGUF')") from None
+            raise InfinigenError(
+                f"{self.path} is a truncated or corrupt GGUF file ({self.path.stat().st_size:,} bytes: its tables or "
+                "tensors end early); download it again"
+            ) from None
         arch = self._meta("general.architecture")
         if arch not in _HF_CLASSES:
             raise self._unsupported(f"architecture {arch!r}")

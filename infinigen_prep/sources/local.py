@@ -46,7 +46,8 @@ class LocalSource(Source):
         if not (path / "config.json").is_file():
             raise InfinigenError(f"{path} has no config.json: not a Hugging Face checkpoint folder")
         self.config = _read_json(path / "config.json")
-        self.provenance = provenance or {"kind": "local", "path": str(path.resolve())}
+        # the folder's name, never its local path: bundle.json is published with the bundle
+        self.provenance = provenance or {"kind": "local", "name": path.resolve().name}
         self.license = card_license(path / "README.md")
         self._index: dict[str, Path] = {}  # tensor name -> file
         self._handles: dict[Path, object] = {}

@@ -111,13 +111,27 @@ def test_smollm_config_matches_transformers(smollm):
 def test_garbage_file_raises(tmp_path):
     bad = tmp_path / "x.gguf"
     bad.write_bytes(os.urandom(4096))
-    with pytest.raises(InfinigenError, match="is not a readable GGUF file"):
+    with pytest.raises(InfinigenError, match="is not a GGUF file"):
         GGUFSource(bad)
     bad.write_bytes(b"GGUF\x03\x00\x00\x00" + os.urandom(100))  # right magic, then nonsense
-    with pytest.raises(InfinigenError, match="is not a readable GGUF file"):
+    with pytest.raises(InfinigenError, match="truncated or corrupt GGUF file"):
         GGUFSource(bad)
     with pytest.raises(InfinigenError, match="not found"):
         GGUFSource(tmp_path / "missing.gguf")
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.001, 0.00001])
+def test_truncated_gguf_says_so_without_numpy_text(smollm2_path, tmp_path, keep):
+    """A download cut short at any point: in the tensor data, in the tensor table, in the metadata."""
+    data = smollm2_path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(InfinigenError) as info:
+        GGUFSource(cut)
+    message = str(info.value)
+    assert "truncated or corrupt GGUF file" in message and "download it again" in message
+    for numpy_text in ("reshape", "dtype", "axis", "array"):
+        assert numpy_text not in message
 
 
 # --- Tiny synthetic GGUFs ----------------------------------------------------------------------------

@@ -40,3 +40,28 @@ def test_on_step_can_cancel_a_row(engine):
 def test_per_row_lists_must_match_the_batch(engine):
     with pytest.raises(InfinigenError, match="2 values for 3 prompts"):
         engine.generate([[5], [6], [7]], max_new_tokens=[1, 2])
+
+
+def test_the_context_bounds_every_architecture(engine):
+    """Llama too (only OPT was checked): a prompt that fills the positions, or new tokens past them, is refused."""
+    with pytest.raises(InfinigenError, match="the prompt is 256 tokens but the model's context is 256"):
+        engine.generate([[5] * 256], max_new_tokens=1)
+    with pytest.raises(InfinigenError, match="ask for at most 6"):
+        engine.generate([[5] * 250], max_new_tokens=7)
+    (res,), _ = engine.generate([[5] * 250], max_new_tokens=6)  # exactly what fits
+    assert len(res.token_ids) <= 6
+
+
+def test_sampling_at_the_edges_of_float32():
+    """A temperature or top_p that float32 rounds to 0 (the server accepts 5e-324) samples the best token, never NaN."""
+    import torch
+
+    from infinigen_rt.sampling import sample
+
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(0))
+    best = logits.argmax(-1)
+    gen = torch.Generator().manual_seed(1)
+    for t, p in [(5e-324, 1.0), (1e-30, 1.0), (1.0, 5e-324), (1e-37, 1e-300)]:
+        assert torch.equal(sample(logits, SamplingParams(temperature=t, top_p=p), gen), best), (t, p)
+    many = torch.stack([sample(logits, SamplingParams(temperature=1.0), gen) for _ in range(50)])
+    assert (many != best).any()  # an ordinary temperature still samples

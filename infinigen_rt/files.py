@@ -1,0 +1,91 @@
+"""Files a user names on the command line: read as UTF-8, checked writable before any work, written atomically.
+
+Every failure is a one-line InfinigenError that names the option and the path."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+from infinigen_rt.errors import InfinigenError
+
+
+def read_utf8(path, label: str) -> tuple[str, str]:
+    """A UTF-8 text file's text and sha256; `label` names it in the one-line error when it is not UTF-8."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise InfinigenError(f"cannot read {label} ({e.strerror or e})") from None
+    try:
+        return data.decode("utf-8"), hashlib.sha256(data).hexdigest()
+    except UnicodeDecodeError:
+        raise InfinigenError(f"{label} is not UTF-8 text") from None
+
+
+def check_writable_dir(folder: Path, what: str) -> None:
+    """Create `folder` (and its parents) if needed and prove a file can be made in it, before any work;
+    `what` names the output in the error ("--out results.json")."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # names the first folder it could not make
+        raise InfinigenError(f"cannot write {what} ({e.filename}: {e.strerror}); choose a writable path") from None
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".infinigen-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise InfinigenError(f"cannot write {what} ({folder}: {e.strerror}); choose a writable path") from None
+
+
+def check_writable_file(path: Path, option: str) -> None:
+    """`path` can be written by `write_atomic` (its folder is writable; it is not a folder itself)."""
+    if path.is_dir():
+        raise InfinigenError(f"{option} {path} is a folder; give a file path")
+    check_writable_dir(path.parent, f"{option} {path}")
+
+
+def write_atomic(path: Path, data: str | bytes, option: str) -> None:
+    """Write through a hidden temporary file renamed over `path`: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        if isinstance(data, str):
+            tmp.write_text(data, encoding="utf-8")
+        else:
+            tmp.write_bytes(data)
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise InfinigenError(f"cannot write {option} {path} ({e.strerror or e})") from None
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend; a one-line error naming the extra when it is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InfinigenError("--plot needs matplotlib: pip install 'infinigen[plot]'") from None
+    return plt
+
+
+def save_figure(fig, path: Path, dpi: int) -> None:
+    """A matplotlib figure as a PNG at `path`, written atomically; the figure is closed."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=dpi, format="png")
+    pyplot().close(fig)
+    write_atomic(Path(path), buf.getvalue(), "--plot")
+
+
+def check_outputs(out: Path | None, plot: Path | None) -> None:
+    """Before any work: --out and --plot can be written, and --plot has matplotlib."""
+    if out is not None:
+        check_writable_file(out, "--out")
+    if plot is not None:
+        pyplot()
+        check_writable_file(plot, "--plot")
