@@ -42,12 +42,22 @@ from infinigen_rt.serve.protocol import (
 from infinigen_rt.serve.scheduler import Done, Failed, Job, QueueFull, Scheduler, ShuttingDown
 
 DISCONNECT_POLL_S = 1.0  # how often a non-streaming request checks that its client is still there
+MIN_BODY_BYTES = 1 << 20
+BODY_BYTES_PER_TOKEN = 32  # a context's worth of text as JSON: long tokens, \uXXXX escapes, message wrappers
+
+
+def body_limit(context: int) -> int:
+    """The largest request body worth parsing: a prompt that fills the context stays well under it."""
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * context)
 
 
 def create_app(
-    engine: Engine, model_name: str, *, max_batch: int = 8, max_queue: int = 64, api_key: str | None = None
-) -> FastAPI:
-    """An app serving `engine` as `model_name`; its scheduler thread runs while the app does (lifespan)."""
+    engine: Engine, model_name: str, *, max_batch: int = 8, max_queue: int = 64, api_key: str | None = None,
+    max_body: int | None = None,
+) -> FastAPI:  # fmt: skip
+    """An app serving `engine` as `model_name`; its scheduler thread runs while the app does (lifespan).
+
+    `max_body`: larger request bodies get a 413 before they are parsed (default: `body_limit(context)`)."""
     metrics = Metrics()
     scheduler = Scheduler(engine, max_batch=max_batch, max_queue=max_queue, metrics=metrics)
     tok, context, started = engine.tokenizer, engine.cfg.max_position_embeddings, int(time.time())
@@ -60,7 +70,8 @@ def create_app(
 
     app = FastAPI(title="infinigen-rt", version=__version__, lifespan=lifespan)
     app.state.scheduler, app.state.metrics = scheduler, metrics
-    app.add_middleware(CountRequests, metrics=metrics)
+    app.add_middleware(BodyLimit, limit=max_body or body_limit(context))
+    app.add_middleware(CountRequests, metrics=metrics)  # the outer one: it counts the 413s too
     _add_error_handlers(app)
 
     async def check_key(authorization: Annotated[str | None, Header()] = None) -> None:
@@ -301,24 +312,71 @@ def _failed(event: Failed) -> APIError:
     return APIError(event.status, event.message, type="invalid_request_error" if event.status < 500 else "server_error")
 
 
+class ErrorResponse(JSONResponse):
+    """An error object as ASCII JSON: a message that quotes the client's text cannot fail to encode."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+class BodyLimit:
+    """Pure ASGI middleware: a request body over `limit` bytes is answered 413 before anything parses it,
+    whether it declares its length or comes in chunks (then it is read, up to the limit, and replayed)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await self.refuse(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left mid-body
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self.refuse(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: wait for the client to disconnect
+
+        await self.app(scope, replay, send)
+
+    async def refuse(self, scope, receive, send):
+        message = f"the request body is larger than this server's limit of {self.limit:,} bytes"
+        await ErrorResponse(error_body(message, code="request_too_large"), 413)(scope, receive, send)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     """Every error as an OpenAI error object; the server keeps serving."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
         headers = {"Retry-After": "1"} if e.status == 429 else None
-        return JSONResponse(e.body(), e.status, headers=headers)
+        return ErrorResponse(e.body(), e.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):
         message, param = validation_message(list(e.errors()))
-        return JSONResponse(error_body(message, param=param), 400)
+        return ErrorResponse(error_body(message, param=param), 400)
 
     @app.exception_handler(InfinigenError)
     async def engine_error(request: Request, e: InfinigenError):
-        return JSONResponse(error_body(str(e)), 400)
+        return ErrorResponse(error_body(str(e)), 400)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(e.detail), kind), e.status_code, headers=e.headers)
+        return ErrorResponse(error_body(str(e.detail), kind), e.status_code, headers=e.headers)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from infinigen_rt.errors import InfinigenError
+from infinigen_rt.tokenizer import check_text
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_MAX_TOKENS = 512  # OpenAI's chat default is "whatever fits"; on a CPU that is too long to wait for
@@ -100,6 +103,8 @@ class BaseRequest(BaseModel):
                 raise APIError(400, f"{name}={value!r} is not supported by this server (accepted: {fine[1]!r})", name)
         if any(s == "" for s in self.stops()):
             raise APIError(400, "stop strings must not be empty", "stop")
+        for s in self.stops():
+            text_param(s, "stop", "stop")
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -111,11 +116,10 @@ class CompletionRequest(BaseRequest):
     prompt: str | list[str]
 
     def prompt_text(self) -> str:
-        if isinstance(self.prompt, str):
-            return self.prompt
-        if len(self.prompt) != 1:
+        if not isinstance(self.prompt, str) and len(self.prompt) != 1:
             raise APIError(400, f"one prompt per request, got a list of {len(self.prompt)}; send one each", "prompt")
-        return self.prompt[0]
+        text = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        return text_param(text, "prompt", "prompt")
 
 
 class ContentPart(BaseModel):
@@ -126,7 +130,8 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: str
+    # OpenAI's roles without tools; "developer" is OpenAI's newer name for "system"
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
 
     def text(self, i: int) -> str:
@@ -144,7 +149,21 @@ class ChatRequest(BaseRequest):
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
 
     def plain_messages(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+        """The messages as the chat template takes them; every text checked to be Unicode."""
+        out = []
+        for i, m in enumerate(self.messages):
+            out.append({"role": "system" if m.role == "developer" else m.role, "content": m.text(i)})
+            text_param(out[-1]["content"], f"messages[{i}].content", "messages")
+        return out
+
+
+def text_param(text: str, what: str, param: str) -> str:
+    """`text` when it is Unicode text; a 400 naming `param` for a lone surrogate ("\\ud800" is valid JSON)."""
+    try:
+        check_text(text, what)
+    except InfinigenError as e:
+        raise APIError(400, str(e), param) from None
+    return text
 
 
 def _same(a, b) -> bool:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -292,6 +293,11 @@ BAD = [
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
     ({"prompt": "x", "infinigen": {"alpha": 1}}, 400, "infinigen policy"),
     ({"prompt": "x", "infinigen": {"budgett": 1}}, 400, "budgett"),
+    # valid JSON, not Unicode text: the tokenizer cannot take it (this was a 500 with a traceback)
+    (b'{"prompt": "hi \\ud800"}', 400, "lone surrogate \\ud800"),
+    (b'{"prompt": ["\\udfff"]}', 400, "lone surrogate"),
+    (b'{"prompt": "x", "stop": "\\ud83d"}', 400, "stop"),
+    ({"prompt": "x", "temperature": 5e-324, "top_p": 5e-324, "max_tokens": 2}, 200, ""),  # was a NaN and a 500
 ]
 
 
@@ -299,6 +305,8 @@ BAD = [
 def test_bad_input_is_a_4xx_and_the_server_keeps_serving(tiny, body, status, words):
     r = tiny.post("/v1/completions", body)
     assert r.status_code == status, r.text
+    if status == 200:
+        return
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
     assert words.lower() in err["message"].lower(), err["message"]
@@ -310,9 +318,75 @@ def test_bad_chat_input(tiny):
         ({"messages": []}, "messages"),
         ({"messages": [{"content": "hi"}]}, "role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+        ({"messages": [{"role": "tool", "content": "42"}]}, "'user' or 'assistant'"),
+        (b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "messages[0].content holds a lone surrogate"),
+        (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}', "lone surrogate"),
     ]:
         r = tiny.post("/v1/chat/completions", body)
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "messages"
+    body = {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]}
+    assert tiny.post("/v1/chat/completions", {**body, "max_tokens": 2}).status_code == 200
+
+
+def test_large_bodies_are_refused_before_parsing(tiny):
+    """The limit for the tiny model (256 positions) is the 1 MiB floor; a 5 MB prompt is a 413 at once, whether it
+    declares its length or comes in chunks, counted in /metrics, and the server keeps serving."""
+    limit = 1 << 20
+    before = tiny.metrics().get('infinigen_requests_total{endpoint="/v1/completions",status="413"}', 0)
+    t0 = time.monotonic()
+    r = tiny.post("/v1/completions", {"prompt": "king " * 1_000_000})
+    assert r.status_code == 413 and f"{limit:,} bytes" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(500):
+            yield b"a" * 10_000
+        yield b'"}'
+
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    r = httpx.post(tiny.url + "/v1/completions", content=chunks(), headers=headers, timeout=60)
+    assert r.status_code == 413 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert time.monotonic() - t0 < 10  # nothing was tokenized
+    just_under = {"prompt": "x", "max_tokens": 1, "user": "a" * (limit - 200)}  # unknown fields are ignored
+    assert tiny.post("/v1/completions", just_under).status_code == 200
+    after = tiny.metrics()['infinigen_requests_total{endpoint="/v1/completions",status="413"}']
+    assert after - before == 2
+
+
+def test_fuzz_against_the_servers_own_openapi_schema(tiny):
+    """schemathesis draws valid and invalid requests for every operation the server's OpenAPI schema lists: no
+    5xx, and every 4xx an OpenAI error object. Seeded (derandomized) and bounded to a few hundred requests."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+
+    schema = schemathesis.openapi.from_url(tiny.url + "/openapi.json")
+    ops = [op.ok() for op in schema.get_all_operations()]
+    assert {op.label for op in ops} >= {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models"}
+    modes = (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
+    statuses, t0 = Counter(), time.monotonic()
+
+    @settings(max_examples=400, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(case=st.one_of(*[op.as_strategy(mode) for op in ops for mode in modes]))
+    def check(case):
+        case.headers = {**(case.headers or {}), "Authorization": f"Bearer {KEY}"}
+        r = case.call(base_url=tiny.url, timeout=60)
+        statuses[case.operation.label, r.status_code] += 1
+        assert r.status_code < 500, f"{r.status_code} for {case.as_curl_command()}: {r.text[:300]}"
+        if r.status_code >= 400:
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"], r.text
+
+    check()
+    assert time.monotonic() - t0 < 60
+    # refusals on both generation endpoints, and real generations among the drawn completions (drawn chat
+    # requests rarely fit the tiny model's 256 positions; the tests above cover chat's 200s)
+    assert statuses["POST /v1/completions", 200] > 0 and statuses["POST /v1/completions", 400] > 0, statuses
+    assert statuses["POST /v1/chat/completions", 400] > 0, statuses
 
 
 def test_api_key(tiny):
