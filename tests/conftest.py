@@ -218,6 +218,20 @@ def smollm2_bundle(tmp_path_factory, smollm2_path):
     return convert(str(smollm2_path), tmp_path_factory.mktemp("smol") / "smollm2", dtype="float32", prep=prep)
 
 
+RESULTS = Path(__file__).resolve().parent.parent / "artifacts" / "results"  # the published runs (in git)
+
+
+def render80(renderable) -> str:
+    """What a pipe or a file gets from rich on an 80-column terminal: plain text, 80 columns."""
+    import io
+
+    from rich.console import Console
+
+    buf = io.StringIO()
+    Console(width=80, file=buf, highlight=False).print(renderable)
+    return buf.getvalue()
+
+
 def run_cli(*args, env=None, input=None, timeout=300) -> subprocess.CompletedProcess:
     """Run `python -m infinigen_{prep,rt}.cli ARGS` in a subprocess (args[0] is 'prep' or 'rt')."""
     tool, rest = args[0], [str(a) for a in args[1:]]
