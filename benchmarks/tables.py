@@ -46,8 +46,10 @@ def bench(d: dict) -> str:
 def machine(d: dict) -> str:
     """The line above a bench table: model, device, and the bandwidths measured at start."""
     bw = d["bandwidth"]
-    return (f"{d['model']} on {d['device_name']}, {d['dtype']}; measured: device copy "
-            f"{bw['device_bytes_per_s'] / 1e9:.1f} GB/s, host-to-device {bw['h2d_bytes_per_s'] / 1e9:.1f} GB/s")
+    return (
+        f"{d['model']} on {d['device_name']}, {d['dtype']}; measured: device copy "
+        f"{bw['device_bytes_per_s'] / 1e9:.1f} GB/s, host-to-device {bw['h2d_bytes_per_s'] / 1e9:.1f} GB/s"
+    )
 
 
 def main():
