@@ -1,4 +1,5 @@
-"""Markdown tables from the results JSON that `infinigen-rt eval` and `infinigen-rt bench` write (for the README).
+"""Markdown tables from the results JSON that `infinigen-rt eval` and `infinigen-rt bench` write, as published in
+docs/accuracy.md and docs/performance.md (tests/test_docs.py checks the docs hold exactly these).
 
 python benchmarks/tables.py artifacts/results/accuracy-smollm2.json artifacts/results/bench-cpu-smollm2.json
 """
@@ -25,27 +26,37 @@ def accuracy(d: dict) -> str:
 
 
 def bench(d: dict) -> str:
-    bw = d["bandwidth"]
-    dev, h2d = bw["device_bytes_per_s"] / 1e9, bw["h2d_bytes_per_s"] / 1e9
-    head = f"{d['model']} on {d['device_name']}, {d['dtype']}; measured: device copy {dev:.1f} GB/s, "
-    head += f"host-to-device {h2d:.1f} GB/s\n\n"
-    out = ["| policy | batch | context | prefill s | ms / step | tokens/s | H2D MB / step | KV fetched | floor ms "
-           "| x floor |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    """The points; the batch column only when the run has more than one batch size."""
+    batches = len({p["batch"] for p in d["points"]}) > 1
+    head = "| policy | batch " if batches else "| policy "
+    out = [head + "| context | prefill s | ms / step | tokens/s | KV moved / step | KV fetched | floor ms | x floor |",
+           "|---" * (10 if batches else 9) + "|"]  # fmt: skip
     for p in d["points"]:
+        cells = [p["policy"], *([p["batch"]] if batches else []), p["context"]]
         if p["status"] != "ok":
-            out.append(f"| {p['policy']} | {p['batch']} | {p['context']} | {p['status']} | | | | | | |")
+            out.append("| " + " | ".join(map(str, cells)) + f" | {p['status']} | | | | | | |")
             continue
-        out.append(f"| {p['policy']} | {p['batch']} | {p['context']} | {p['prefill_s']:.1f} | {p['ms_per_step']:.1f} | "
-                   f"{p['tokens_per_s']:.2f} | {p['h2d_bytes_per_step'] / 1e6:.2f} | {pct(p['kv_fetched_share'])} | "
-                   f"{p['floor_ms']:.1f} | {p['over_floor']:.2f} |")  # fmt: skip
-    return head + "\n".join(out)
+        moved = "-" if not p["h2d_bytes_per_step"] else f"{p['h2d_bytes_per_step'] / 1e6:.1f} MB"
+        cells += [f"{p['prefill_s']:.1f}", f"{p['ms_per_step']:.1f}", f"{p['tokens_per_s']:.2f}", moved,
+                  pct(p["kv_fetched_share"]), f"{p['floor_ms']:.1f}", f"{p['over_floor']:.2f}"]  # fmt: skip
+        out.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(out)
+
+
+def machine(d: dict) -> str:
+    """The line above a bench table: model, device, and the bandwidths measured at start."""
+    bw = d["bandwidth"]
+    return (
+        f"{d['model']} on {d['device_name']}, {d['dtype']}; measured: device copy "
+        f"{bw['device_bytes_per_s'] / 1e9:.1f} GB/s, host-to-device {bw['h2d_bytes_per_s'] / 1e9:.1f} GB/s"
+    )
 
 
 def main():
     for path in sys.argv[1:]:
         d = json.load(open(path))
         print(f"<!-- {path} -->")
-        print(accuracy(d) if "rows" in d and "points" not in d else bench(d))
+        print(accuracy(d) if "rows" in d and "points" not in d else f"{machine(d)}\n\n{bench(d)}")
         print()
 
 

@@ -151,6 +151,8 @@ def convert(
     from rich.table import Table
 
     table = Table(title=f"bundle {path}", show_header=False)
+    table.add_column()
+    table.add_column(overflow="fold")  # paths and hashes: folded onto more lines, never cut
     for k, v in summary.items():
         if k == "bytes":
             v = f"{v / 1e6:.1f} MB"
@@ -169,18 +171,14 @@ def _human(n: float, units=("", "K", "M", "B", "T"), base=1000.0) -> str:
 
 
 def _compact(v) -> str:
-    """A value on one short line: dicts as k=v, lists joined, long things cut."""
+    """A value as text: dicts as k=v, lists joined (a long list as its length); the table folds long lines."""
     import json
 
     if isinstance(v, dict):
-        text = ", ".join(f"{k}={_compact(x)}" for k, x in v.items())
-    elif isinstance(v, (list, tuple)):
-        text = "[" + ", ".join(_compact(x) for x in v) + "]" if len(v) <= 8 else f"[{len(v)} items]"
-    elif isinstance(v, str):
-        text = v
-    else:
-        text = json.dumps(v)
-    return text if len(text) <= 120 else text[:117] + "..."
+        return ", ".join(f"{k}={_compact(x)}" for k, x in v.items())
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_compact(x) for x in v) + "]" if len(v) <= 8 else f"[{len(v)} items]"
+    return v if isinstance(v, str) else json.dumps(v)
 
 
 @app.command("inspect")
@@ -202,18 +200,23 @@ def inspect_cmd(
     if json_out:
         print_json(report)
         return
+    for part in report_tables(report):
+        console.print(part)
+
+
+def report_tables(r: dict) -> list:
+    """inspect's report as rich tables; a value too long for the terminal folds onto more lines, never cut."""
     from rich.table import Table
 
     def kv_table(title: str, rows: dict) -> Table:
         t = Table(title=title, show_header=False, title_justify="left")
         t.add_column(style="bold")
-        t.add_column()
+        t.add_column(overflow="fold")
         for k, v in rows.items():
             t.add_row(k, _compact(v) if v is not None else "-")
         return t
 
-    r = report
-    console.print(
+    out = [
         kv_table(
             f"bundle {r['path']}",
             {
@@ -226,11 +229,11 @@ def inspect_cmd(
                 "size": f"{_human(r['total_bytes'])}B ({r['total_bytes']:,} bytes)",
                 "verified": "yes (sha256 of every listed file)" if r["verified"] else "sizes only (--verify re-hashes)",
             },
-        )
-    )
-    console.print(kv_table("config", r["config"]))
+        ),
+        kv_table("config", r["config"]),
+    ]
     files = Table(title="files", title_justify="left")
-    files.add_column("file")
+    files.add_column("file", overflow="fold")
     files.add_column("bytes", justify="right")
     files.add_column("sha256")
     for name, f in r["files"].items():
@@ -238,14 +241,13 @@ def inspect_cmd(
             f["sha256"][:16] + "..." if f["sha256"] else "(the manifest)" if name == "bundle.json" else "(not hashed)"
         )
         files.add_row(name, f"{f['size']:,}", digest)
-    console.print(files)
-    console.print(
-        kv_table("source / provenance", {"source": r["source"], "converter": r["converter"], **r["tokenizer"]})
-    )
+    out.append(files)
+    out.append(kv_table("source / provenance", {"source": r["source"], "converter": r["converter"], **r["tokenizer"]}))
     if r["infinigen"]:
-        console.print(kv_table("InfiniGen parameters", r["infinigen"]))
+        out.append(kv_table("InfiniGen parameters", r["infinigen"]))
     else:
-        console.print("[bold]InfiniGen parameters[/]: none (a dense-only bundle, converted with --no-infinigen)")
+        out.append("[bold]InfiniGen parameters[/]: none (a dense-only bundle, converted with --no-infinigen)")
+    return out
 
 
 @app.command("push")

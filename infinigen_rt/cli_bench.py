@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from infinigen_rt.console import console, err_console, print_json
+from infinigen_rt.console import console, err_console, human_bytes, print_json, print_wide, results_table
 from infinigen_rt.files import check_outputs, write_atomic
 
 
@@ -78,6 +78,14 @@ def bench_cmd(
     out: Annotated[Optional[Path], typer.Option(help="Write results JSON here (after every point).")] = None,
     plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Write the plot (PNG) here.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the results as one JSON object.")] = False,
+    wide: Annotated[
+        bool,
+        typer.Option(
+            "--wide",
+            help="Table: every column (prefill, floor, H2D rate, syncs, overlap, memory), at full "
+            "width, even past the terminal's.",
+        ),
+    ] = False,
 ):
     """Decode speed of each KV policy for every batch x context, with bytes moved, memory and the floor.
 
@@ -173,30 +181,45 @@ def bench_cmd(
     if json_out:
         print_json(meta)
         return
-    _table(meta["points"])
+    table = bench_table(meta["points"], wide)
+    print_wide(table) if wide else console.print(table)
 
 
-def _table(points: list[dict]) -> None:
-    from rich.table import Table
+def _fmt(x, fmt: str, scale: float = 1.0) -> str:
+    return "-" if x is None else format(x / scale, fmt)
 
-    table = Table(title="decode speed (median step)")
-    cols = ("policy", "batch", "context", "prefill s", "ms/step", "tok/s", "H2D MB/step", "H2D GB/s", "KV fetched",
-            "floor ms", "x floor", "syncs", "overlap", "dev GiB", "host GiB")  # fmt: skip
-    for c in cols:
-        table.add_column(c, justify="left" if c == "policy" else "right")
 
-    def f(x, fmt, scale=1.0):
-        return "-" if x is None else format(x / scale, fmt)
+# (header, how a point's cell reads, in the default table); --wide shows every column
+COLUMNS = (
+    ("policy", lambda p: p["policy"], True),
+    ("batch", lambda p: str(p["batch"]), True),
+    ("context", lambda p: str(p["context"]), True),
+    ("prefill s", lambda p: _fmt(p["prefill_s"], ".2f"), False),
+    ("ms/step", lambda p: _fmt(p["ms_per_step"], ".1f"), True),
+    ("tok/s", lambda p: _fmt(p["tokens_per_s"], ".1f"), True),
+    ("H2D/step", lambda p: human_bytes(p["h2d_bytes_per_step"]), True),
+    ("H2D GB/s", lambda p: _fmt(p["h2d_achieved_bytes_per_s"], ".2f", 1e9), False),
+    ("fetched", lambda p: _fmt(p["kv_fetched_share"], ".1%"), True),
+    ("floor ms", lambda p: _fmt(p["floor_ms"], ".2f"), False),
+    ("x floor", lambda p: _fmt(p["over_floor"], ".2f"), True),
+    ("syncs", lambda p: _fmt(p["syncs_per_step"], ".0f"), False),
+    ("overlap", lambda p: _fmt(p["copy_overlap"], ".0%"), False),
+    ("dev GiB", lambda p: _fmt(p["peak_device_bytes"], ".1f", 2**30), False),
+    ("host GiB", lambda p: _fmt(p["host_rss_bytes"], ".1f", 2**30), False),
+)
 
+
+def bench_table(points: list[dict], wide: bool = False):
+    """The points as a table: policy, batch, context, step time, tokens/s, bytes fetched per step, the fetched
+    share and time over the floor (fits 80 columns); `wide` adds prefill, the floor, the achieved host-to-device
+    rate, CUDA syncs and copy overlap, and memory."""
+    cols = [c for c in COLUMNS if wide or c[2]]
+    table = results_table("decode speed (median step)", [c[0] for c in cols])
+    table.caption = None if wide else "--wide: every column; --json or --out: every field"
     for p in points:
-        if p["status"] != "ok":
-            table.add_row(p["policy"], str(p["batch"]), str(p["context"]), f"[yellow]{p['status']}[/]",
-                          *[""] * (len(cols) - 4))  # fmt: skip
+        if p["status"] != "ok":  # an out-of-memory row: the status where the step time would be
+            cells = [p["policy"], str(p["batch"]), str(p["context"])]
+            table.add_row(*cells, *[f"[yellow]{p['status']}[/]" if c[0] == "ms/step" else "" for c in cols[3:]])
             continue
-        table.add_row(p["policy"], str(p["batch"]), str(p["context"]), f(p["prefill_s"], ".2f"),
-                      f(p["ms_per_step"], ".2f"), f(p["tokens_per_s"], ".1f"), f(p["h2d_bytes_per_step"], ".2f", 1e6),
-                      f(p["h2d_achieved_bytes_per_s"], ".2f", 1e9), f(p["kv_fetched_share"], ".1%"),
-                      f(p["floor_ms"], ".2f"), f(p["over_floor"], ".2f"), f(p["syncs_per_step"], ".0f"),
-                      f(p["copy_overlap"], ".0%"), f(p["peak_device_bytes"], ".1f", 2**30),
-                      f(p["host_rss_bytes"], ".1f", 2**30))  # fmt: skip
-    console.print(table)
+        table.add_row(*[c[1](p) for c in cols])
+    return table

@@ -8,8 +8,10 @@ import sys
 import warnings
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.markup import escape
+from rich.table import Table
 
 from infinigen_rt.errors import InfinigenError, InfinigenWarning
 
@@ -22,6 +24,35 @@ def print_json(obj) -> None:
     """One JSON object on stdout (plain print: no rich wrapping or markup)."""
     sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
     sys.stdout.flush()
+
+
+def human_bytes(n: float | None) -> str:
+    """378385920 -> '378 MB', 8822688 -> '8.82 MB', 0 -> '0 B': three significant digits and a unit."""
+    if n is None:
+        return "-"
+    i = 0
+    while abs(n) >= 999.5 and i < 3:
+        n, i = n / 1000, i + 1
+    unit = ("B", "KB", "MB", "GB")[i]
+    digits = 0 if unit == "B" or abs(n) >= 99.95 else 1 if abs(n) >= 9.995 else 2
+    return f"{n:,.{digits}f} {unit}"
+
+
+def results_table(title: str, columns: list[str]) -> Table:
+    """A table of result rows that reads at 80 columns: no borders, two spaces between columns, and a cell
+    that still does not fit folds onto the next line instead of being cut to an ellipsis."""
+    t = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+    for i, c in enumerate(columns):
+        t.add_column(c, justify="left" if i == 0 else "right", overflow="fold")
+    return t
+
+
+def print_wide(table: Table) -> None:
+    """Print a table at its natural width, wider than the terminal if it must be (for a file, or a wide window)."""
+    from rich.measure import Measurement
+
+    width = Measurement.get(console, console.options.update(max_width=10_000), table).maximum
+    Console(highlight=False, width=max(width, console.width)).print(table)  # print(width=) caps at the terminal
 
 
 def add_version_option(app: typer.Typer, name: str, version: str) -> None:

@@ -182,7 +182,8 @@ def bundles(tmp_path_factory, checkpoints, calib_file):
     return {name: tiny_convert(p, root / name, calib_file, dtype="float32") for name, p in checkpoints.items()}
 
 
-SHAKESPEARE = Path(__file__).resolve().parent.parent / "artifacts" / "cache" / "shakespeare"
+ROOT = Path(__file__).resolve().parent.parent  # the checkout
+SHAKESPEARE = ROOT / "artifacts" / "cache" / "shakespeare"
 
 
 def shakespeare(name: str) -> Path:
@@ -221,11 +222,28 @@ def smollm2_bundle(tmp_path_factory, smollm2_path):
     return convert(str(smollm2_path), tmp_path_factory.mktemp("smol") / "smollm2", dtype="float32", prep=prep)
 
 
-def run_cli(*args, env=None, input=None, timeout=300) -> subprocess.CompletedProcess:
-    """Run `python -m infinigen_{prep,rt}.cli ARGS` in a subprocess (args[0] is 'prep' or 'rt')."""
+RESULTS = ROOT / "artifacts" / "results"  # the published runs (in git)
+
+
+def render80(renderable) -> str:
+    """What a pipe or a file gets from rich on an 80-column terminal: plain text, 80 columns."""
+    import io
+
+    from rich.console import Console
+
+    buf = io.StringIO()
+    Console(width=80, file=buf, highlight=False).print(renderable)
+    return buf.getvalue()
+
+
+def run_cli(*args, env=None, input=None, timeout=300, cwd=None) -> subprocess.CompletedProcess:
+    """Run `python -m infinigen_{prep,rt}.cli ARGS` in a subprocess (args[0] is 'prep' or 'rt'); from another
+    `cwd`, the packages still come from this checkout."""
     tool, rest = args[0], [str(a) for a in args[1:]]
     full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
     full_env.pop("INFINIGEN_DEBUG", None)
+    if cwd is not None:
+        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, "-m", f"infinigen_{tool}.cli", *rest],
         capture_output=True,
@@ -233,4 +251,5 @@ def run_cli(*args, env=None, input=None, timeout=300) -> subprocess.CompletedPro
         env=full_env,
         input=input,
         timeout=timeout,
+        cwd=cwd,
     )

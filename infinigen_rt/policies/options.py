@@ -24,7 +24,7 @@ class KVOptions:
     trace_recall: bool = False
     # speculation levers (infinigen). Defaults from benchmarks/levers.py on SmolLM2 (Hamlet, 1024 tokens
     # scored from 512, 10 % fetched): paper-style +8.02 % ppl; sinks 4 + recent 8: +3.84 %; + sum: +3.30 %;
-    # + renorm: +3.62 %; all: +2.41 % (oracle +1.43 %). See README "Accuracy".
+    # + renorm: +3.62 %; all: +2.41 % (oracle +1.43 %). See docs/accuracy.md.
     sinks: int = 4  # the first positions, always fetched (inside the budget)
     recent: int = 8  # the newest positions, always fetched (inside the budget)
     renorm: bool = True  # rescale layer i's normalised input by layer i+1's norm weight over layer i's

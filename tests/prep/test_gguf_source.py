@@ -166,7 +166,7 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_tiny(path, arch: str, rope_freqs: bool = False) -> dict[str, np.ndarray]:
+def _write_tiny(path, arch: str, rope_freqs: bool = False, chat_template: str | None = None) -> dict[str, np.ndarray]:
     """Write a 2-layer GGUF; returns the HF-layout weights it stands for."""
     rng = np.random.default_rng(0)
     tokens, types, extra = _spm_vocab() if arch == "llama" else _bpe_vocab()
@@ -197,6 +197,8 @@ def _write_tiny(path, arch: str, rope_freqs: bool = False) -> dict[str, np.ndarr
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_vocab_size(len(tokens))
+    if chat_template:
+        writer.add_chat_template(chat_template)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     if arch == "llama":

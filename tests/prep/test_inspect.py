@@ -5,6 +5,7 @@ rich view."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -101,3 +102,13 @@ def test_inspect_rich_view(bundles):
 
     r = run_cli("prep", "inspect", "--help")
     assert r.returncode == 0 and "Examples" in r.stdout and "--verify" in r.stdout, r.stdout + r.stderr
+
+
+def test_inspect_reads_at_80_columns(bundles):
+    r = run_cli("prep", "inspect", bundles["llama31_gqa"], env={"COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    assert "…" not in r.stdout and max(map(len, r.stdout.splitlines())) <= 80, r.stdout
+    assert "original_max_position_embeddings=16" in r.stdout and "rope_type=llama3" in r.stdout, r.stdout
+    # a value longer than its cell folds onto the next lines, whole: the calibration text's sha256
+    sha = json.loads((bundles["llama31_gqa"] / "bundle.json").read_text())["infinigen"]["calibration"]["sha256"]
+    assert f"sha256={sha}" in re.sub(r"[\s│]", "", r.stdout), r.stdout

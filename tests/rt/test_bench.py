@@ -17,7 +17,7 @@ from infinigen_rt.bench import (
     run_points,
     synthetic_engine,
 )
-from tests.conftest import run_cli, shakespeare
+from tests.conftest import RESULTS, render80, run_cli, shakespeare
 from tests.test_cli import one_line_error
 
 BW = {"device_bytes_per_s": 1e10, "h2d_bytes_per_s": 5e9}
@@ -109,3 +109,36 @@ def test_bench_bad_input(bundles, tmp_path):
     r = run_cli("rt", "bench", "--synthetic", "smollm2-135m", "--batch", "0")
     assert r.returncode != 0 and "--batch" in r.stderr and "Traceback" not in r.stderr
     one_line_error(run_cli("rt", "bench", "--synthetic", "smollm2-135m", "--text", "x.txt"), "--text needs a BUNDLE")
+
+
+def test_bench_table_reads_at_80_columns():
+    from infinigen_rt.cli_bench import bench_table
+
+    points = json.loads((RESULTS / "bench-cpu-smollm2.json").read_text())["points"]
+    # 7B-scale numbers
+    big = dict(
+        points[6], batch=16, context=32768, ms_per_step=12345.6, tokens_per_s=12345.6, h2d_bytes_per_step=2.75e11
+    )
+    oom = dict(points[0], status="oom-device", batch=16, context=32768)
+    text = render80(bench_table([*points, big, oom]))
+    assert "…" not in text and max(map(len, text.splitlines())) <= 80, text
+    rows = [ln.split() for ln in text.splitlines()]
+    assert ["policy", "batch", "context", "ms/step", "tok/s", "H2D/step", "fetched", "x", "floor"] in rows, text
+    assert ["offload", "1", "8192", "161.4", "6.2", "378", "MB", "100.0%", "3.65"] in rows, text
+    assert ["infinigen", "1", "8192", "103.3", "9.7", "35.1", "MB", "9.9%", "4.39"] in rows, text
+    assert ["offload", "16", "32768", "12345.6", "12345.6", "275", "GB", "100.0%", "3.65"] in rows, text
+    assert ["full", "16", "32768", "oom-device"] in rows, text
+
+
+def test_bench_cli_table_in_a_pipe_at_80_columns(bundles):
+    args = ["rt", "bench", bundles["llama31_gqa"], "--device", "cpu", "--batch", "1", "--context", "32", "--gen", "2",
+            "--warmup", "1", "--policies", "full,infinigen,int4"]  # fmt: skip
+    r = run_cli(*args, env={"COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    assert "…" not in r.stdout and max(map(len, r.stdout.splitlines())) <= 80, r.stdout
+    firsts = [ln.split()[0] for ln in r.stdout.splitlines() if ln.strip()]
+    assert {"full", "infinigen", "int4"} <= set(firsts) and "prefill" not in r.stdout, r.stdout
+    r = run_cli(*args, "--wide", env={"COLUMNS": "80"})  # every column, each at its full width
+    assert r.returncode == 0, r.stderr
+    head = next(ln for ln in r.stdout.splitlines() if ln.startswith("policy"))
+    assert "…" not in r.stdout and head.split()[-2:] == ["host", "GiB"] and "prefill s" in head, r.stdout

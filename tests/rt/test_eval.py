@@ -14,7 +14,7 @@ from infinigen_rt.bundle import read_bundle
 from infinigen_rt.engine import Engine
 from infinigen_rt.eval import perplexity, text_ids
 from infinigen_rt.policies import KVOptions
-from tests.conftest import run_cli, shakespeare
+from tests.conftest import RESULTS, render80, run_cli, shakespeare
 from tests.test_cli import one_line_error
 
 SEQ, FROM = 384, 192
@@ -104,3 +104,23 @@ def test_eval_bad_inputs(bundles, tiny_text, tmp_path):
     one_line_error(run_cli("rt", "eval", b, "--text", tiny_text, "--policies", "full,magic"), "magic")
     one_line_error(run_cli("rt", "eval", b, "--text", tmp_path / "nope.txt"), "does not exist")
     one_line_error(run_cli("rt", "eval", b, "--text", tiny_text, "--resume"), "--out")
+
+
+def test_eval_table_reads_at_80_columns(bundles, tiny_text):
+    from infinigen_rt.cli_eval import eval_table
+    from infinigen_rt.eval import Row
+
+    rows = [Row(**r) for r in json.loads((RESULTS / "accuracy-smollm2.json").read_text())["rows"]]
+    text = render80(eval_table(rows, "perplexity on hamlet_gut.txt (2048 tokens, scored from 1024)"))
+    assert "…" not in text and max(map(len, text.splitlines())) <= 80, text
+    lines = [ln.split() for ln in text.splitlines()]
+    assert ["policy", "budget", "alpha", "ppl", "vs", "full", "fetched", "attended", "recall", "MB/tok"] in lines
+    assert ["infinigen", "0.20", "8", "46.309", "+1.25%", "16.5%", "22.1%", "-", "10.95"] in lines, text
+    assert ["oracle", "0.10", "-", "45.829", "+0.20%", "10.0%", "16.0%", "0.933", "-"] in lines, text
+
+    r = run_cli("rt", "eval", bundles["llama31_gqa"], "--text", tiny_text, "--seq-len", 48, "--score-from", 40,
+                "--budgets", "0.5", "--device", "cpu", env={"COLUMNS": "80"})  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "…" not in r.stdout and max(map(len, r.stdout.splitlines())) <= 80, r.stdout
+    firsts = [ln.split()[0] for ln in r.stdout.splitlines() if ln.strip()]
+    assert {"full", "infinigen", "h2o", "int4", "oracle"} <= set(firsts), r.stdout
