@@ -7,6 +7,8 @@ with `load_state_dict` and no renaming table.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +18,18 @@ from infinigen_rt.cache import KVCache
 from infinigen_rt.config import ModelConfig
 
 ACT = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
+
+
+@dataclass
+class SpeculationTaps:
+    """What InfiniGen's speculation reads from a model, per layer: the query projection and the attention input's
+    norm as (weight, bias or None), and the rotary embedding as positions [B, S] -> (cos, sin) (None without RoPE).
+    `normalised_input`: the attention input is a norm's output (pre-LN); post-LN OPT feeds the raw residual."""
+
+    q_proj: list[tuple[torch.Tensor, torch.Tensor | None]]
+    norms: list[tuple[torch.Tensor, torch.Tensor | None]]
+    rope: Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]] | None
+    normalised_input: bool
 
 
 class RMSNorm(nn.Module):
@@ -128,6 +142,14 @@ class Llama(nn.Module):
 
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
+    def speculation_taps(self) -> SpeculationTaps:
+        return SpeculationTaps(
+            q_proj=[(b.self_attn.q_proj.weight, b.self_attn.q_proj.bias) for b in self.layers],
+            norms=[(b.input_layernorm.weight, None) for b in self.layers],
+            rope=lambda positions, dtype: rope_cos_sin(self.inv_freq, positions, dtype),
+            normalised_input=True,
+        )
 
     def forward(self, input_ids, positions, cache: KVCache, valid, last_only: bool = False):
         """input_ids, positions: [B, S]; valid: [B, S] bool. Returns logits [B, S or 1, V]."""

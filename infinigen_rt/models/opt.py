@@ -12,7 +12,7 @@ from torch import nn
 
 from infinigen_rt.cache import KVCache
 from infinigen_rt.config import ModelConfig
-from infinigen_rt.models.llama import ACT
+from infinigen_rt.models.llama import ACT, SpeculationTaps
 
 
 class Attention(nn.Module):
@@ -77,6 +77,15 @@ class OPT(nn.Module):
 
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
+    def speculation_taps(self) -> SpeculationTaps:
+        norms = [b.self_attn_layer_norm for b in self.layers]
+        return SpeculationTaps(
+            q_proj=[(b.self_attn.q_proj.weight, b.self_attn.q_proj.bias) for b in self.layers],
+            norms=[(n.weight, n.bias) for n in norms],
+            rope=None,
+            normalised_input=self.cfg.do_layer_norm_before,
+        )
 
     def forward(self, input_ids, positions, cache: KVCache, valid, last_only: bool = False):
         """input_ids, positions: [B, S]; valid: [B, S] bool. Returns logits [B, S or 1, V]."""

@@ -1,0 +1,168 @@
+"""InfiniGen's speculation: from layer j-1's attention input, a partial query of layer j, its scores over layer
+j's partial keys, and the rows layer j fetches (a Selection). Device-agnostic tensor code; how rows move is
+prefetch.py's business, which slot holds which token is pool.py's.
+
+Per speculated layer j and sequence b: scores s = q~ . K~ / sqrt(D) over every held token; n = the mean over
+query heads of the tokens within `alpha` of the head's maximum, capped by the budget; the top-n tokens per KV
+head (the group's probabilities summed, or its logits' max) are chosen. Sinks and recent tokens are always
+among them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from infinigen_rt.bundle import partial_idx_name, partial_q_name, skew_name
+from infinigen_rt.config import ModelConfig
+from infinigen_rt.models.llama import SpeculationTaps, apply_rope
+
+if TYPE_CHECKING:  # the policies import this module
+    from infinigen_rt.policies.options import KVOptions
+
+
+class Speculator:
+    """The per-layer pieces of speculation, built once from a model's taps and a bundle's InfiniGen tensors:
+    partial query weights (RoPE models: the full query, then the skew's chosen columns; OPT: the folded partial
+    rows), the partial-key columns, and the renorm map from layer j-1's norm to layer j's."""
+
+    def __init__(self, cfg: ModelConfig, taps: SpeculationTaps, tensors: dict, device, dtype):
+        self.cfg, self.taps = cfg, taps
+        n_layers, hkv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        self.group = cfg.num_attention_heads // hkv
+        self.idx = [tensors[partial_idx_name(j)].to(device) for j in range(n_layers)]  # [Hkv, d']
+        self.d_prime = self.idx[0].shape[-1]
+        scale = 1 / math.sqrt(d)  # folded into the query side once, not applied to scores over the context
+        if taps.rope is not None:  # the skew's chosen columns: [Hkv, D, d'] (keys) and scaled (queries)
+            self.a_part = [
+                torch.gather(tensors[skew_name(j)].to(device), 2, self.idx[j][:, None, :].expand(hkv, d, -1)).to(dtype)
+                for j in range(n_layers)
+            ]
+            self.a_part_q = [(a * scale)[None] for a in self.a_part]
+        else:  # OPT: skew folded into the weights; the partial query weight is a real smaller matmul
+            self.pq = [
+                (tensors[partial_q_name(j, "weight")].to(device, dtype) * scale,
+                 tensors[partial_q_name(j, "bias")].to(device, dtype) * scale
+                 if partial_q_name(j, "bias") in tensors else None)
+                for j in range(n_layers)
+            ]  # fmt: skip
+        self.renorm = [None] + [self._renorm_affine(j) for j in range(1, n_layers)]  # (scale, shift or None)
+
+    def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos, sin for the speculative queries of a pass at `positions` (None without RoPE)."""
+        return None if self.taps.rope is None else self.taps.rope(positions, dtype)
+
+    def partial_key(self, j: int, k: torch.Tensor) -> torch.Tensor:
+        """k: [B, Hkv, s, D] (post-RoPE) -> the skewed partial key [B, Hkv, s, d']."""
+        if self.taps.rope is not None:
+            return k @ self.a_part[j]
+        idx = self.idx[j]
+        return torch.gather(k, -1, idx[None, :, None, :].expand(k.shape[0], -1, k.shape[2], -1))
+
+    def _renorm_affine(self, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        (pw, pb), (cw, cb) = self.taps.norms[j - 1], self.taps.norms[j]
+        ratio = cw / torch.where(pw.abs() < 1e-6, 1e-6, pw)
+        if pb is None and cb is None:
+            return ratio, None
+        shift = (cb if cb is not None else 0) - (pb * ratio if pb is not None else 0)
+        return ratio, shift
+
+    def renormed(self, j: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer j-1's normalised input as layer j's norm would give it: exact for RMSNorm (x * g_j / g_{j-1});
+        for LayerNorm (x - b_{j-1}) / g_{j-1} * g_j + b_j (one affine map, computed once per layer)."""
+        ratio, shift = self.renorm[j]
+        return x * ratio if shift is None else torch.addcmul(shift, x, ratio)
+
+    def query(self, j: int, x: torch.Tensor, cos_sin, renorm: bool) -> torch.Tensor:
+        """Layer j's speculative query from layer j-1's attention input x: [B, 1, hidden] -> [B, Hkv, G, d'],
+        already divided by sqrt(head_dim). `cos_sin`: this pass's rope (see `rope`)."""
+        if renorm and self.taps.normalised_input:  # post-LN OPT: the input is not normalised
+            x = self.renormed(j, x)
+        b, hkv, g, d = x.shape[0], self.cfg.num_key_value_heads, self.group, self.cfg.head_dim
+        if self.taps.rope is not None:  # RoPE sits between projection and dot product: full query, rotate, skew
+            weight, bias = self.taps.q_proj[j]
+            q = F.linear(x, weight, bias).view(b, 1, hkv * g, d).transpose(1, 2)
+            q = apply_rope(q, *cos_sin).view(b, hkv, g, d)
+            return q @ self.a_part_q[j]
+        w, bias = self.pq[j]
+        return F.linear(x, w, bias).view(b, hkv, g, -1)
+
+
+@dataclass
+class Selection:
+    """The rows a speculated layer fetches: pool slots [B, Hkv, n] and which of them count (ok [B, Hkv, n]: False
+    pads n out for rows fetching fewer, or marks a free slot). `every`: all of them count (known on the host);
+    `per_row`: each sequence's mean fetch count per KV head (for the statistics)."""
+
+    slots: torch.Tensor
+    ok: torch.Tensor
+    every: bool
+    per_row: list[float]
+
+
+def select(
+    q: torch.Tensor, pkt: torch.Tensor, alpha: float, opts: KVOptions, t: int | None = None,
+    held: torch.Tensor | None = None, pos: torch.Tensor | None = None,
+) -> Selection:  # fmt: skip
+    """Choose the rows to fetch. q: [B, Hkv, G, d'] (scaled); pkt: the partial keys transposed [B, Hkv, d', S].
+
+    The held state comes in one of two forms. `t`: the held slots are exactly 0..t-1 in position order (no eviction
+    yet, no padding): the host knows every count, and no mask over the context is needed (sinks are the first
+    slots, recent the last). Else `held` [B, Hkv, S] bool and `pos` [B, Hkv, S] (the positions, -1 when free)."""
+    inf = float("inf")
+    prefix = t is not None
+    if prefix:
+        s = (q @ pkt[..., :t]).float()  # [B, Hkv, G, t]: a batched matmul over the transposed keys
+        cap = max(1, math.floor(opts.budget * t))
+        cap = min(cap, t, opts.max_kv or cap)
+    else:
+        s = (q @ pkt).float().masked_fill(~held[:, :, None, :], -inf)
+        held_b = held.sum(-1).amax(-1)  # [B]
+        cap = torch.clamp((opts.budget * held_b).floor().long(), min=1)
+        if opts.max_kv is not None:
+            cap = cap.clamp(max=opts.max_kv)
+        cap = torch.minimum(cap, held_b)[:, None]
+    if math.isinf(alpha):  # no margin: the budget decides
+        n = cap
+    else:
+        within = s > (s.amax(-1, keepdim=True) - alpha)  # tokens within alpha of each query head's max
+        if opts.per_head:  # [B, Hkv]: each KV head its group's mean count
+            n = within.sum(-1).float().mean(2).ceil().long()
+        else:  # [B, 1]: one count per sequence, the mean over every query head
+            n = (within.sum(dim=(1, 2, 3)) / (s.shape[1] * s.shape[2])).ceil().long()[:, None]
+        n = n.clamp(1, cap) if prefix else torch.minimum(n, cap).clamp(min=1)
+    if opts.group_agg == "sum":  # a token's share of the group's attention
+        agg = s.softmax(-1).sum(2)
+    else:  # a token any head of the group wants
+        agg = s.amax(2)  # [B, Hkv, S]
+    if prefix:  # always fetched, inside the budget
+        agg[..., : opts.sinks] = inf
+        if opts.recent:
+            agg[..., max(t - opts.recent, 0) :] = inf
+    elif opts.sinks or opts.recent:
+        newest = pos.amax(-1, keepdim=True)
+        forced = held & ((pos < opts.sinks) | (pos > newest - opts.recent))
+        agg = agg.masked_fill(forced, inf)
+    if isinstance(n, int):  # known on the host
+        n_min = n_max = n
+        per_row = [n] * q.shape[0]
+    else:  # the one host sync of a speculation: the fetch size (and each row's mean, for the stats)
+        *per_row, n_min, n_max = torch.cat([n.float().mean(-1), n.min()[None], n.max()[None]]).tolist()
+        n_min, n_max = int(n_min), int(n_max)
+    # every row fetching the same count needs no order among the chosen (an unsorted top-k is several times
+    # cheaper on a CPU once k is a sizeable share); rows fetching fewer take the first n of a sorted top-k
+    top = agg.topk(n_max, dim=-1, sorted=n_min != n_max).indices  # [B, Hkv, n]
+    if prefix:  # every chosen slot holds a token; built on the host (rows fetching fewer drop their tail)
+        ok = torch.ones(top.shape, dtype=torch.bool)
+        if n_min != n_max:
+            ok &= torch.arange(n_max) < n.cpu()[..., None]
+    else:
+        ok = torch.gather(held, 2, top)
+        if n_min != n_max:
+            ok &= torch.arange(n_max, device=top.device) < n[..., None]
+        ok = ok.cpu()
+    return Selection(top.cpu(), ok, prefix and n_min == n_max, per_row)
