@@ -399,6 +399,8 @@ def run_points(
         for i, (e, cache, step, times, before) in runs.items():
             _finish(points[i], e, cache, step, times, before, bw, trace)
     finally:
+        for run in runs.values():
+            run[1].close()
         runs = None  # free the pools and device buffers before the next point
         _free(dev)
     return points

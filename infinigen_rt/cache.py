@@ -35,6 +35,9 @@ class KVCache:
     def end(self) -> None:
         """The forward pass is over (policies enforce capacity, advance counters)."""
 
+    def close(self) -> None:
+        """The cache's work is over: release what it holds besides memory (a worker thread, pinned pages)."""
+
 
 class DenseCache(KVCache):
     """All KV resident on the compute device in preallocated buffers (the `full` policy)."""

@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass, field
 
 import torch
@@ -219,58 +220,58 @@ class Engine:
         check_context(s, steps, self.cfg.max_position_embeddings)
         gens = [torch.Generator(device=self.device).manual_seed(p.seed) if p.seed is not None else None for p in params]
         ids, positions, valid = pad_batch(prompts, self.tokenizer.pad_id, self.device)
-        cache = self.make_cache(b, s + steps)
-        stats = RunStats(prefill_tokens=sum(len(p) for p in prompts))
+        with closing(self.make_cache(b, s + steps)) as cache:  # closed even when a step fails
+            stats = RunStats(prefill_tokens=sum(len(p) for p in prompts))
 
-        self._sync()
-        t0 = time.perf_counter()
-        logits = self.prefill(cache, ids, positions, valid)
-        next_tok = sample_rows(logits, params, gens)
-        self._sync()
-        stats.prefill_s = time.perf_counter() - t0
-
-        out: list[list[int]] = [[] for _ in range(b)]
-        reasons: list[str | None] = [None] * b
-        texts: list[str | None] = [None] * b
-        pos = positions[:, -1:]
-        t0 = time.perf_counter()
-        for step in range(steps):
-            toks = next_tok.tolist()  # the one host sync a step: the sampled tokens
-            for i, t in enumerate(toks):
-                if reasons[i] is not None:
-                    continue
-                if t in self.tokenizer.eos_ids:
-                    reasons[i] = "stop"
-                    continue
-                out[i].append(t)
-                if stops[i]:
-                    text = self.tokenizer.decode(out[i])
-                    hit = [text.index(x) for x in stops[i] if x in text]
-                    if hit:
-                        texts[i], reasons[i] = text[: min(hit)], "stop"
-                if reasons[i] is None and len(out[i]) >= limits[i]:
-                    reasons[i] = "length"
-            if on_step is not None:
-                for i in on_step(out) or ():
-                    reasons[i] = reasons[i] or "cancelled"
-            if all(r is not None for r in reasons) or step == steps - 1:
-                break
-            pos = pos + 1
-            logits = self.model(next_tok[:, None], pos, cache, torch.ones_like(valid[:, :1]), last_only=True)[:, -1]
+            self._sync()
+            t0 = time.perf_counter()
+            logits = self.prefill(cache, ids, positions, valid)
             next_tok = sample_rows(logits, params, gens)
-            stats.decode_steps += 1
-        self._sync()
-        stats.decode_s = time.perf_counter() - t0
-        stats.decode_tokens = stats.decode_steps * b  # tokens computed by decode forwards, whole batch
-        stats.extra = {
-            "policy": self.policy,
-            "device": str(self.device),
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "batch": b,
-            "generated_tokens": sum(len(o) for o in out),
-            **(cache.report() if hasattr(cache, "report") else {}),
-            **memory_stats(self.device),
-        }
+            self._sync()
+            stats.prefill_s = time.perf_counter() - t0
+
+            out: list[list[int]] = [[] for _ in range(b)]
+            reasons: list[str | None] = [None] * b
+            texts: list[str | None] = [None] * b
+            pos = positions[:, -1:]
+            t0 = time.perf_counter()
+            for step in range(steps):
+                toks = next_tok.tolist()  # the one host sync a step: the sampled tokens
+                for i, t in enumerate(toks):
+                    if reasons[i] is not None:
+                        continue
+                    if t in self.tokenizer.eos_ids:
+                        reasons[i] = "stop"
+                        continue
+                    out[i].append(t)
+                    if stops[i]:
+                        text = self.tokenizer.decode(out[i])
+                        hit = [text.index(x) for x in stops[i] if x in text]
+                        if hit:
+                            texts[i], reasons[i] = text[: min(hit)], "stop"
+                    if reasons[i] is None and len(out[i]) >= limits[i]:
+                        reasons[i] = "length"
+                if on_step is not None:
+                    for i in on_step(out) or ():
+                        reasons[i] = reasons[i] or "cancelled"
+                if all(r is not None for r in reasons) or step == steps - 1:
+                    break
+                pos = pos + 1
+                logits = self.model(next_tok[:, None], pos, cache, torch.ones_like(valid[:, :1]), last_only=True)[:, -1]
+                next_tok = sample_rows(logits, params, gens)
+                stats.decode_steps += 1
+            self._sync()
+            stats.decode_s = time.perf_counter() - t0
+            stats.decode_tokens = stats.decode_steps * b  # tokens computed by decode forwards, whole batch
+            stats.extra = {
+                "policy": self.policy,
+                "device": str(self.device),
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "batch": b,
+                "generated_tokens": sum(len(o) for o in out),
+                **(cache.report() if hasattr(cache, "report") else {}),
+                **memory_stats(self.device),
+            }
         results = []
         for i in range(b):
             text = texts[i] if texts[i] is not None else self.tokenizer.decode(out[i])

@@ -77,6 +77,7 @@ def perplexity(engine: Engine, ids: list[int], score_from: int, progress=None) -
         if progress:
             progress(i + 1, steps)
     report = cache.report() if hasattr(cache, "report") else {}
+    cache.close()
     return math.exp(torch.stack(nll).mean().item()), report, steps
 
 

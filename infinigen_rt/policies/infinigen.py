@@ -3,30 +3,19 @@ from layer i's normalised input, a partial query (skewed columns) and the partia
 i+1 kept on the device; only those rows are fetched (the selection: speculation.py). The dense layers (the
 first `dense_layers`) keep their KV on the device.
 
-The selection and the copy of layer i+1's rows overlap layer i's compute: on a GPU through a copy stream,
-on a CPU with two threads or more through a worker thread (torch ops release the GIL).
+The selection and the copy of layer i+1's rows overlap layer i's compute (prefetch.py: a CUDA side stream, or
+on a CPU with two threads or more this cache's worker thread).
 """
 
 from __future__ import annotations
 
 import math
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from infinigen_rt.policies.offload import OffloadCache
+from infinigen_rt.prefetch import prefetcher
 from infinigen_rt.speculation import Speculator, select
-
-_SPECULATOR: ThreadPoolExecutor | None = None
-
-
-def speculator() -> ThreadPoolExecutor:
-    """One worker thread per process that speculates on the CPU. Torch ops release the GIL, so layer j+1's
-    selection and row gather run on the second core while the main thread computes layer j."""
-    global _SPECULATOR
-    if _SPECULATOR is None:
-        _SPECULATOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinigen-speculate")
-    return _SPECULATOR
 
 
 class InfinigenCache(OffloadCache):
@@ -41,10 +30,8 @@ class InfinigenCache(OffloadCache):
         self.pk = {j: torch.zeros(batch, hkv, d_prime, max_len, device=self.device, dtype=dtype) for j in spec}
         self.held_dev = {j: torch.zeros(batch, hkv, max_len, dtype=torch.bool, device=self.device) for j in spec}
         self.pos_dev = {j: torch.full((batch, hkv, max_len), -1, dtype=torch.long, device=self.device) for j in spec}
-        self.pending: dict[int, tuple | Future] = {}  # layer -> what `speculate` returns (or will)
-        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        # a CPU with a core to spare speculates on a worker thread (a GPU overlaps through the copy stream)
-        self.overlap = self.device.type == "cpu" and torch.get_num_threads() > 1
+        self.prefetch = prefetcher(self.device)  # a side stream, a worker thread, or inline
+        self.every: bool | None = None  # set by a speculated fetch, read by after_fetch
 
     def begin(self, valid, positions) -> None:
         super().begin(valid, positions)
@@ -56,15 +43,12 @@ class InfinigenCache(OffloadCache):
         j = layer + 1
         if not self.decoding or j < self.dense_layers or j >= self.cfg.num_hidden_layers:
             return
-        if self.overlap:  # on the other core, while layer j-1 computes
-            self.pending[j] = speculator().submit(self.speculate, j, x)
-        else:
-            self.pending[j] = self.speculate(j, x)
+        self.prefetch.start(j, self.speculate, j, x)  # while layer j-1 computes
 
     @torch.inference_mode()
     def speculate(self, j: int, x: torch.Tensor) -> tuple:
-        """Choose layer j's rows from layer j-1's normalised input x and start copying them.
-        Returns (slots, ok, keys, values, copy event, every chosen slot counts, per-row counts, bytes fetched)."""
+        """Choose layer j's rows from layer j-1's normalised input x and copy them.
+        Returns (slots, ok, keys, values, every chosen slot counts, per-row counts, bytes fetched)."""
         q = self.spec.query(j, x, self.cos_sin, self.opts.renorm)  # [B, Hkv, G, d'], scaled
         pool = self.pools[j]
         # the common case: no eviction yet and no padding, so the held slots are exactly 0..t-1 in position order
@@ -72,38 +56,23 @@ class InfinigenCache(OffloadCache):
             sel = select(q, self.pk[j], self.alpha, self.opts, t=pool.fill)
         else:
             sel = select(q, self.pk[j], self.alpha, self.opts, held=self.held_dev[j], pos=self.pos_dev[j])
-        slots = sel.slots
-        # prefetch now, while layer j-1 computes: on a copy stream with a GPU; layer j waits on this copy only
-        if self.copy_stream is not None:
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.copy_stream):
-                k, v = pool.gather(slots, self.device, extra=1)
-                done = torch.cuda.Event()
-                done.record(self.copy_stream)
-        else:
-            k, v, done = *pool.gather(slots, self.device, extra=1), None
-        n_bytes = (slots.numel() + slots.shape[0] * slots.shape[1]) * pool.row_bytes  # + the new token's row
-        return slots, sel.ok, k, v, done, sel.every, sel.per_row, n_bytes
+        k, v = pool.gather(sel.slots, self.device, extra=1)
+        n_bytes = (sel.slots.numel() + sel.slots.shape[0] * sel.slots.shape[1]) * pool.row_bytes  # + the new row
+        return sel.slots, sel.ok, k, v, sel.every, sel.per_row, n_bytes
 
     def fetch(self, layer: int, extra: int = 0):
-        if layer not in self.pending:
+        if layer not in self.prefetch:
             return super().fetch(layer, extra)
-        if isinstance(self.pending[layer], Future):  # speculated on the other core: wait for it
-            self.pending[layer] = self.pending[layer].result()
-        slots, ok, k, v, done, _, per_row, n_bytes = self.pending[layer]
+        slots, ok, k, v, every, per_row, n_bytes = self.prefetch.take(layer)
         self.count_h2d(layer, n_bytes)  # the counters change on this thread only
         self.stats.tokens_per_head += per_row
-        if done is not None:
-            compute = torch.cuda.current_stream(self.device)
-            compute.wait_event(done)
-            k.record_stream(compute)  # allocated on the copy stream, used on this one
-            v.record_stream(compute)
+        self.every = every  # every chosen slot counts (no per-row limits, no free slots)
         return slots, ok, k, v
 
     def after_fetch(self, layer, q, slots, ok) -> None:
-        if layer not in self.pending:
+        every, self.every = self.every, None
+        if every is None:  # not a speculated fetch
             return
-        every = self.pending.pop(layer)[5]  # every chosen slot counts (no per-row limits, no free slots)
         pool = self.pools[layer]
         pool.mark_selected(slots, None if every else ok, self.step)
         fetched, held = ok.numel() if every else int(ok.sum()), int(pool.held().sum())
@@ -143,6 +112,9 @@ class InfinigenCache(OffloadCache):
         self.pk[layer].scatter_(3, dev_slots[:, :, None, :].expand(-1, -1, pk.shape[2], -1), pk)
         self.held_dev[layer].scatter_(2, dev_slots, valid)
         self.pos_dev[layer].scatter_(2, dev_slots, pos)
+
+    def close(self) -> None:
+        self.prefetch.close()
 
     def end(self) -> None:
         before = {j: self.pools[j].evicted for j in self.pk}

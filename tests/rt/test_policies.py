@@ -13,6 +13,7 @@ from infinigen_rt.cache import DenseCache
 from infinigen_rt.engine import Engine, pad_batch
 from infinigen_rt.policies import KVOptions
 from infinigen_rt.policies.int4 import dequantize, group_size, quantize
+from infinigen_rt.prefetch import Inline, WorkerThread
 from tests.conftest import run_cli, shakespeare
 from tests.test_cli import one_line_error
 
@@ -126,10 +127,11 @@ def test_speculating_on_a_worker_thread_changes_nothing(batch, bundles):
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(4, e.cfg.vocab_size, (n,), generator=g).tolist() for n in (50, 37)[:batch]]
     runs = []
-    for overlap in (False, True):
+    for prefetch in (Inline(), WorkerThread()):
         cache = e.make_cache(batch, 50 + 9)
-        cache.overlap = overlap
+        cache.prefetch = prefetch
         logits, _, cache = greedy_logits(e, prompts, 8, cache=cache)
+        cache.close()
         runs.append((logits, cache.report(), [p.hits.clone() for p in cache.pools[e.dense_layers():]]))
     (l0, r0, h0), (l1, r1, h1) = runs
     torch.testing.assert_close(l1, l0, rtol=0, atol=0)
