@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+if not torch.cuda.is_available():  # Triton kernels run on CPU tensors through its interpreter (set before import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # a few paragraphs to train the tiny test tokenizers on (not evaluation text)
 TOKENIZER_TEXT = [
     "The quick brown fox jumps over the lazy dog. It was the best of times, it was the worst of times.",

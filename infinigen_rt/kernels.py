@@ -1,0 +1,86 @@
+"""Selected rows from the host pool to the device with no host in the loop: a Triton kernel that reads pinned
+host memory through unified addressing (the driver maps pinned pages into the GPU's address space), with the
+row numbers and their validity produced and consumed on the device. `gather_rows_reference` is the pure-torch
+definition the kernel is tested against (under TRITON_INTERPRET=1 on CPU tensors in the normal test suite).
+
+Rows are moved as integers of the widest size that divides a row (a byte move: any dtype, fp16 and bf16
+included, and the interpreter needs no half-precision arithmetic)."""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton comes with CUDA builds of torch; a CPU install runs the reference path
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+
+ROWS_PER_PROGRAM = 16
+
+
+def words(t: torch.Tensor) -> torch.Tensor:
+    """t [..., X] (contiguous) viewed as rows of the widest integer that divides a row's bytes: [N, W]."""
+    assert t.is_contiguous(), "rows move in place: a contiguous tensor"
+    row = t.shape[-1] * t.element_size()
+    flat = t.view(-1, t.shape[-1])
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if row % torch.empty(0, dtype=dtype).element_size() == 0:
+            return flat.view(torch.uint8).view(dtype) if t.dtype != torch.uint8 else flat.view(dtype)
+    return flat.view(torch.uint8)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gather_kernel(
+        src_a, src_b, out_a, out_b, rows, ok, n_sel, n_out, total,
+        W: tl.constexpr, BLOCK_W: tl.constexpr, ROWS: tl.constexpr, HAS_OK: tl.constexpr,
+    ):  # fmt: skip
+        # program p moves ROWS selected rows; selection m (of `total`) lands at row (m // n_sel) * n_out + m % n_sel
+        m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        live = m < total
+        r = tl.load(rows + m, mask=live, other=0).to(tl.int64)
+        use = live
+        if HAS_OK:
+            use = live & (tl.load(ok + m, mask=live, other=0) != 0)
+        dst = (m // n_sel).to(tl.int64) * n_out + (m % n_sel)
+        cols = tl.arange(0, BLOCK_W)
+        inside = cols[None, :] < W
+        src_off = r[:, None] * W + cols[None, :]
+        dst_off = dst[:, None] * W + cols[None, :]
+        # a row that does not count is written as zeros (never read from the pool: its bytes do not move)
+        a = tl.load(src_a + src_off, mask=use[:, None] & inside, other=0)
+        tl.store(out_a + dst_off, a, mask=live[:, None] & inside)
+        b = tl.load(src_b + src_off, mask=use[:, None] & inside, other=0)
+        tl.store(out_b + dst_off, b, mask=live[:, None] & inside)
+
+
+def gather_rows(src_a, src_b, rows, ok, out_a, out_b) -> None:
+    """out_x[g, i] = src_x[rows[g, i]] where ok[g, i] (else zeros), for the pair x = a, b (keys and values).
+
+    src_a, src_b: [N, X] (host pinned memory, or device memory); rows: [G, n] int64 and ok: [G, n] bool (or None:
+    all count), on the compute device; out_a, out_b: [G, n_out, X] with n_out >= n, contiguous, on the device
+    (rows n..n_out-1 of each group are left as they are: room for the new tokens)."""
+    g, n = rows.shape
+    n_out = out_a.shape[1]
+    sa, sb, oa, ob = words(src_a), words(src_b), words(out_a), words(out_b)
+    w = sa.shape[-1]
+    total = g * n
+    if total == 0:
+        return
+    grid = (triton.cdiv(total, ROWS_PER_PROGRAM),)
+    _gather_kernel[grid](
+        sa, sb, oa, ob, rows.reshape(-1), ok.reshape(-1) if ok is not None else rows, n, n_out, total,
+        W=w, BLOCK_W=triton.next_power_of_2(w), ROWS=ROWS_PER_PROGRAM, HAS_OK=ok is not None,
+    )  # fmt: skip
+
+
+def gather_rows_reference(src_a, src_b, rows, ok, out_a, out_b) -> None:
+    """The definition of `gather_rows` in torch ops (index_select on the rows, zeros where they do not count)."""
+    g, n = rows.shape
+    for src, out in ((src_a, out_a), (src_b, out_b)):
+        taken = src.index_select(0, rows.reshape(-1).to(src.device)).to(out.device).view(g, n, -1)
+        if ok is not None:
+            taken = taken.masked_fill(~ok[..., None], 0)
+        out[:, :n] = taken

@@ -1,0 +1,51 @@
+"""The Triton row gather against its pure-torch definition: under TRITON_INTERPRET=1 on CPU tensors here (set by
+conftest), compiled on a GPU where one is present (then the source is pinned host memory, as in the pool)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infinigen_rt.kernels import gather_rows, gather_rows_reference, triton
+
+pytestmark = pytest.mark.skipif(triton is None, reason="needs triton (pip install triton)")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pool_tensor(shape, dtype, gen):
+    t = torch.randn(shape, generator=gen).to(dtype) if dtype.is_floating_point else torch.randint(
+        0, 255, shape, generator=gen, dtype=torch.int64
+    ).to(dtype)
+    return t.pin_memory() if DEVICE.type == "cuda" else t
+
+
+@pytest.mark.parametrize(
+    "dtype, groups, n, extra, width",
+    [
+        (torch.float16, 6, 13, 1, 64),  # SmolLM2's head_dim, an odd count, room for the new token
+        (torch.bfloat16, 3, 1, 1, 128),  # Llama's head_dim, one row
+        (torch.float32, 5, 37, 0, 24),  # more rows than a program moves, no extra room
+        (torch.uint8, 4, 9, 2, 32),  # int4's packed rows
+        (torch.float16, 2, 7, 1, 1),  # int4's per-group scales: one value a row
+    ],
+)
+def test_gather_equals_its_definition(dtype, groups, n, extra, width):
+    gen = torch.Generator().manual_seed(groups * 100 + n)
+    n_rows = 50
+    src_a, src_b = pool_tensor((n_rows, width), dtype, gen), pool_tensor((n_rows, width), dtype, gen)
+    rows = torch.randint(0, n_rows, (groups, n), generator=gen).to(DEVICE)
+    ok = (torch.rand(groups, n, generator=gen) > 0.3).to(DEVICE)  # padding and evicted slots do not count
+    ok[0] = True
+    for mask in (ok, None):
+        outs = []
+        for fn in (gather_rows, gather_rows_reference):
+            out_a = torch.full((groups, n + extra, width), 7, dtype=dtype, device=DEVICE)
+            out_b = torch.full_like(out_a, 7)
+            fn(src_a, src_b, rows, mask, out_a, out_b)
+            outs.append((out_a, out_b))
+        (ka, kb), (ra, rb) = outs
+        assert torch.equal(ka, ra) and torch.equal(kb, rb)
+        assert bool((ka[:, n:] == 7).all())  # the extra rows are left for the new tokens
+        if mask is not None:
+            assert bool((ka[:, :n][~mask] == 0).all())  # a row that does not count is zeros, not pool bytes
+        assert torch.equal(ka[0, :n], src_a[rows[0].cpu()].to(DEVICE))
