@@ -59,9 +59,10 @@ bench-cpu: (setup "gguf,plot,test")
     {{python}} benchmarks/peer_transformers.py cpu-vs-full "$gguf" {{bundle}} --text {{texts}}/hamlet_gut.txt \
       --context 1024 --gen 32 --repeats 3 --out artifacts/results/bench-cpu-vs-transformers.json
 
-# the GPU benchmarks and CUDA tests in one call (run on a lent GPU machine; results under $OUT)
-bench-gpu:
-    bash benchmarks/gpu.sh
+# the CUDA tests and GPU benchmarks, one part per call of a lent GPU machine (under 10 min; results under $OUT):
+# tests, llama2-8k, llama2-32k, llama31-32k, llama31-128k
+bench-gpu part="tests":
+    bash benchmarks/gpu.sh {{part}}
 
 # lint and run the whole test suite (CPU only, no network beyond the package registries)
 test: (setup "gguf,test")

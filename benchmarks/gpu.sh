@@ -1,31 +1,58 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one call on a lent machine (the library's `device` tool runs this from the
-# repository root; results land under $OUT and come back):
-#   1. the CUDA tests (tests/rt/test_gpu.py: tokens equal the CPU's per policy, a bench point's sync count)
-#   2. `infinigen-rt bench` on the Llama-2-7B shape, fp16: batch 8 over 2k/8k/32k context for offload,
-#      infinigen (fetch share pinned at 10 %) and full; then batch 1/4/16 at 8k
-#   3. the peer: transformers' offloaded cache on the same shapes (benchmarks/peer_transformers.py)
-# The machine has torch, transformers and pytest but cannot reach a registry: nothing is installed, the
-# project runs from the tree (PYTHONPATH). Budget: one call of at most 10 minutes; each step has a timeout.
+# What needs a GPU, in parts that each fit one call of the device tool (under 10 minutes, at most 8 files under
+# $OUT; every bench and peer file is written row by row, so a call cut short keeps what it measured):
+#   bash benchmarks/gpu.sh tests        CUDA tests: tokens equal the CPU's, one sync per decode step, the row
+#                                       gather kernel compiled and reading pinned memory        (~3 min)
+#   bash benchmarks/gpu.sh llama2-8k    Llama-2-7B shapes, fp16, batch 8 x 8k: full (it fits, and wins here),
+#                                       offload, infinigen (10 % fetched); transformers' offloaded cache  (~5 min)
+#   bash benchmarks/gpu.sh llama2-32k   batch 4 x 32k, where only the pool policies fit; the peer   (~6 min)
+#   bash benchmarks/gpu.sh llama31-32k  Llama-3.1-8B shapes (GQA), batch 1 and 4 x 32k              (~5 min)
+#   bash benchmarks/gpu.sh llama31-128k Llama-3.1-8B shapes, batch 1 x 128k                         (~5 min)
+# The device machine has torch, Triton, transformers and pytest and no network: the project runs from the tree.
 set -uo pipefail
+PART=${1:-tests}
 OUT=${OUT:-artifacts/results/gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
 GEN=${GEN:-32}
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } | tee "$OUT/machine.txt"
 
-timeout 150 $PY -m pytest -q -p no:cacheprovider tests/rt/test_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu-tests.txt"
+bench() {  # bench SECONDS NAME ARGS...: one JSON, row by row
+  timeout "$1" $PY -m infinigen_rt.cli bench --device cuda --gen "$GEN" --warmup 3 --budget 0.1 \
+    --out "$OUT/bench-$2.json" "${@:3}" 2>>"$OUT/log-$PART.txt" | tail -20
+}
+peer() {  # peer SECONDS NAME PRESET BATCH CONTEXT: transformers' offloaded cache on the same shapes
+  timeout "$1" $PY benchmarks/peer_transformers.py synthetic "$3" --batch "$4" --context "$5" --gen "$GEN" \
+    --out "$OUT/peer-$2.json" 2>>"$OUT/log-$PART.txt" | tail -5
+}
 
-bench() { timeout "$1" $PY -m infinigen_rt.cli bench --synthetic llama-2-7b --device cuda --gen "$GEN" --warmup 3 \
-  --budget 0.1 "${@:2}" 2>"$OUT/bench-stderr-$RANDOM.txt"; }
-bench 200 --batch 8 --context 2048,8192,32768 --policies offload,infinigen,full \
-  --out "$OUT/bench-llama-2-7b-context.json" --plot "$OUT/bench-llama-2-7b-context.png"
-bench 150 --batch 1,4,16 --context 8192 --policies offload,infinigen \
-  --out "$OUT/bench-llama-2-7b-batch.json" --plot "$OUT/bench-llama-2-7b-batch.png"
-
-timeout 120 $PY benchmarks/peer_transformers.py synthetic llama-2-7b --batch 8 --context 8192 --gen "$GEN" \
-  --out "$OUT/peer-transformers-offloaded.json" 2>&1 | tail -3
+case "$PART" in
+  tests)
+    { nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv
+      $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+    } | tee "$OUT/machine.txt"
+    timeout 420 $PY -m pytest -q -p no:cacheprovider tests/rt/test_gpu.py tests/rt/test_kernels.py 2>&1 \
+      | tail -25 | tee "$OUT/gpu-tests.txt"
+    ;;
+  llama2-8k)
+    bench 330 llama-2-7b-b8-8k --synthetic llama-2-7b --batch 8 --context 8192 --policies full,offload,infinigen
+    peer 200 llama-2-7b-b8-8k llama-2-7b 8 8192
+    ;;
+  llama2-32k)
+    bench 360 llama-2-7b-b4-32k --synthetic llama-2-7b --batch 4 --context 32768 --policies offload,infinigen,full
+    peer 180 llama-2-7b-b4-32k llama-2-7b 4 32768
+    ;;
+  llama31-32k)
+    bench 540 llama-3.1-8b-32k --synthetic llama-3.1-8b --batch 1,4 --context 32768 --policies full,offload,infinigen
+    ;;
+  llama31-128k)
+    bench 540 llama-3.1-8b-128k --synthetic llama-3.1-8b --batch 1 --context 131072 --policies offload,infinigen,full
+    ;;
+  *)
+    echo "unknown part $PART: tests, llama2-8k, llama2-32k, llama31-32k, llama31-128k" >&2
+    exit 2
+    ;;
+esac
 
 $PY - "$OUT" <<'EOF'
 import json, pathlib, sys
@@ -33,14 +60,20 @@ out = pathlib.Path(sys.argv[1])
 for f in sorted(out.glob("bench-*.json")):
     d = json.loads(f.read_text())
     bw = d["bandwidth"]
-    print(f.name, d["device_name"], f"device {bw['device_bytes_per_s']/1e9:.0f} GB/s, h2d {bw['h2d_bytes_per_s']/1e9:.1f} GB/s")
+    print(f.name, d["device_name"], f"HBM {bw['device_bytes_per_s']/1e9:.0f} GB/s, DMA {bw['h2d_bytes_per_s']/1e9:.1f} GB/s,"
+          f" gather {bw.get('gather_bytes_per_s', 0)/1e9:.1f} GB/s")
     for p in d["points"]:
+        head = f"  {p['policy']:9} b{p['batch']:<3} ctx{p['context']:<7}"
         if p["status"] != "ok":
-            print(f"  {p['policy']:9} b{p['batch']:<3} ctx{p['context']:<6} {p['status']}")
+            print(head, p["status"], p.get("error") or "")
             continue
-        print(f"  {p['policy']:9} b{p['batch']:<3} ctx{p['context']:<6} {p['ms_per_step']:8.2f} ms {p['tokens_per_s']:8.1f} tok/s "
-              f"x{p['over_floor']:.2f} floor, syncs {p['syncs_per_step']}, overlap {p['copy_overlap']}")
+        busy = p.get("h2d_busy_bytes_per_s")
+        print(head, f"{p['ms_per_step']:8.2f} ms (p90 {p['ms_per_step_p90']:.2f}) {p['tokens_per_s']:8.1f} tok/s "
+              f"x{p['over_floor']:.2f} floor, h2d {p['h2d_bytes_per_step']/1e6:.1f} MB/step"
+              + (f" at {busy/1e9:.1f} GB/s busy" if busy else "")
+              + f", syncs {p['syncs_per_step']}, overlap {p['copy_overlap']}")
 for f in sorted(out.glob("peer-*.json")):
     for r in json.loads(f.read_text())["rows"]:
-        print("  peer", r.get("cache"), r["batch"], r["context"], r.get("ms_per_step"), r.get("tokens_per_s"), r["status"])
+        print(" ", f.name, r.get("cache"), "b", r["batch"], "ctx", r["context"], r.get("ms_per_step"), "ms",
+              r.get("tokens_per_s"), "tok/s", r["status"])
 EOF

@@ -65,7 +65,7 @@ def main():
             "alpha": None if alpha is None or math.isinf(alpha) else alpha,
             "perplexity": round(ppl, 4),
             "delta_pct": round(100 * (ppl / full - 1), 2),
-            "kv_fetched_share": rep.get("kv_fetched_share"),
+            "kv_fetched_share": rep.kv_fetched_share,
             "seconds": round(time.perf_counter() - t0, 1),
         }
         rows.append(row)

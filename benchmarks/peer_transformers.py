@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -89,7 +90,16 @@ def synthetic(a) -> list[dict]:
                     torch.cuda.empty_cache()
             print(json.dumps(row), flush=True)
             rows.append(row)
+            save(a, rows)  # row by row: a call cut short keeps what it measured
     return rows
+
+
+def save(a, rows: list[dict]) -> None:
+    if a.out:
+        tmp = a.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"mode": a.mode, "torch": torch.__version__, "rows": rows}, f, indent=2)
+        os.replace(tmp, a.out)
 
 
 def cpu_vs_full(a) -> list[dict]:
@@ -126,6 +136,7 @@ def cpu_vs_full(a) -> list[dict]:
                    "model": gguf.name, **{k: v for k, v in r.items() if v is not None}}  # fmt: skip
             print(json.dumps(row), flush=True)
             rows.append(row)
+            save(a, rows)
     med = {w: statistics.median(r["ms_per_step"] for r in rows if r["peer"] == w) for w in
            ("transformers", "infinigen-rt full")}  # fmt: skip
     print(json.dumps({"median_ms_per_step": med, "speedup_vs_transformers": round(
@@ -155,10 +166,7 @@ def main():
     for p in (s, c):
         p.add_argument("--out", default=None)
     a = ap.parse_args()
-    rows = synthetic(a) if a.mode == "synthetic" else cpu_vs_full(a)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"mode": a.mode, "torch": torch.__version__, "rows": rows}, f, indent=2)
+    synthetic(a) if a.mode == "synthetic" else cpu_vs_full(a)
 
 
 if __name__ == "__main__":

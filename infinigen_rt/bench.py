@@ -30,7 +30,7 @@ from infinigen_rt.config import ModelConfig
 from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.files import pyplot, save_figure
-from infinigen_rt.policies import KVOptions
+from infinigen_rt.policies import POLICIES, KVOptions
 
 # Hugging Face config.json fields of the real models (the peer script builds transformers models from these)
 PRESETS: dict[str, dict] = {
@@ -130,8 +130,10 @@ def _median_seconds(fn, device, reps: int = 5) -> float:
 
 
 def measure_bandwidths(device: torch.device, n_bytes: int | None = None) -> dict:
-    """Device memory bandwidth (a large device copy: bytes read + written per second) and host-to-device
-    bandwidth (a large pinned copy; on a CPU a host memory copy, bytes copied per second)."""
+    """The three rates a step's floor is made of: device memory (a large device copy: bytes read + written per
+    second), host to device by DMA (a large pinned copy; on a CPU a host memory copy), and the zero-copy gather
+    of 256-byte rows (Llama's K or V row in fp16) from pinned host memory by the row kernel, at random rows (on
+    a CPU: index_select, as the CPU path gathers)."""
     n = n_bytes or (1 << 30 if device.type == "cuda" else 1 << 28)
     a = torch.empty(n, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
@@ -141,8 +143,24 @@ def measure_bandwidths(device: torch.device, n_bytes: int | None = None) -> dict
         host = torch.empty(n, dtype=torch.uint8, pin_memory=True).fill_(1)
         t_h2d = _median_seconds(lambda: b.copy_(host, non_blocking=True), device)
     else:
-        t_h2d = t_dev
-    return {"device_bytes_per_s": 2 * n / t_dev, "h2d_bytes_per_s": n / t_h2d, "probe_bytes": n}
+        host, t_h2d = a, t_dev
+    gather = gather_rate(host.view(-1, 128).view(torch.float16), device)  # rows of 256 bytes
+    return {"device_bytes_per_s": 2 * n / t_dev, "h2d_bytes_per_s": n / t_h2d, "gather_bytes_per_s": gather,
+            "probe_bytes": n}  # fmt: skip
+
+
+def gather_rate(src: torch.Tensor, device: torch.device) -> float:
+    """Bytes per second of gathering a quarter of `src`'s rows, at random, into device memory (K and V each)."""
+    from infinigen_rt.pool import take
+
+    rows = src.shape[0] // 2  # K in the first half, V in the second
+    k, v = src[:rows], src[rows:]
+    n = rows // 4
+    idx = torch.randperm(rows, generator=torch.Generator().manual_seed(0))[:n].to(device).view(1, 1, n)
+    out_k = torch.empty(1, 1, n, src.shape[1], dtype=src.dtype, device=device)
+    out_v = torch.empty_like(out_k)
+    t = _median_seconds(lambda: take(k, v, idx, None, out_k, out_v, device.type == "cuda"), device)
+    return 2 * n * src.shape[1] * src.element_size() / t
 
 
 # -------------------------------------------------------------------------------------------- the model
@@ -161,36 +179,20 @@ def kv_row_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
-def partial_dim(engine: Engine) -> int:
-    if engine.policy != "infinigen":
-        return 0
-    return next(t for k, t in engine.infinigen_tensors.items() if k.endswith("partial_idx")).shape[-1]
-
-
 def memory_needs(engine: Engine, policy: str, batch: int, context: int, gen: int, chunk: int) -> dict:
     """Predicted peak bytes on the device and in host memory for one point (to report what cannot fit
-    as an out-of-memory row before allocating it)."""
+    as an out-of-memory row before allocating it). The policy states its own KV needs (KVCache.kv_bytes)."""
+    cls = POLICIES[policy]
     cfg, esz = engine.cfg, torch.empty(0, dtype=engine.dtype).element_size()
-    seq, layers, hkv, d = context + gen + 1, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-    tokens = batch * hkv * seq  # (sequence, KV head, slot) triples per layer
-    kv_all = tokens * 2 * d * esz * layers
+    seq, step = context + gen + 1, min(chunk, context)
+    tokens = batch * cfg.num_key_value_heads * seq  # (sequence, KV head, slot) triples per layer
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    scores = batch * cfg.num_attention_heads * min(chunk, context) * seq * 4  # prefill attention, fp32
-    act = batch * min(chunk, context) * (cfg.intermediate_size * 3 + cfg.hidden_size * 8) * esz + scores
-    dev = weights + act
-    host = 0
-    one_layer = tokens * 2 * d * esz * 3  # a layer fetching everything: gather, staging, the concatenation
-    if policy in ("full", "h2o"):
-        dev += kv_all + (tokens * 5 * layers if policy == "h2o" else 0)
-    else:
-        resident = engine.dense_layers() if policy == "infinigen" else 0  # dense layers' KV on the device
-        pooled = layers - resident
-        pool_kv = tokens * pooled * (2 * d * esz if policy != "int4" else 2 * (d // 2 + 8))
-        host += pool_kv + tokens * 24 * pooled  # rows, and positions / hit counts / last use (int64 each)
-        dev += one_layer + tokens * resident * 2 * d * esz
-        if policy == "infinigen":
-            dev += tokens * pooled * (partial_dim(engine) * esz + 9)  # partial keys, held flags, positions
-    return {"device": dev, "host": host}
+    # a prefill chunk's activations; the [B, H, chunk, T] score matrix only where the policy builds it itself
+    # (SDPA's fused kernels never do: counting it predicted 117 GiB for full at Llama-2-7B, batch 8 x 8k)
+    scores = batch * cfg.num_attention_heads * step * seq * 4 if cls.scores else 0
+    act = batch * step * (cfg.intermediate_size * 3 + cfg.hidden_size * 8) * esz + scores
+    kv_device, kv_host, _ = cls.kv_bytes(engine, tokens, esz)
+    return {"device": weights + act + kv_device, "host": kv_host}
 
 
 def _proc_bytes(path: str, key: str, default: int) -> int:
@@ -231,6 +233,7 @@ class Point:
     h2d_bytes_per_step: float | None = None
     d2h_bytes_per_step: float | None = None
     h2d_achieved_bytes_per_s: float | None = None  # bytes fetched per step / step time
+    h2d_busy_bytes_per_s: float | None = None  # CUDA only: bytes fetched per step / time the copying is busy
     kv_fetched_share: float | None = None
     peak_device_bytes: int | None = None  # side by side (--interleave): includes the other policies' caches
     host_rss_bytes: int | None = None  # the process's resident memory at the end of the point
@@ -243,14 +246,9 @@ class Point:
 
 def floor_seconds(engine: Engine, policy: str, batch: int, context: int, h2d_bytes: float, bw: dict) -> float:
     """The memory-bound floor of one decode step (see the module docstring)."""
-    cfg, esz = engine.cfg, torch.empty(0, dtype=engine.dtype).element_size()
-    kv_tokens = batch * cfg.num_key_value_heads * context * cfg.num_hidden_layers
-    dev = weight_bytes(engine)
-    if policy in ("full", "h2o"):
-        dev += kv_tokens * 2 * cfg.head_dim * esz
-    elif policy == "infinigen":  # partial keys of the speculated layers; all KV of the dense ones
-        dense = engine.dense_layers() / cfg.num_hidden_layers
-        dev += kv_tokens * ((1 - dense) * partial_dim(engine) + dense * 2 * cfg.head_dim) * esz
+    esz = torch.empty(0, dtype=engine.dtype).element_size()
+    tokens = batch * engine.cfg.num_key_value_heads * context
+    dev = weight_bytes(engine) + POLICIES[policy].kv_bytes(engine, tokens, esz)[2]
     t_dev = dev / bw["device_bytes_per_s"]
     t_h2d = h2d_bytes / bw["h2d_bytes_per_s"]
     return max(t_dev, t_h2d) if engine.device.type == "cuda" else t_dev + t_h2d
@@ -279,26 +277,33 @@ def count_syncs(fn) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
+def merged(spans: list[tuple[float, float]]) -> list[list[float]]:
+    """Intervals (start, end) merged where they overlap, in order."""
+    out: list[list[float]] = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
 def interval_overlap(copies: list[tuple[float, float]], kernels: list[tuple[float, float]]) -> float:
     """Share of the copies' total time during which some kernel runs (intervals as (start, end))."""
-    merged: list[list[float]] = []
-    for s, e in sorted(kernels):
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
+    merged_kernels = merged(kernels)
     total = sum(e - s for s, e in copies)
     if total <= 0:
         return 0.0
     covered = 0.0
     for s, e in copies:
-        for ms, me in merged:
+        for ms, me in merged_kernels:
             covered += max(0.0, min(e, me) - max(s, ms))
     return covered / total
 
 
-def copy_overlap(step) -> float | None:
-    """Run one decode step under the profiler: how much of its host-to-device copying overlaps compute."""
+def copy_profile(step) -> tuple[float | None, float | None]:
+    """Run one decode step under the profiler: (the share of its host-to-device copying that overlaps compute,
+    the seconds the copying is busy). Copies are DMA transfers and the row-gather kernel (it reads host memory)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -308,11 +313,14 @@ def copy_overlap(step) -> float | None:
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
         span = (ev.time_range.start, ev.time_range.end)
-        if "HtoD" in ev.name:
+        if "HtoD" in ev.name or "gather_kernel" in ev.name:
             copies.append(span)
         elif "Memcpy" not in ev.name and "Memset" not in ev.name:
             kernels.append(span)
-    return round(interval_overlap(copies, kernels), 4) if copies else None
+    if not copies:
+        return None, None
+    busy = sum(e - s for s, e in merged(copies))  # the union of the copies' spans
+    return round(interval_overlap(copies, kernels), 4), busy / 1e6  # profiler times are in microseconds
 
 
 @torch.inference_mode()
@@ -382,7 +390,7 @@ def run_points(
                 step = _stepper(e, cache, tok, context, one)
                 for _ in range(warmup):
                     step()
-                runs[i] = (e, cache, step, [], cache.report() if hasattr(cache, "report") else {})
+                runs[i] = (e, cache, step, [], cache.report())
             except Exception as ex:
                 _out_of_memory(pt, ex, dev)
                 cache = step = None
@@ -423,25 +431,25 @@ def _stepper(e: Engine, cache, tok: torch.Tensor, context: int, one: torch.Tenso
 
 def _finish(pt: Point, e: Engine, cache, step, times: list[float], before: dict, bw: dict, trace: bool) -> None:
     dev, gen, batch = e.device, len(times), pt.batch
-    after = cache.report() if hasattr(cache, "report") else {}
+    after = cache.report()
     med = statistics.median(times)
     pt.ms_per_step = round(1000 * med, 3)
     pt.ms_per_step_p90 = round(1000 * sorted(times)[int(0.9 * (len(times) - 1))], 3)
     pt.tokens_per_s = round(batch / med, 2)
-    h2d = (after.get("bytes_h2d", 0) - before.get("bytes_h2d", 0)) / gen
+    h2d = (after.bytes_h2d - before.bytes_h2d) / gen
     pt.h2d_bytes_per_step = round(h2d, 1)
-    pt.d2h_bytes_per_step = round((after.get("bytes_d2h", 0) - before.get("bytes_d2h", 0)) / gen, 1)
+    pt.d2h_bytes_per_step = round((after.bytes_d2h - before.bytes_d2h) / gen, 1)
     pt.h2d_achieved_bytes_per_s = round(h2d / med, 1) if h2d else None
-    pt.kv_fetched_share = after.get("kv_fetched_share")
-    if pt.kv_fetched_share is None and pt.policy in ("full", "offload"):  # every held row, every layer
-        pt.kv_fetched_share = 1.0
+    pt.kv_fetched_share = after.kv_fetched_share
     floor = floor_seconds(e, pt.policy, batch, pt.context, h2d, bw)
     pt.floor_ms, pt.over_floor = round(1000 * floor, 3), round(med / floor, 2)
     if dev.type == "cuda":
         pt.peak_device_bytes = torch.cuda.max_memory_allocated(dev)
         pt.syncs_per_step = count_syncs(step)
         if trace:
-            pt.copy_overlap = copy_overlap(step)
+            pt.copy_overlap, busy = copy_profile(step)
+            if busy and h2d:  # bytes over the time the copying is busy, not over the step
+                pt.h2d_busy_bytes_per_s = round(h2d / busy, 1)
     pt.host_rss_bytes = host_rss()
 
 

@@ -9,13 +9,61 @@ infinigen, h2o, int4) implements these calls and no model code knows which one i
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
 import torch
 
 from infinigen_rt.config import ModelConfig
 
 
+@dataclass
+class KVReport:
+    """What a cache did, in the same fields for every policy (None: does not apply to it).
+
+    kv_fetched_share: of the rows the fetching layers held, the share they read each decode step (1.0: all of
+    them; int4: its packed bytes as a share of 16-bit KV); kv_attended_share: the same over every layer (layers
+    that attend everything count as 1.0). Bytes are counted from the copies made."""
+
+    bytes_h2d: int = 0
+    bytes_d2h: int = 0
+    kv_fetched_share: float | None = None
+    kv_attended_share: float | None = None
+    evictions: int = 0
+    attention_recall: float | None = None
+    tokens_per_head_mean: float | None = None
+    tokens_per_head_max: float | None = None
+    per_layer: dict | None = None
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
 class KVCache:
-    """The interface. Keys and values are per KV head, never expanded to query heads."""
+    """The interface. Keys and values are per KV head, never expanded to query heads.
+
+    A policy is one subclass; what callers need to know about it is on the class: its name, the KV options it
+    reads (`knobs`), whether it needs the bundle's InfiniGen tensors, what eval sweeps, its memory needs."""
+
+    name = ""
+    knobs: frozenset[str] = frozenset()  # the KVOptions fields it reads (a server request may override these)
+    runtime = True  # False: an evaluation device only (not for generate, serve or bench)
+    speculative = False  # needs the bundle's InfiniGen tensors
+    sweep: tuple[str, ...] = ()  # what `eval` sweeps: ("budget",) or ("budget", "alpha")
+    scores = False  # its attention builds the score matrix itself (else SDPA's fused kernels never do)
+
+    @classmethod
+    def build(cls, engine, batch: int, max_len: int) -> KVCache:
+        """The cache for a batch of `batch` sequences of up to `max_len` tokens under `engine`'s options."""
+        raise NotImplementedError
+
+    @classmethod
+    def kv_bytes(cls, engine, tokens: int, dtype_bytes: int) -> tuple[int, int, int]:
+        """For `tokens` (sequence, KV head, slot) triples per layer: (device bytes held, host bytes held, device
+        bytes read by a decode step) of KV and its bookkeeping (bench's memory model and floor)."""
+        raise NotImplementedError
+
+    def report(self) -> KVReport:
+        return KVReport()
 
     def begin(self, valid: torch.Tensor, positions: torch.Tensor) -> None:
         """Start a forward pass over S new tokens; valid: [B, S] bool (False = left padding); positions: [B, S].
@@ -41,6 +89,20 @@ class KVCache:
 
 class DenseCache(KVCache):
     """All KV resident on the compute device in preallocated buffers (the `full` policy)."""
+
+    name = "full"
+
+    @classmethod
+    def build(cls, engine, batch, max_len):
+        return cls(engine.cfg, batch, max_len, engine.device, engine.dtype)
+
+    @classmethod
+    def kv_bytes(cls, engine, tokens, dtype_bytes):
+        kv = tokens * 2 * engine.cfg.head_dim * dtype_bytes * engine.cfg.num_hidden_layers
+        return kv, 0, kv
+
+    def report(self) -> KVReport:
+        return KVReport(kv_fetched_share=1.0, kv_attended_share=1.0)
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype, layers: int | None = None):
         """`layers`: buffers for the first `layers` layers only (the others live elsewhere)."""

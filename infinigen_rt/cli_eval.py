@@ -73,11 +73,8 @@ def eval_cmd(
     check_outputs(out, plot_path)
     path = resolve_bundle(bundle)
     engine = Engine(read_bundle(path), device=device, dtype=dtype)
-    if "infinigen" in names and not alpha_list:
-        ig = engine.bundle.meta.get("infinigen")
-        if not ig:
-            raise InfinigenError(f"bundle {path} has no InfiniGen tensors (converted with --no-infinigen)")
-        alpha_list = [ig["defaults"]["alpha"]]
+    if any("alpha" in POLICIES[p].sweep for p in names) and not alpha_list:  # the bundle's (a one-line error
+        alpha_list = [engine.speculation()[1]["alpha"]]  # for a bundle converted with --no-infinigen)
     ids, sha = text_ids(engine, text, seq_len, score_from)
     meta = {"bundle": str(path), "text": str(text), "text_sha256": sha, "seq_len": seq_len, "score_from": score_from,
             "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}  # fmt: skip

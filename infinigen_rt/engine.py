@@ -159,9 +159,8 @@ class Engine:
             raise InfinigenError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
         kv = kv or KVOptions()
         kv.check()
-        if policy == "infinigen":  # a bundle without the tensors is a one-line error
-            self.infinigen_tensors, self.infinigen_defaults = self.speculation()
-            dense = kv.dense_layers or self.infinigen_defaults["dense_layers"]
+        if POLICIES[policy].speculative:  # a bundle without the tensors is a one-line error
+            dense = kv.dense_layers or self.speculation()[1]["dense_layers"]
             if dense >= self.cfg.num_hidden_layers:
                 raise InfinigenError(
                     f"--dense-layers {dense} leaves no layer to speculate (the model has {self.cfg.num_hidden_layers})"
@@ -183,7 +182,7 @@ class Engine:
         return (self.bundle.meta.get("infinigen") or {}).get("defaults", {}).get("dense_layers", 2)
 
     def make_cache(self, batch: int, max_len: int):
-        return POLICIES[self.policy](self, batch, max_len)
+        return POLICIES[self.policy].build(self, batch, max_len)
 
     def prefill(self, cache, ids, positions, valid):
         """The prompt through the model, in chunks of --prefill-chunk tokens; logits of the last position."""
@@ -269,7 +268,7 @@ class Engine:
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "batch": b,
                 "generated_tokens": sum(len(o) for o in out),
-                **(cache.report() if hasattr(cache, "report") else {}),
+                **cache.report().to_dict(),
                 **memory_stats(self.device),
             }
         results = []

@@ -19,9 +19,7 @@ import torch
 from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.files import pyplot, read_utf8, save_figure, write_atomic
-from infinigen_rt.policies import KVOptions
-
-SWEPT = {"infinigen", "h2o", "oracle"}  # policies with a budget; the others run once
+from infinigen_rt.policies import POLICIES, KVOptions, KVReport
 
 
 @dataclass
@@ -58,7 +56,7 @@ def text_ids(engine: Engine, path: str | Path, seq_len: int, score_from: int) ->
 
 
 @torch.inference_mode()
-def perplexity(engine: Engine, ids: list[int], score_from: int, progress=None) -> tuple[float, dict, int]:
+def perplexity(engine: Engine, ids: list[int], score_from: int, progress=None) -> tuple[float, KVReport, int]:
     """Teacher-forced perplexity of ids[score_from:] given what precedes, decoding token by token.
 
     Returns (perplexity, the cache's report, decode steps)."""
@@ -76,20 +74,22 @@ def perplexity(engine: Engine, ids: list[int], score_from: int, progress=None) -
         nll.append(-torch.log_softmax(logits.float(), -1)[0, ids[t + 1]])
         if progress:
             progress(i + 1, steps)
-    report = cache.report() if hasattr(cache, "report") else {}
+    report = cache.report()
     cache.close()
     return math.exp(torch.stack(nll).mean().item()), report, steps
 
 
 def configs(policies: list[str], budgets: list[float], alphas: list[float]) -> list[tuple]:
-    """(policy, budget, alpha) rows of the sweep, full first (every delta is against it)."""
+    """(policy, budget, alpha) rows of the sweep, full first (every delta is against it): each policy over what
+    it sweeps (its `sweep`: budgets, and alphas for a speculating one), else once."""
     out = [("full", None, None)]
     for p in policies:
+        sweep = POLICIES[p].sweep
         if p == "full":
             continue
-        if p == "infinigen":
+        if "alpha" in sweep:
             out += [(p, b, a) for b in budgets for a in alphas]
-        elif p in SWEPT:
+        elif "budget" in sweep:
             out += [(p, b, None) for b in budgets]
         else:
             out.append((p, None, None))
@@ -104,7 +104,8 @@ def run_sweep(engine: Engine, ids, score_from, todo, done: list[Row], recall=Tru
     for n, (policy, budget, alpha) in enumerate(todo):
         if (policy, budget, alpha) in have:
             continue
-        kv = KVOptions(alpha=alpha, budget=budget or 1.0, trace_recall=recall and policy == "infinigen")
+        traced = recall and "trace_recall" in POLICIES[policy].knobs
+        kv = KVOptions(alpha=alpha, budget=budget or 1.0, trace_recall=traced)
         e = engine.with_policy(policy, kv)
         t0 = time.perf_counter()
         label = f"({n + 1}/{len(todo)}) {policy}" + (f" budget {budget}" if budget else "") + (
@@ -112,21 +113,15 @@ def run_sweep(engine: Engine, ids, score_from, todo, done: list[Row], recall=Tru
         ppl, report, steps = perplexity(
             e, ids, score_from, (lambda d, t, lb=label: progress(lb, d, t)) if progress else None
         )
-        if policy == "full":
+        if full is None and policy == "full":
             full = ppl
-        h2d = report.get("bytes_h2d")
-        share = report.get("kv_fetched_share", 1.0 if policy in ("full", "offload") else None)
-        attended = share
-        if policy in ("infinigen", "oracle") and share is not None:  # the first layers attend everything
-            dense = e.dense_layers() / e.cfg.num_hidden_layers
-            attended = dense + (1 - dense) * share
-        elif policy == "int4":
-            attended = 1.0
+        h2d = report.bytes_h2d
+        share, attended = report.kv_fetched_share, report.kv_attended_share
         rows.append(Row(
             policy=policy, budget=budget, alpha=alpha, perplexity=round(ppl, 4),
             delta_pct=round(100 * (ppl / full - 1), 3) if full else None,
-            kv_fetched_share=share, kv_attended_share=None if attended is None else round(attended, 6),
-            recall=report.get("attention_recall"), bytes_per_token=round(h2d / steps, 1) if h2d else None,
+            kv_fetched_share=share, kv_attended_share=attended,
+            recall=report.attention_recall, bytes_per_token=round(h2d / steps, 1) if h2d else None,
             seconds=round(time.perf_counter() - t0, 2),
         ))  # fmt: skip
         if on_row:

@@ -1,8 +1,18 @@
-"""The host KV pool: one layer's keys and values per (sequence, KV head) in CPU memory, in slots.
+"""The host KV pool: one layer's keys and values for a batch in CPU memory, in slots, and the single owner of
+which slot holds which token.
 
-Mechanism only: which slots a layer fetches is the policy's business. Each (sequence, KV head) owns
-its slots; a slot holds one token (its position in `pos`, -1 when free). Eviction, per (sequence, KV
-head), keeps at most `capacity` tokens and never touches the most recent `window` positions:
+Mechanism only: which slots a layer fetches is the policy's business. Layout and state:
+  k, v   [S, B, Hkv, D] in host memory (exactly sized pinned pages when a GPU computes), slot-major: a slot's
+         rows for every (sequence, KV head) are one contiguous block, so a new token is one contiguous copy and
+         the held prefix of a layer is one contiguous block (what `offload` copies)
+  pos    [B, Hkv, S] on the compute device: the position a slot holds, -1 when free (padding, or evicted)
+  hits, last  [B, Hkv, S] on the compute device: times selected, last step selected (eviction's keys)
+Tokens take slots in arrival order, the same slot for every (sequence, KV head); a freed slot is not reused
+(the pool has a slot for every token the cache will see). The host keeps what every decision needs (`fill`,
+the held counts, whether a slot was ever freed), so nothing here reads the device during a decode step.
+
+Eviction, per (sequence, KV head), keeps at most `capacity` tokens and never touches the most recent `window`
+positions:
   counter  fewest times selected first (the paper's choice), then oldest
   lru      least recently selected first, then oldest
   fifo     oldest first
@@ -11,28 +21,53 @@ An evicted slot is freed (pos = -1), so its token can never be selected again.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from infinigen_rt.kernels import gather_rows
 
 EVICTIONS = ("counter", "lru", "fifo")
 _BIG = 1 << 32  # ranks: primary key * _BIG + position (positions < 2**32)
 
 
-class KVPool:
-    """k, v: [B, Hkv, S, D] on the host (pinned when a GPU computes); pos, hits, last: [B, Hkv, S]."""
+def host_buffer(shape, dtype, pin: bool) -> torch.Tensor:
+    """Zeroed host memory; `pin`: page-locked at its exact size (torch's caching host allocator would round each
+    block up to a power of two: a 514 MiB layer would take 1 GiB). Release with `release_host_buffer`."""
+    t = torch.zeros(shape, dtype=dtype)
+    if pin and t.numel():
+        err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+        if err != 0:
+            raise RuntimeError(f"cudaHostRegister failed with CUDA error {err} (is host memory exhausted?)")
+    return t
 
-    def __init__(self, batch, n_kv, head_dim, slots, dtype, pin: bool, eviction="counter", window=0):
+
+def release_host_buffer(t: torch.Tensor, pinned: bool) -> None:
+    if pinned and t.numel():
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+class KVPool:
+    """See the module docstring. `device`: where the compute (and the slot state) lives."""
+
+    def __init__(self, batch, n_kv, head_dim, slots, dtype, device, eviction="counter", window=0):
         assert eviction in EVICTIONS
-        shape = (batch, n_kv, slots, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-        self.v = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-        self.pos = torch.full(shape[:3], -1, dtype=torch.long)
-        self.hits = torch.zeros(shape[:3], dtype=torch.long)
-        self.last = torch.zeros(shape[:3], dtype=torch.long)
+        self.device = torch.device(device)
+        self.pinned = self.device.type == "cuda"
+        self.kernel = self.pinned  # gather with the kernel (tests turn it on for CPU tensors: the interpreter)
+        self.batch, self.n_kv, self.slots = batch, n_kv, slots
+        self.k = host_buffer((slots, batch, n_kv, head_dim), dtype, self.pinned)
+        self.v = host_buffer((slots, batch, n_kv, head_dim), dtype, self.pinned)
+        state = (batch, n_kv, slots)  # int32: 12 bytes of state per (sequence, KV head, slot) on the device
+        self.pos = torch.full(state, -1, dtype=torch.int32, device=self.device)
+        self.hits = torch.zeros(state, dtype=torch.int32, device=self.device)
+        self.last = torch.zeros(state, dtype=torch.int32, device=self.device)
         self.eviction, self.window = eviction, window
         self.evicted = 0
-        self.fill = 0  # slots written in order from 0, the same for every (b, h), until the first eviction
-        self.holes = False  # once an eviction frees a slot below `fill`, free slots are found by search
-        self.n_held = torch.zeros(shape[:2], dtype=torch.long)  # tokens held per (b, h), kept up to date
+        self.fill = 0  # slots taken, from 0, the same for every (sequence, KV head)
+        self.holes = False  # a slot below `fill` was freed by eviction
+        self.n_held = np.zeros((batch, n_kv), dtype=np.int64)  # tokens held per (b, h), on the host
+        # row r of the flat view [S * B * Hkv, D] is slot r // (B * Hkv), sequence and head r % (B * Hkv)
+        self.lane = torch.arange(batch * n_kv, device=self.device).view(batch, n_kv, 1)
 
     @property
     def row_bytes(self) -> int:
@@ -40,103 +75,118 @@ class KVPool:
         return 2 * self.k.shape[-1] * self.k.element_size()
 
     def held(self) -> torch.Tensor:
-        """Tokens held per (sequence, KV head): [B, Hkv]."""
-        return self.n_held.clone()
+        """Tokens held per (sequence, KV head): [B, Hkv] (host)."""
+        return torch.from_numpy(self.n_held.copy())
 
-    def insert(self, k, v, positions, valid) -> torch.Tensor:
-        """Write s new tokens into free slots. k, v: [B, Hkv, s, D] (any device); positions, valid: [B, s].
+    def insert(self, k, v, positions, valid, n_valid: np.ndarray | None = None) -> int:
+        """Write s new tokens into slots fill..fill+s-1; returns the first. k, v: [B, Hkv, s, D] on the compute
+        device; positions, valid: [B, s]. Padding tokens are written, but their slots stay free. `n_valid`: the
+        real tokens per sequence when the host knows them (a decode step: one each); else they are counted."""
+        b, h, s, _ = k.shape
+        f = self.fill
+        assert f + s <= self.slots, "pool full"
+        self.store(f, k, v)
+        self.pos[:, :, f : f + s] = torch.where(valid, positions, -1).to(torch.int32)[:, None, :]
+        if n_valid is None:
+            n_valid = valid.sum(-1).cpu().numpy()  # a prompt: one read of its padding
+        self.n_held += np.asarray(n_valid, dtype=np.int64)[:, None]
+        self.fill += s
+        return f
 
-        Padding tokens are written but their slots stay free. Returns the slots used: [B, Hkv, s] (host)."""
-        b, h, s, d = k.shape
-        valid = valid.cpu()
-        new_pos = torch.where(valid, positions.cpu(), -1)[:, None, :].expand(b, h, s)
-        self.n_held += valid.sum(-1)[:, None]
-        if not self.holes:  # no eviction yet: the next slots in order, the same for every (b, h)
-            f = self.fill
-            assert f + s <= self.pos.shape[-1], "pool full: evict before inserting"
-            self.fill += s
-            self.k[:, :, f : f + s] = k
-            self.v[:, :, f : f + s] = v
-            self.pos[:, :, f : f + s] = new_pos
-            self.hits[:, :, f : f + s] = 0
-            self.last[:, :, f : f + s] = 0
-            return torch.arange(f, f + s).expand(b, h, s)
-        free = self.pos < 0
-        assert int(free.sum(-1).min()) >= s, "pool full: evict before inserting"
-        slots = torch.argsort((~free).to(torch.int8), dim=-1, stable=True)[..., :s]  # first free slots
-        rows = slots[..., None].expand(b, h, s, d)
-        self.k.scatter_(2, rows, k.to("cpu", self.k.dtype))
-        self.v.scatter_(2, rows, v.to("cpu", self.v.dtype))
-        self.pos.scatter_(2, slots, new_pos)
-        self.hits.scatter_(2, slots, torch.zeros_like(slots))
-        self.last.scatter_(2, slots, torch.zeros_like(slots))
-        return slots
+    def store(self, f: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Rows of slots f.. from [B, Hkv, s, X] tensors: one contiguous copy each (asynchronous into pinned pages)."""
+        s = k.shape[2]
+        self.k[f : f + s].copy_(k.permute(2, 0, 1, 3), non_blocking=self.pinned)
+        self.v[f : f + s].copy_(v.permute(2, 0, 1, 3), non_blocking=self.pinned)
 
     def held_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every held slot: (slots [B, Hkv, n], ok [B, Hkv, n]); ok is False on slots padding n out."""
-        b, h, size = self.pos.shape
-        if not self.holes:  # slots 0..fill-1 (left padding's free slots among them, not ok)
-            n = self.fill
-            return torch.arange(n).expand(b, h, n), self.pos[..., :n] >= 0
-        n = max(int(self.held().max()), 0)
-        slots = torch.argsort((self.pos < 0).to(torch.int8), dim=-1, stable=True)[..., :n]
-        return slots, torch.gather(self.pos, 2, slots) >= 0
+        """Every slot taken: (slots [B, Hkv, fill], ok [B, Hkv, fill]); ok is False on free slots."""
+        slots = torch.arange(self.fill, device=self.device).expand(self.batch, self.n_kv, -1)
+        return slots, self.pos[..., : self.fill] >= 0
 
     def flat_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """[B, Hkv, n] slots -> row numbers into the pool viewed as [B * Hkv * S, D]."""
+        """[B, Hkv, n] slots -> row numbers into the pool viewed as [S * B * Hkv, D] (on the slots' device)."""
+        return slots * (self.batch * self.n_kv) + self.lane.to(slots.device)
+
+    def gather(self, slots: torch.Tensor, ok: torch.Tensor | None = None, extra: int = 0):
+        """The K and V rows of `slots` ([B, Hkv, n], compute device) on the compute device: [B, Hkv, n + extra, D]
+        each; the `extra` last rows per (b, h) are room for the new tokens (so no concatenation follows).
+
+        On a GPU a kernel reads the rows straight from the pinned pool (rows where `ok` is False are not read:
+        zeros); on a CPU, index_select copies every row."""
         b, h, n = slots.shape
-        return (slots + torch.arange(b * h).view(b, h, 1) * self.pos.shape[-1]).reshape(-1)
+        d = self.k.shape[-1]
+        out_k = torch.empty(b, h, n + extra, d, dtype=self.k.dtype, device=self.device)
+        out_v = torch.empty_like(out_k)
+        take(self.k, self.v, self.flat_rows(slots), ok, out_k, out_v, self.kernel)
+        return out_k, out_v
 
-    def gather(self, slots: torch.Tensor, device, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy the K and V rows of `slots` ([B, Hkv, n], host) to `device`: [B, Hkv, n + extra, D] each.
-
-        Rows are gathered on the host (one row copy each, into pinned staging when a GPU computes),
-        then sent with one asynchronous copy per tensor. The `extra` last rows per (b, h) are room for
-        the new tokens (copied from slot 0, to be overwritten), so no concatenation follows."""
-        flat = self.flat_rows(pad_slots(slots, extra))
-        shape = (*slots.shape[:2], slots.shape[2] + extra)
-        return take_rows(self.k, flat, shape, device), take_rows(self.v, flat, shape, device)
+    def block(self, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
+        """Every slot taken (0..fill-1) into out_k, out_v [fill, B, Hkv, D] (compute device): one contiguous copy
+        each, asynchronous from pinned pages (the layer copy of `offload`, as FlexGen does it)."""
+        n = self.fill
+        out_k.copy_(self.k[:n], non_blocking=self.pinned)
+        out_v.copy_(self.v[:n], non_blocking=self.pinned)
 
     def mark_selected(self, slots: torch.Tensor, ok: torch.Tensor | None, step: int) -> None:
         """Count a selection of `slots` (where `ok`; None: all of them) for the counter and LRU policies."""
         if ok is None:
-            self.hits.scatter_add_(2, slots, torch.ones_like(slots))
+            self.hits.scatter_add_(2, slots, torch.ones_like(slots, dtype=torch.int32))
             self.last.scatter_(2, slots, step)
             return
-        self.hits.scatter_add_(2, slots, ok.long())
+        self.hits.scatter_add_(2, slots, ok.to(torch.int32))
         self.last.scatter_(2, slots, torch.where(ok, step, torch.gather(self.last, 2, slots)))
 
-    def evict(self, capacity: torch.Tensor) -> int:
-        """Free slots until every (sequence, KV head) holds at most capacity[b] tokens. Returns how many."""
-        held = self.held()
-        over = (held - capacity[:, None]).clamp(min=0)  # [B, Hkv]
-        if int(over.max()) == 0:
+    def evict(self, capacity) -> int:
+        """Free slots until every (sequence, KV head) holds at most capacity[b] tokens (never fewer than the window,
+        which is never evicted). Returns how many: known on the host, as at most `window` tokens are recent, so
+        enough others can always go."""
+        cap = np.maximum(np.asarray(capacity, dtype=np.int64), self.window)
+        over = np.clip(self.n_held - cap[:, None], 0, None)  # [B, Hkv]
+        n = int(over.sum())
+        if n == 0:
             return 0
-        newest = self.pos.amax(dim=(1, 2))  # [B]: the latest position of each sequence
-        recent = self.pos > (newest[:, None, None] - self.window)
-        primary = {"counter": self.hits, "lru": self.last, "fifo": torch.zeros_like(self.pos)}[self.eviction]
-        rank = primary * _BIG + self.pos
-        rank = rank.masked_fill((self.pos < 0) | recent, torch.iinfo(torch.long).max)
+        pos = self.pos
+        newest = pos.amax(dim=(1, 2))  # [B]: the latest position of each sequence
+        recent = pos > (newest[:, None, None] - self.window)
+        primary = {"counter": self.hits, "lru": self.last, "fifo": torch.zeros_like(pos)}[self.eviction]
+        rank = (primary.long() * _BIG + pos).masked_fill((pos < 0) | recent, torch.iinfo(torch.long).max)
         order = rank.argsort(dim=-1, stable=True)
-        nth = torch.empty_like(order).scatter_(2, order, torch.arange(order.shape[-1]).expand_as(order))
-        victims = (nth < over[..., None]) & (self.pos >= 0) & ~recent
-        self.n_held -= victims.sum(-1)
-        n = int(victims.sum())
-        self.pos.masked_fill_(victims, -1)
+        ranks = torch.arange(order.shape[-1], device=pos.device).expand_as(order)
+        nth = torch.empty_like(order).scatter_(2, order, ranks)
+        over_dev = torch.from_numpy(over)
+        over_dev = (over_dev.pin_memory() if self.pinned else over_dev).to(self.device, non_blocking=True)
+        victims = (nth < over_dev[..., None]) & (pos >= 0) & ~recent
+        pos.masked_fill_(victims, -1)
+        self.n_held -= over
         self.evicted += n
-        self.holes = self.holes or n > 0
+        self.holes = True
         return n
 
+    def close(self) -> None:
+        """Unpin the host pages (after the device is done with them)."""
+        if self.pinned:
+            torch.cuda.synchronize(self.device)
+            release_host_buffer(self.k, True)
+            release_host_buffer(self.v, True)
+            self.pinned = False
 
-def pad_slots(slots: torch.Tensor, extra: int) -> torch.Tensor:
-    return torch.cat([slots, slots.new_zeros(*slots.shape[:2], extra)], -1) if extra else slots
 
+def take(src_k, src_v, rows, ok, out_k, out_v, kernel: bool) -> None:
+    """out_x[b, h, :n] = rows `rows` [B, Hkv, n] of src_x ([S, B, Hkv, X] host) for x = k, v; out [B, Hkv, n', X].
 
-def take_rows(t: torch.Tensor, flat: torch.Tensor, shape, device) -> torch.Tensor:
-    """Rows `flat` of t ([B, Hkv, S, X] on the host, viewed as [B*Hkv*S, X]) on `device`, shaped [*shape, X]."""
-    x = t.shape[-1]
-    cuda = torch.device(device).type == "cuda"
-    out = torch.empty(flat.numel(), x, dtype=t.dtype, pin_memory=cuda)
-    torch.index_select(t.view(-1, x), 0, flat, out=out)
-    out = out.view(*shape, x)
-    return out.to(device, non_blocking=True) if cuda else out
+    `kernel` (a GPU computes, from pinned pages): the gather kernel reads the rows from the device, skipping those
+    where `ok` is False (rows n.. of each (b, h) are left as they are). Else index_select copies every row, in one
+    copy."""
+    b, h, n = rows.shape
+    x = src_k.shape[-1]
+    src_k, src_v = src_k.view(-1, x), src_v.view(-1, x)
+    if kernel:
+        gather_rows(src_k, src_v, rows.view(b * h, n), None if ok is None else ok.view(b * h, n),
+                    out_k.view(b * h, -1, x), out_v.view(b * h, -1, x))  # fmt: skip
+        return
+    extra = out_k.shape[2] - n
+    if extra:  # one copy straight into the output: the extra rows take row 0, to be overwritten
+        rows = torch.cat([rows, rows.new_zeros(b, h, extra)], -1)
+    torch.index_select(src_k, 0, rows.reshape(-1), out=out_k.view(-1, x))
+    torch.index_select(src_v, 0, rows.reshape(-1), out=out_v.view(-1, x))

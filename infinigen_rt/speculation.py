@@ -25,6 +25,9 @@ if TYPE_CHECKING:  # the policies import this module
     from infinigen_rt.policies.options import KVOptions
 
 
+FORCED = float(2**23)  # a forced token's rank value (integers below 2**24 are exact in float32)
+
+
 class Speculator:
     """The per-layer pieces of speculation, built once from a model's taps and a bundle's InfiniGen tensors:
     partial query weights (RoPE models: the full query, then the skew's chosen columns; OPT: the folded partial
@@ -95,32 +98,44 @@ class Speculator:
 @dataclass
 class Selection:
     """The rows a speculated layer fetches: pool slots [B, Hkv, n] and which of them count (ok [B, Hkv, n]: False
-    pads n out for rows fetching fewer, or marks a free slot). `every`: all of them count (known on the host);
-    `per_row`: each sequence's mean fetch count per KV head (for the statistics)."""
+    pads n out for rows fetching fewer, or marks a free slot), both on the compute device. `every`: all of them
+    count (known on the host); `per_row`: each sequence's mean fetch count per KV head ([B], for the statistics)."""
 
     slots: torch.Tensor
     ok: torch.Tensor
     every: bool
-    per_row: list[float]
+    per_row: torch.Tensor
+
+
+def fetch_width(held_max: int, t: int, opts: KVOptions, bucket: int) -> int:
+    """The fetch size of a step known on the host: the budget's count for the fullest (sequence, KV head), rounded
+    up to a multiple of `bucket` (at most t). Alpha's smaller counts become `ok` masks inside it."""
+    cap = min(max(1, math.floor(opts.budget * held_max)), opts.max_kv or held_max, held_max)
+    return max(1, min(t, -(-cap // bucket) * bucket))
 
 
 def select(
-    q: torch.Tensor, pkt: torch.Tensor, alpha: float, opts: KVOptions, t: int | None = None,
-    held: torch.Tensor | None = None, pos: torch.Tensor | None = None,
+    q: torch.Tensor, pkt: torch.Tensor, alpha: float, opts: KVOptions, held: torch.Tensor | None = None,
+    pos: torch.Tensor | None = None, width: int | None = None,
 ) -> Selection:  # fmt: skip
-    """Choose the rows to fetch. q: [B, Hkv, G, d'] (scaled); pkt: the partial keys transposed [B, Hkv, d', S].
+    """Choose the rows to fetch. q: [B, Hkv, G, d'] (scaled); pkt: the partial keys of the t slots taken,
+    transposed [B, Hkv, d', t].
 
-    The held state comes in one of two forms. `t`: the held slots are exactly 0..t-1 in position order (no eviction
-    yet, no padding): the host knows every count, and no mask over the context is needed (sinks are the first
-    slots, recent the last). Else `held` [B, Hkv, S] bool and `pos` [B, Hkv, S] (the positions, -1 when free)."""
+    `held` None: every slot holds a token, in position order (no eviction, no padding), so the host knows every
+    count and no mask over the context is needed (sinks are the first slots, recent the last). Else `held`
+    [B, Hkv, t] bool and `pos` [B, Hkv, t] (the positions, -1 when free).
+
+    `width` None: the counts are read to the host (one sync; a CPU's way: each row fetches exactly its count).
+    Else every row selects `width` slots (see fetch_width) and `ok` keeps the first n of each: nothing is read."""
     inf = float("inf")
-    prefix = t is not None
+    t = pkt.shape[-1]
+    prefix = held is None
+    s = (q @ pkt).float()  # [B, Hkv, G, t]: a batched matmul over the transposed keys
     if prefix:
-        s = (q @ pkt[..., :t]).float()  # [B, Hkv, G, t]: a batched matmul over the transposed keys
         cap = max(1, math.floor(opts.budget * t))
         cap = min(cap, t, opts.max_kv or cap)
     else:
-        s = (q @ pkt).float().masked_fill(~held[:, :, None, :], -inf)
+        s = s.masked_fill(~held[:, :, None, :], -inf)
         held_b = held.sum(-1).amax(-1)  # [B]
         cap = torch.clamp((opts.budget * held_b).floor().long(), min=1)
         if opts.max_kv is not None:
@@ -138,31 +153,43 @@ def select(
     if opts.group_agg == "sum":  # a token's share of the group's attention
         agg = s.softmax(-1).sum(2)
     else:  # a token any head of the group wants
-        agg = s.amax(2)  # [B, Hkv, S]
-    if prefix:  # always fetched, inside the budget
-        agg[..., : opts.sinks] = inf
+        agg = s.amax(2)  # [B, Hkv, t]
+    # sinks and recent tokens first, inside the budget: distinct values above any score, sinks then the newest
+    # (so a budget smaller than both takes the same ones on every path, whatever top-k does with ties)
+    if prefix:
         if opts.recent:
-            agg[..., max(t - opts.recent, 0) :] = inf
+            r = min(opts.recent, t)
+            agg[..., t - r :] = FORCED - opts.sinks - torch.arange(r - 1, -1, -1, device=agg.device)
+        agg[..., : opts.sinks] = FORCED - torch.arange(min(opts.sinks, t), device=agg.device)
     elif opts.sinks or opts.recent:
         newest = pos.amax(-1, keepdim=True)
         forced = held & ((pos < opts.sinks) | (pos > newest - opts.recent))
-        agg = agg.masked_fill(forced, inf)
+        rank = torch.where(pos < opts.sinks, pos, opts.sinks + newest - pos)
+        agg = torch.where(forced, FORCED - rank.to(agg.dtype), agg)
+    b = q.shape[0]
     if isinstance(n, int):  # known on the host
+        per_row = torch.full((b,), float(n), device=q.device)
         n_min = n_max = n
-        per_row = [n] * q.shape[0]
-    else:  # the one host sync of a speculation: the fetch size (and each row's mean, for the stats)
-        *per_row, n_min, n_max = torch.cat([n.float().mean(-1), n.min()[None], n.max()[None]]).tolist()
-        n_min, n_max = int(n_min), int(n_max)
+    else:
+        per_row = n.float().mean(-1)
+        if width is None:  # the one host sync of a speculation on a CPU: the fetch size
+            n_min, n_max = (int(x) for x in torch.stack([n.min(), n.max()]).tolist())
+    if width is not None:  # sorted: the first n of each row are its best
+        top = agg.topk(width, dim=-1, sorted=True).indices  # [B, Hkv, width]
+        limit = n[..., None] if isinstance(n, torch.Tensor) else n
+        ok = (torch.arange(width, device=top.device) < limit).expand(top.shape)
+        if not prefix:
+            ok = ok & torch.gather(held, 2, top)
+        return Selection(top, ok, False, per_row)
     # every row fetching the same count needs no order among the chosen (an unsorted top-k is several times
     # cheaper on a CPU once k is a sizeable share); rows fetching fewer take the first n of a sorted top-k
     top = agg.topk(n_max, dim=-1, sorted=n_min != n_max).indices  # [B, Hkv, n]
-    if prefix:  # every chosen slot holds a token; built on the host (rows fetching fewer drop their tail)
-        ok = torch.ones(top.shape, dtype=torch.bool)
+    if prefix:  # every chosen slot holds a token (rows fetching fewer drop their tail)
+        ok = torch.ones(top.shape, dtype=torch.bool, device=top.device)
         if n_min != n_max:
-            ok &= torch.arange(n_max) < n.cpu()[..., None]
+            ok &= torch.arange(n_max, device=top.device) < n[..., None]
     else:
         ok = torch.gather(held, 2, top)
         if n_min != n_max:
             ok &= torch.arange(n_max, device=top.device) < n[..., None]
-        ok = ok.cpu()
-    return Selection(top.cpu(), ok, prefix and n_min == n_max, per_row)
+    return Selection(top, ok, prefix and n_min == n_max, per_row)

@@ -14,11 +14,26 @@ import math
 
 import torch
 
-from infinigen_rt.cache import DenseCache
+from infinigen_rt.cache import DenseCache, KVReport
 from infinigen_rt.policies.options import KVOptions
 
 
 class H2OCache(DenseCache):
+    name = "h2o"
+    knobs = frozenset({"budget", "window", "prefill_chunk"})
+    sweep = ("budget",)
+    scores = True  # its attention builds the scores over the context
+
+    @classmethod
+    def build(cls, engine, batch, max_len):
+        return cls(engine.cfg, batch, max_len, engine.device, engine.dtype, engine.kv)
+
+    @classmethod
+    def kv_bytes(cls, engine, tokens, dtype_bytes):
+        kv, _, read = super().kv_bytes(engine, tokens, dtype_bytes)
+        state = tokens * 5 * engine.cfg.num_hidden_layers  # alive flags and accumulated scores (fp32)
+        return kv + state, 0, read
+
     def __init__(self, cfg, batch, max_len, device, dtype, opts: KVOptions):
         super().__init__(cfg, batch, max_len, device, dtype)
         shape = (batch, cfg.num_key_value_heads, max_len)
@@ -59,10 +74,6 @@ class H2OCache(DenseCache):
             self.evictions += int((alive & ~survive).sum())
             self.alive[layer][:, :, :t] = survive
 
-    def report(self) -> dict:
-        return {
-            "bytes_h2d": 0,
-            "bytes_d2h": 0,
-            "kv_fetched_share": round(self.attended / self.possible, 6) if self.possible else None,
-            "evictions": self.evictions,
-        }
+    def report(self) -> KVReport:
+        share = round(self.attended / self.possible, 6) if self.possible else None
+        return KVReport(kv_fetched_share=share, kv_attended_share=share, evictions=self.evictions)

@@ -5,6 +5,11 @@ first `dense_layers`) keep their KV on the device.
 
 The selection and the copy of layer i+1's rows overlap layer i's compute (prefetch.py: a CUDA side stream, or
 on a CPU with two threads or more this cache's worker thread).
+
+On a GPU nothing in a decode step reads the device: the fetch size comes from host-known counts (see
+speculation.fetch_width), the selection stays on the device, a kernel gathers the chosen rows straight from
+the pinned pool, the new token's rows go down with one asynchronous copy, and the counters are read by
+`report`. On a CPU each speculation reads its counts (cheap there) so every row fetches exactly its count.
 """
 
 from __future__ import annotations
@@ -13,12 +18,36 @@ import math
 
 import torch
 
-from infinigen_rt.policies.offload import OffloadCache
+from infinigen_rt.cache import KVReport
+from infinigen_rt.policies.offload import POOL_KNOBS, OffloadCache
 from infinigen_rt.prefetch import prefetcher
-from infinigen_rt.speculation import Speculator, select
+from infinigen_rt.speculation import Selection, Speculator, fetch_width, select
+
+BUCKET = 64  # the fetch size of a sync-free step is a multiple of this (fewer distinct shapes)
 
 
 class InfinigenCache(OffloadCache):
+    name = "infinigen"
+    speculative = True
+    sweep = ("budget", "alpha")
+    knobs = POOL_KNOBS | {
+        "alpha", "budget", "max_kv", "dense_layers", "trace_recall", "sinks", "recent", "renorm", "per_head",
+        "group_agg",
+    }  # fmt: skip
+
+    @classmethod
+    def build(cls, engine, batch, max_len):
+        tensors, defaults = engine.speculation()
+        return cls(engine.cfg, batch, max_len, engine.device, engine.dtype, engine.kv, engine.model, tensors, defaults)
+
+    @classmethod
+    def kv_bytes(cls, engine, tokens, dtype_bytes):
+        dense = engine.dense_layers()
+        d_prime = next(t for k, t in engine.speculation()[0].items() if k.endswith("partial_idx")).shape[-1]
+        device, host, read = cls.pool_bytes(engine, tokens, 2 * engine.cfg.head_dim * dtype_bytes, dense)
+        partial = tokens * d_prime * dtype_bytes * (engine.cfg.num_hidden_layers - dense)  # read every step
+        return device + partial, host, read + partial
+
     def __init__(self, cfg, batch, max_len, device, dtype, opts, model, tensors: dict, defaults: dict):
         dense = defaults["dense_layers"] if opts.dense_layers is None else opts.dense_layers
         super().__init__(cfg, batch, max_len, device, dtype, opts, resident=dense)  # dense layers stay on the device
@@ -26,18 +55,18 @@ class InfinigenCache(OffloadCache):
         self.dense_layers = dense
         self.spec = Speculator(cfg, model.speculation_taps(), tensors, self.device, dtype)
         hkv, d_prime = cfg.num_key_value_heads, self.spec.d_prime
-        spec = range(dense, cfg.num_hidden_layers)  # the speculated layers' partial keys (transposed), held map
-        self.pk = {j: torch.zeros(batch, hkv, d_prime, max_len, device=self.device, dtype=dtype) for j in spec}
-        self.held_dev = {j: torch.zeros(batch, hkv, max_len, dtype=torch.bool, device=self.device) for j in spec}
-        self.pos_dev = {j: torch.full((batch, hkv, max_len), -1, dtype=torch.long, device=self.device) for j in spec}
+        # the speculated layers' partial keys, transposed [B, Hkv, d', S], in the pool's slots
+        self.pk = {j: torch.zeros(batch, hkv, d_prime, max_len, device=self.device, dtype=dtype)
+                   for j in range(dense, cfg.num_hidden_layers)}  # fmt: skip
         self.prefetch = prefetcher(self.device)  # a side stream, a worker thread, or inline
-        self.every: bool | None = None  # set by a speculated fetch, read by after_fetch
+        self.sync_free = self.device.type == "cuda"  # no device read for the fetch size (see the docstring)
+        self.last_sel: Selection | None = None  # of the layer being computed
 
     def begin(self, valid, positions) -> None:
         super().begin(valid, positions)
         # one new token over a held context (a one-token prompt's first pass holds nothing to choose from)
         self.decoding = valid.shape[1] == 1 and int(self.lengths.max()) > 1
-        self.cos_sin = self.spec.rope(positions, self.pk[self.dense_layers].dtype)
+        self.cos_sin = self.spec.rope(positions, self.dtype)
 
     def observe(self, layer: int, x: torch.Tensor) -> None:
         j = layer + 1
@@ -47,80 +76,79 @@ class InfinigenCache(OffloadCache):
 
     @torch.inference_mode()
     def speculate(self, j: int, x: torch.Tensor) -> tuple:
-        """Choose layer j's rows from layer j-1's normalised input x and copy them.
-        Returns (slots, ok, keys, values, every chosen slot counts, per-row counts, bytes fetched)."""
+        """Choose layer j's rows from layer j-1's normalised input x and copy them: (selection, keys, values),
+        each [B, Hkv, n + 1, D] with the last row for the new token."""
         q = self.spec.query(j, x, self.cos_sin, self.opts.renorm)  # [B, Hkv, G, d'], scaled
         pool = self.pools[j]
+        t = pool.fill
         # the common case: no eviction yet and no padding, so the held slots are exactly 0..t-1 in position order
-        if not pool.holes and not self.padded:
-            sel = select(q, self.pk[j], self.alpha, self.opts, t=pool.fill)
-        else:
-            sel = select(q, self.pk[j], self.alpha, self.opts, held=self.held_dev[j], pos=self.pos_dev[j])
-        k, v = pool.gather(sel.slots, self.device, extra=1)
-        n_bytes = (sel.slots.numel() + sel.slots.shape[0] * sel.slots.shape[1]) * pool.row_bytes  # + the new row
-        return sel.slots, sel.ok, k, v, sel.every, sel.per_row, n_bytes
+        held = pos = None
+        if not self.every_slot_held(j):
+            pos = pool.pos[..., :t]
+            held = pos >= 0
+        width = fetch_width(int(pool.n_held.max()), t, self.opts, BUCKET) if self.sync_free else None
+        sel = select(q, self.pk[j][..., :t], self.alpha, self.opts, held, pos, width)
+        k, v = pool.gather(sel.slots, None if sel.every else sel.ok, extra=1)
+        return sel, k, v
 
     def fetch(self, layer: int, extra: int = 0):
         if layer not in self.prefetch:
+            self.last_sel = None
             return super().fetch(layer, extra)
-        slots, ok, k, v, every, per_row, n_bytes = self.prefetch.take(layer)
-        self.count_h2d(layer, n_bytes)  # the counters change on this thread only
-        self.stats.tokens_per_head += per_row
-        self.every = every  # every chosen slot counts (no per-row limits, no free slots)
-        return slots, ok, k, v
+        sel, k, v = self.prefetch.take(layer)
+        pool, (b, h, n) = self.pools[layer], sel.slots.shape
+        if pool.kernel:  # the kernel read the rows that count, on the device's count
+            self.stats.h2d_rows[layer].append(sel.ok.sum())
+        else:  # index_select copied every row, and one for the new token
+            self.stats.h2d[layer] += (n + 1) * b * h * pool.row_bytes
+        self.last_sel = sel
+        return sel.slots, sel.ok, k, v
+
+    def every_fetched_row_counts(self) -> bool:
+        return self.last_sel is None or self.last_sel.every
 
     def after_fetch(self, layer, q, slots, ok) -> None:
-        every, self.every = self.every, None
-        if every is None:  # not a speculated fetch
+        sel, stats = self.last_sel, self.stats
+        if sel is None:  # not a speculated fetch
             return
         pool = self.pools[layer]
-        pool.mark_selected(slots, None if every else ok, self.step)
-        fetched, held = ok.numel() if every else int(ok.sum()), int(pool.held().sum())
-        self.stats.fetched += fetched
-        self.stats.held += held
-        per = self.stats.layer_fetched.setdefault(layer, [0, 0])
-        per[0] += fetched
-        per[1] += held
+        pool.mark_selected(slots, None if sel.every else ok, self.step)
+        stats.fetched.setdefault(layer, []).append(ok.numel() if sel.every else ok.sum())
+        stats.held[layer] = stats.held.get(layer, 0) + int(pool.n_held.sum())
+        stats.per_row.append(sel.per_row)
         if self.opts.trace_recall:
-            self.stats.recall.append(self.recall(layer, q, slots, ok))
+            stats.recall.append(self.recall(layer, q, slots, ok))
 
     def recall(self, layer, q, slots, ok) -> float:
-        """Diagnosis only: the true attention mass (dense scores over every held token) inside the fetched set."""
+        """Diagnosis only (reads the device): the true attention mass over every held token inside the fetched set."""
         pool = self.pools[layer]
         all_slots, all_ok = pool.held_slots()
-        k_all, _ = pool.gather(all_slots, self.device)
+        k_all, _ = pool.gather(all_slots)
         k_all = k_all.to(q.dtype).repeat_interleave(self.group, dim=1)  # [B, H, n_all, D]
         p = (q @ k_all.transpose(-1, -2) / math.sqrt(q.shape[-1])).float()  # [B, H, 1, n_all]
-        p = p.masked_fill(~all_ok.to(q.device).repeat_interleave(self.group, 1)[:, :, None], float("-inf")).softmax(-1)
-        chosen = torch.zeros_like(pool.pos, dtype=torch.bool)
+        p = p.masked_fill(~all_ok.repeat_interleave(self.group, 1)[:, :, None], float("-inf")).softmax(-1)
+        chosen = torch.zeros(pool.pos.shape, dtype=torch.bool, device=pool.pos.device)
         chosen.scatter_(2, slots, ok)  # [B, Hkv, S]
-        in_set = torch.gather(chosen, 2, all_slots).to(q.device).repeat_interleave(self.group, 1)
+        in_set = torch.gather(chosen, 2, all_slots).repeat_interleave(self.group, 1)
         return float((p[:, :, 0] * in_set).sum(-1).mean())
 
-    def after_insert(self, layer, k, slots) -> None:
-        pk = self.spec.partial_key(layer, k).transpose(-1, -2)  # [B, Hkv, d', s]
-        valid = self.valid[:, None, :].expand(-1, slots.shape[1], -1)
-        pos = torch.where(valid, self.positions[:, None, :].expand_as(valid), -1)
-        pool = self.pools[layer]
-        if not pool.holes:  # written in order: the last s slots before `fill`, the same for every (b, h)
-            a, b = pool.fill - k.shape[2], pool.fill
-            self.pk[layer][..., a:b] = pk
-            self.held_dev[layer][..., a:b] = valid
-            self.pos_dev[layer][..., a:b] = pos
-            return
-        dev_slots = slots.to(self.device)
-        self.pk[layer].scatter_(3, dev_slots[:, :, None, :].expand(-1, -1, pk.shape[2], -1), pk)
-        self.held_dev[layer].scatter_(2, dev_slots, valid)
-        self.pos_dev[layer].scatter_(2, dev_slots, pos)
+    def after_insert(self, layer, k, start: int) -> None:
+        s = k.shape[2]
+        self.pk[layer][..., start : start + s] = self.spec.partial_key(layer, k).transpose(-1, -2)
 
-    def close(self) -> None:
-        self.prefetch.close()
-
-    def end(self) -> None:
-        before = {j: self.pools[j].evicted for j in self.pk}
-        super().end()
-        for j in self.pk:
-            pool = self.pools[j]
-            if pool.evicted != before[j]:  # the device's view of which slots hold a token
-                self.held_dev[j].copy_((pool.pos >= 0).to(self.device))
-                self.pos_dev[j].copy_(pool.pos.to(self.device))
+    def report(self) -> KVReport:
+        stats, r = self.stats, super().report()
+        fetched = {j: stats.fetched_rows(j) for j in stats.fetched}
+        share = sum(fetched.values()) / sum(stats.held.values()) if stats.held else None
+        per_row = torch.cat(stats.per_row) if stats.per_row else None
+        dense = self.dense_layers / self.cfg.num_hidden_layers
+        r.kv_fetched_share = None if share is None else round(share, 6)
+        r.kv_attended_share = None if share is None else round(dense + (1 - dense) * share, 6)
+        r.tokens_per_head_mean = None if per_row is None else round(float(per_row.mean()), 3)
+        r.tokens_per_head_max = None if per_row is None else float(per_row.max())
+        r.attention_recall = round(sum(stats.recall) / len(stats.recall), 6) if stats.recall else None
+        r.per_layer["kv_fetched_share"] = [
+            round(fetched[i] / stats.held[i], 6) if i in fetched and stats.held[i] else None
+            for i in range(self.cfg.num_hidden_layers)
+        ]
+        return r

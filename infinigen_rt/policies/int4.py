@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from infinigen_rt.cache import KVReport
 from infinigen_rt.policies.offload import OffloadCache
-from infinigen_rt.pool import KVPool, pad_slots, take_rows
+from infinigen_rt.pool import KVPool, host_buffer, release_host_buffer, take
 
 GROUP = 64
 
@@ -36,14 +37,15 @@ def dequantize(packed, scale, lo, group: int, dtype) -> torch.Tensor:
 
 
 class Int4Pool(KVPool):
-    """A KVPool whose rows are packed 4-bit codes with per-group scale and minimum."""
+    """A KVPool whose rows are packed 4-bit codes, with per-group scale and minimum in slot-major tensors of their
+    own ([S, B, Hkv, groups], fp16), moved with the rows."""
 
-    def __init__(self, batch, n_kv, head_dim, slots, dtype, pin, eviction="counter", window=0):
-        super().__init__(batch, n_kv, head_dim // 2, slots, torch.uint8, pin, eviction, window)
+    def __init__(self, batch, n_kv, head_dim, slots, dtype, device, eviction="counter", window=0):
+        super().__init__(batch, n_kv, head_dim // 2, slots, torch.uint8, device, eviction, window)
         self.group, self.out_dtype = group_size(head_dim), dtype
         n_groups = head_dim // self.group
         self.meta = {
-            name: torch.zeros(batch, n_kv, slots, n_groups, dtype=torch.float16, pin_memory=pin)
+            name: host_buffer((slots, batch, n_kv, n_groups), torch.float16, self.pinned)
             for name in ("k_scale", "k_min", "v_scale", "v_min")
         }
 
@@ -51,30 +53,51 @@ class Int4Pool(KVPool):
     def row_bytes(self) -> int:
         return 2 * (self.k.shape[-1] + 2 * 2 * self.meta["k_scale"].shape[-1])
 
-    def insert(self, k, v, positions, valid):
+    def store(self, f, k, v):
         kq, ks, kl = quantize(k, self.group)
         vq, vs, vl = quantize(v, self.group)
-        slots = super().insert(kq, vq, positions, valid)
-        for name, t in (("k_scale", ks), ("k_min", kl), ("v_scale", vs), ("v_min", vl)):
-            self.meta[name].scatter_(2, slots[..., None].expand(-1, -1, -1, t.shape[-1]), t.to("cpu"))
-        return slots
+        super().store(f, kq, vq)
+        s = k.shape[2]
+        for (a, b), (x, y) in ((("k_scale", "k_min"), (ks, kl)), (("v_scale", "v_min"), (vs, vl))):
+            self.meta[a][f : f + s].copy_(x.permute(2, 0, 1, 3), non_blocking=self.pinned)
+            self.meta[b][f : f + s].copy_(y.permute(2, 0, 1, 3), non_blocking=self.pinned)
 
-    def gather(self, slots, device, extra: int = 0):
-        kq, vq = super().gather(slots, device, extra)
-        flat = self.flat_rows(pad_slots(slots, extra))
-        m = {name: take_rows(t, flat, kq.shape[:3], device) for name, t in self.meta.items()}
+    def gather(self, slots, ok=None, extra: int = 0):
+        kq, vq = super().gather(slots, ok, extra)
+        b, h, n = slots.shape
+        flat = self.flat_rows(slots)
+        m = {}
+        for a, c in (("k_scale", "k_min"), ("v_scale", "v_min")):
+            shape = (b, h, n + extra, self.meta[a].shape[-1])
+            m[a] = torch.empty(shape, dtype=torch.float16, device=self.device)
+            m[c] = torch.empty_like(m[a])
+            take(self.meta[a], self.meta[c], flat, ok, m[a], m[c], self.kernel)
         k = dequantize(kq, m["k_scale"], m["k_min"], self.group, self.out_dtype)
         v = dequantize(vq, m["v_scale"], m["v_min"], self.group, self.out_dtype)
         return k, v
 
+    def close(self):
+        if self.pinned:
+            torch.cuda.synchronize(self.device)
+            for t in self.meta.values():
+                release_host_buffer(t, True)
+        super().close()
+
 
 class Int4Cache(OffloadCache):
+    name = "int4"
     pool_class = Int4Pool
 
-    def report(self) -> dict:
+    @classmethod
+    def kv_bytes(cls, engine, tokens, dtype_bytes):
+        d = engine.cfg.head_dim
+        return cls.pool_bytes(engine, tokens, 2 * (d // 2 + 4 * (d // group_size(d))), resident=0)
+
+    def report(self) -> KVReport:
         # every token is fetched, at 4 bits: its share of the bytes fp16 KV would move
-        d = self.cfg.head_dim
-        return {**super().report(), "kv_fetched_share": round(self.pools[0].row_bytes / (2 * d * 2), 6)}
+        r = super().report()
+        r.kv_fetched_share = round(self.pools[0].row_bytes / (2 * self.cfg.head_dim * 2), 6)
+        return r
 
     def update(self, layer, q, k, v):
         # the current tokens attend to themselves exactly as stored: quantized, like every earlier token

@@ -1,128 +1,182 @@
 """`offload`: all KV in the host pool, every layer fetches every held token (the FlexGen-style baseline).
 
-Also the base of the pool policies: subclasses change `select` (which slots a layer fetches) and add
-per-token state; the byte counters count the copies actually made."""
+On a GPU a layer's held KV moves as one contiguous block per tensor (the pool is slot-major), on a side stream
+one layer ahead, as FlexGen and transformers' offloaded cache do; on a CPU the rows are copied with
+index_select. Also the base of the pool policies: subclasses change what a layer fetches and add per-token
+state. The byte counters count the copies actually made; nothing here reads the device during a decode step.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+import numpy as np
 import torch
 
-from infinigen_rt.cache import DenseCache, KVCache, causal_mask
+from infinigen_rt.cache import DenseCache, KVCache, KVReport, causal_mask
 from infinigen_rt.config import ModelConfig
 from infinigen_rt.policies.options import KVOptions
 from infinigen_rt.pool import KVPool
+from infinigen_rt.prefetch import SideStream, prefetcher
+
+POOL_KNOBS = frozenset({"capacity", "eviction", "window", "prefill_chunk"})
 
 
-@dataclass
 class KVStats:
-    bytes_h2d: int = 0  # host -> device: rows fetched
-    bytes_d2h: int = 0  # device -> host: new tokens written to the pool
-    fetched: int = 0  # rows fetched by speculated layers in decode
-    held: int = 0  # rows those layers could have fetched
-    tokens_per_head: list = field(default_factory=list)
-    recall: list = field(default_factory=list)
-    layer_h2d: dict = field(default_factory=dict)  # layer -> bytes fetched
-    layer_fetched: dict = field(default_factory=dict)  # layer -> [rows fetched, rows held] when speculated
+    """Counters of one cache. What the host knows is kept in ints; what only the device knows (rows a selection
+    fetched, its per-row counts) stays in device tensors until `report` reads them, once."""
 
-    def to_dict(self, evictions: int) -> dict:
-        t = self.tokens_per_head
-        layers = sorted(self.layer_h2d)
-        return {
-            "per_layer": {
-                "bytes_h2d": [self.layer_h2d[i] for i in layers],
-                "kv_fetched_share": [
-                    round(self.layer_fetched[i][0] / self.layer_fetched[i][1], 6) if i in self.layer_fetched else None
-                    for i in layers
-                ],
-            },
-            "bytes_h2d": self.bytes_h2d,
-            "bytes_d2h": self.bytes_d2h,
-            "kv_fetched_share": round(self.fetched / self.held, 6) if self.held else None,
-            "tokens_per_head_mean": round(sum(t) / len(t), 3) if t else None,
-            "tokens_per_head_max": max(t) if t else None,
-            "evictions": evictions,
-            "attention_recall": round(sum(self.recall) / len(self.recall), 6) if self.recall else None,
-        }
+    def __init__(self, n_layers: int):
+        self.h2d = [0] * n_layers  # bytes known on the host, per layer
+        self.h2d_rows: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]  # device row counts, per layer
+        self.row_bytes = [0] * n_layers
+        self.d2h = 0
+        self.fetched: dict[int, list] = {}  # speculated layer -> rows fetched (ints or device counts)
+        self.held: dict[int, int] = {}  # speculated layer -> rows it could have fetched
+        self.per_row: list[torch.Tensor] = []  # each speculation's mean fetch count per KV head, per sequence
+        self.recall: list[float] = []
+
+    def layer_h2d(self) -> list[int]:
+        return [h + total(rows) * rb for h, rows, rb in zip(self.h2d, self.h2d_rows, self.row_bytes, strict=True)]
+
+    def fetched_rows(self, layer: int) -> int:
+        return total(self.fetched.get(layer, []))
+
+
+def total(counts: list) -> int:
+    """The sum of host ints and device counts (one device read for all of them)."""
+    ints = sum(c for c in counts if isinstance(c, int))
+    tensors = [c for c in counts if not isinstance(c, int)]
+    return ints + (int(torch.stack(tensors).sum()) if tensors else 0)
 
 
 class OffloadCache(KVCache):
+    name = "offload"
+    knobs = POOL_KNOBS
     pool_class = KVPool  # how the host stores rows (Int4Pool for the int4 policy)
+
+    @classmethod
+    def build(cls, engine, batch, max_len):
+        return cls(engine.cfg, batch, max_len, engine.device, engine.dtype, engine.kv)
+
+    @classmethod
+    def kv_bytes(cls, engine, tokens, dtype_bytes):
+        return cls.pool_bytes(engine, tokens, 2 * engine.cfg.head_dim * dtype_bytes, resident=0)
+
+    @staticmethod
+    def pool_bytes(engine, tokens: int, row: int, resident: int) -> tuple[int, int, int]:
+        """Pooled layers: rows in host memory, 12 bytes of slot state each on the device, and on the device one
+        layer's fetched rows twice over (the layer computing and the next one arriving); resident layers' KV on
+        the device, read every step."""
+        cfg = engine.cfg
+        pooled = cfg.num_hidden_layers - resident
+        kv_row = 2 * cfg.head_dim * engine.dtype.itemsize
+        dense = tokens * kv_row * resident
+        return 2 * tokens * kv_row + tokens * 12 * pooled + dense, tokens * row * pooled, dense
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype, opts: KVOptions, resident: int = 0):
         """`resident`: the first layers keep their KV on the device (a DenseCache), outside the pool."""
-        self.cfg, self.device, self.opts = cfg, torch.device(device), opts
-        pin = self.device.type == "cuda"
+        self.cfg, self.device, self.opts, self.dtype = cfg, torch.device(device), opts, dtype
         self.resident = DenseCache(cfg, batch, max_len, self.device, dtype, layers=resident) if resident else None
         self.n_resident = resident
         self.pools = [
             None if i < resident else self.pool_class(
-                batch, cfg.num_key_value_heads, cfg.head_dim, max_len, dtype, pin, opts.eviction, opts.window
+                batch, cfg.num_key_value_heads, cfg.head_dim, max_len, dtype, self.device, opts.eviction, opts.window
             )
             for i in range(cfg.num_hidden_layers)
         ]  # fmt: skip
         self.group = cfg.num_attention_heads // cfg.num_key_value_heads
-        self.lengths = torch.zeros(batch, dtype=torch.long)  # real tokens seen per sequence
-        self.stats = KVStats(layer_h2d=dict.fromkeys(range(cfg.num_hidden_layers), 0))
+        self.lengths = np.zeros(batch, dtype=np.int64)  # real tokens seen per sequence (host)
+        self.stats = KVStats(cfg.num_hidden_layers)
+        for i, pool in enumerate(self.pools):
+            self.stats.row_bytes[i] = pool.row_bytes if pool is not None else 0
         self.step = 0
         self.padded = False  # some slot holds padding (decode steps bring none: see KVCache.begin)
+        self.prefetch = prefetcher(self.device, overlap=False)
+        self.block_copy = isinstance(self.prefetch, SideStream) and type(self).pool_class is KVPool
 
     def begin(self, valid, positions) -> None:
         if self.resident is not None:
             self.resident.begin(valid, positions)
         self.valid, self.positions = valid, positions
-        self.new_mask = causal_mask(valid, 0)  # [B, 1, s, s] among the new tokens
         s = valid.shape[1]
-        if s > 1:
-            self.padded = self.padded or not bool(valid.all())
+        self.new_mask = causal_mask(valid, 0) if s > 1 else None  # [B, 1, s, s] among the new tokens
+        if s == 1:  # a decode step: one real token per sequence (see KVCache.begin), known on the host
+            self.n_new = np.ones(len(self.lengths), dtype=np.int64)
+        else:  # a prompt: one read of its padding
+            self.n_new = valid.sum(-1).cpu().numpy()
+            self.padded = self.padded or bool((self.n_new < s).any())
         self.plain = s > 1 and int(self.lengths.max()) == 0 and not self.padded  # a first prefill, no padding
-        self.lengths += valid.sum(-1).cpu()
+        self.lengths += self.n_new
         self.step += 1
 
-    def select(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots layer `layer` fetches from the pool: (slots, ok), each [B, Hkv, n] on the host."""
-        return self.pools[layer].held_slots()
+    def every_slot_held(self, layer: int) -> bool:
+        """Host-known: slots 0..fill-1 of the layer's pool all hold a token (no padding, no eviction)."""
+        return not self.padded and not self.pools[layer].holes
+
+    def observe(self, layer: int, x: torch.Tensor) -> None:
+        j = layer + 1  # the next pooled layer's block, one layer ahead on the side stream
+        if self.block_copy and self.valid.shape[1] == 1 and j < len(self.pools) and self.pools[j] is not None:
+            self.prefetch.start(j, self.copy_block, j)
+
+    def copy_block(self, j: int):
+        """Layer j's held KV as one contiguous block per tensor, with a row for the new token:
+        [B, Hkv, fill + 1, D] views of [fill + 1, B, Hkv, D] buffers."""
+        pool = self.pools[j]
+        n = pool.fill
+        shape = (n + 1, pool.batch, pool.n_kv, pool.k.shape[-1])
+        k = torch.empty(shape, dtype=pool.k.dtype, device=self.device)
+        v = torch.empty_like(k)
+        pool.block(k[:n], v[:n])
+        return k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+
+    def fetch(self, layer: int, extra: int = 0):
+        """(slots, ok, keys, values) for `layer`: every slot taken and whether it holds a token, the rows copied to
+        the device, with `extra` rows per (sequence, KV head) at the end for the new tokens."""
+        pool = self.pools[layer]
+        slots, ok = pool.held_slots()
+        b, h, n = slots.shape
+        if self.block_copy and extra == 1:  # the block: the held rows only
+            k, v = self.prefetch.take(layer) if layer in self.prefetch else self.copy_block(layer)
+            self.stats.h2d[layer] += b * h * n * pool.row_bytes
+        else:  # rows by row; index_select (not the kernel) copies one for each new token too (overwritten)
+            k, v = pool.gather(slots, None, extra)
+            self.stats.h2d[layer] += b * h * (n + (0 if pool.kernel else extra)) * pool.row_bytes
+        return slots, ok, k, v
 
     def update(self, layer, q, k, v):
         if layer < self.n_resident:
             return self.resident.update(layer, q, k, v)
         pool, s = self.pools[layer], k.shape[2]
         decode = s == 1  # one new token: the fetch leaves a row for it (no concatenation)
+        all_held = self.every_slot_held(layer)
         slots, ok, keys, values = self.fetch(layer, extra=1 if decode else 0)
         self.after_fetch(layer, q, slots, ok)
-        new_slots = pool.insert(k, v, self.positions, self.valid)
-        self.stats.bytes_d2h += k.shape[0] * k.shape[1] * k.shape[2] * pool.row_bytes
-        self.after_insert(layer, k, new_slots)
+        start = pool.insert(k, v, self.positions, self.valid, self.n_new)
+        self.stats.d2h += k.shape[0] * k.shape[1] * s * pool.row_bytes
+        self.after_insert(layer, k, start)
         if decode:
             keys[:, :, -1:], values[:, :, -1:] = k, v
         else:
             keys, values = torch.cat([keys.to(k.dtype), k], 2), torch.cat([values.to(v.dtype), v], 2)
         if self.plain:  # nothing held yet: plain causal attention among the new tokens
             return keys, values, None
-        if decode and bool(ok.all()):  # every fetched row is a real token (ok lives on the host): no mask
+        if decode and all_held and self.every_fetched_row_counts():  # host-known: no mask
             return keys, values, None
-        old = ok.to(self.device).repeat_interleave(self.group, dim=1)[:, :, None, :]  # [B, H, 1, n]
+        old = ok.repeat_interleave(self.group, dim=1)[:, :, None, :]  # [B, H, 1, n]
+        if decode:
+            new = torch.ones_like(old[..., :1])
+            return keys, values, torch.cat([old, new], -1)
         mask = torch.cat([old.expand(-1, -1, s, -1), self.new_mask.expand(-1, old.shape[1], -1, -1)], -1)
         return keys, values, mask
 
-    def fetch(self, layer: int, extra: int = 0):
-        """(slots, ok, keys, values) for `layer`: its selected rows copied to the device now, plus `extra`
-        rows per (sequence, KV head) at the end for the new tokens (see KVPool.gather)."""
-        slots, ok = self.select(layer)
-        k, v = self.pools[layer].gather(slots, self.device, extra)
-        self.count_h2d(layer, k.shape[0] * k.shape[1] * k.shape[2] * self.pools[layer].row_bytes)
-        return slots, ok, k, v
-
-    def count_h2d(self, layer: int, n_bytes: int) -> None:
-        self.stats.bytes_h2d += n_bytes
-        self.stats.layer_h2d[layer] = self.stats.layer_h2d.get(layer, 0) + n_bytes
+    def every_fetched_row_counts(self) -> bool:
+        """Host-known: every row the last fetch returned counts (offload: given every slot is held)."""
+        return True
 
     def after_fetch(self, layer, q, slots, ok) -> None:
         """Hook for subclasses: the rows of `slots` were just fetched for `layer`."""
 
-    def after_insert(self, layer, k, slots) -> None:
-        """Hook for subclasses: the new tokens' keys went into `slots`."""
+    def after_insert(self, layer, k, start: int) -> None:
+        """Hook for subclasses: the new tokens' keys went into slots start..start+s-1."""
 
     def end(self) -> None:
         if self.opts.capacity is None:  # the pool holds everything: nothing to evict
@@ -131,5 +185,18 @@ class OffloadCache(KVCache):
         for pool in self.pools[self.n_resident :]:
             pool.evict(cap)
 
-    def report(self) -> dict:
-        return self.stats.to_dict(sum(p.evicted for p in self.pools[self.n_resident :]))
+    def evictions(self) -> int:
+        return sum(p.evicted for p in self.pools[self.n_resident :])
+
+    def report(self) -> KVReport:
+        h2d = self.stats.layer_h2d()
+        return KVReport(
+            bytes_h2d=sum(h2d), bytes_d2h=self.stats.d2h, kv_fetched_share=1.0, kv_attended_share=1.0,
+            evictions=self.evictions(), per_layer={"bytes_h2d": h2d},
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self.prefetch.close()
+        for pool in self.pools:
+            if pool is not None:
+                pool.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.pool import EVICTIONS
@@ -61,10 +61,10 @@ class KVOptions:
                 f"--dense-layers must be >= 1 (layer 0 has no previous layer), got {self.dense_layers}"
             )
 
-    def capacity_tokens(self, lengths: torch.Tensor) -> torch.Tensor:
-        """Pool capacity per sequence [B] for current lengths [B]; a share never goes below the window."""
+    def capacity_tokens(self, lengths: np.ndarray) -> np.ndarray:
+        """Pool capacity per sequence [B] for current lengths [B] (host); a share never goes below the window."""
         if self.capacity is None:
-            return lengths.clone()
+            return lengths.copy()
         if self.capacity <= 1:
-            return torch.clamp(torch.ceil(self.capacity * lengths.double()).long(), min=self.window)
-        return torch.full_like(lengths, math.floor(self.capacity))
+            return np.maximum(np.ceil(self.capacity * lengths.astype(np.float64)).astype(np.int64), self.window)
+        return np.full_like(lengths, math.floor(self.capacity))

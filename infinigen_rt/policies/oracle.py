@@ -8,14 +8,24 @@ import math
 
 import torch
 
-from infinigen_rt.cache import DenseCache
+from infinigen_rt.cache import DenseCache, KVReport
 from infinigen_rt.policies.options import KVOptions
 
 
 class OracleCache(DenseCache):
+    name = "oracle"
+    knobs = frozenset({"budget", "max_kv", "dense_layers", "prefill_chunk"})
+    runtime = False
+    sweep = ("budget",)
+    scores = True
+
+    @classmethod
+    def build(cls, engine, batch, max_len):
+        return cls(engine.cfg, batch, max_len, engine.device, engine.dtype, engine.kv, engine.dense_layers())
+
     def __init__(self, cfg, batch, max_len, device, dtype, opts: KVOptions, dense_layers: int):
         super().__init__(cfg, batch, max_len, device, dtype)
-        self.opts, self.dense_layers = opts, dense_layers
+        self.cfg, self.opts, self.dense_layers = cfg, opts, dense_layers
         self.group = cfg.num_attention_heads // cfg.num_key_value_heads
         self.kept = self.possible = 0
         self.recall: list[float] = []
@@ -43,8 +53,11 @@ class OracleCache(DenseCache):
         self.possible += int(mask.expand_as(keep).sum())
         return keys, values, keep
 
-    def report(self) -> dict:
-        return {
-            "kv_fetched_share": round(self.kept / self.possible, 6) if self.possible else None,
-            "attention_recall": round(sum(self.recall) / len(self.recall), 6) if self.recall else None,
-        }
+    def report(self) -> KVReport:
+        share = round(self.kept / self.possible, 6) if self.possible else None
+        dense = self.dense_layers / self.cfg.num_hidden_layers
+        return KVReport(
+            kv_fetched_share=share,
+            kv_attended_share=None if share is None else round(dense + (1 - dense) * share, 6),
+            attention_recall=round(sum(self.recall) / len(self.recall), 6) if self.recall else None,
+        )

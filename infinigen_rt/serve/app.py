@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 from infinigen_rt import __version__
 from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
-from infinigen_rt.policies import KVOptions
+from infinigen_rt.policies import POLICIES, KVOptions
 from infinigen_rt.sampling import SamplingParams
 from infinigen_rt.serve.metrics import CountRequests, Metrics
 from infinigen_rt.serve.protocol import (
@@ -212,19 +212,17 @@ def fit_context(prompt_tokens: int, requested: int | None, default: int, context
 
 
 def kv_options(engine: Engine, base: KVOptions, o: KVOverrides | None) -> KVOptions:
-    """The server's KV options with this request's `infinigen` overrides."""
+    """The server's KV options with this request's `infinigen` overrides (only those its policy reads)."""
     if o is None or (o.alpha is None and o.budget is None):
         return base
-    if o.alpha is not None and engine.policy != "infinigen":
-        raise APIError(
-            400, f"infinigen.alpha applies to the infinigen policy; this server runs {engine.policy}", "infinigen"
-        )
-    if o.budget is not None and engine.policy not in ("infinigen", "h2o"):
-        raise APIError(
-            400,
-            f"infinigen.budget applies to the infinigen and h2o policies; this server runs {engine.policy}",
-            "infinigen",
-        )
+    knobs = POLICIES[engine.policy].knobs
+    for name in ("alpha", "budget"):
+        if getattr(o, name) is not None and name not in knobs:
+            users = [n for n, cls in POLICIES.items() if cls.runtime and name in cls.knobs]
+            which = " and ".join(users) + (" policy" if len(users) == 1 else " policies")
+            raise APIError(
+                400, f"infinigen.{name} applies to the {which}; this server runs {engine.policy}", "infinigen"
+            )
     kv = replace(
         base, alpha=base.alpha if o.alpha is None else o.alpha, budget=base.budget if o.budget is None else o.budget
     )

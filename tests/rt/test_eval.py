@@ -53,10 +53,10 @@ def test_infinigen_full_budget_equals_full_and_oracle_bounds_it(smol):
     ig = engine.with_policy("infinigen", KVOptions(budget=0.1))
     a, rep, _ = perplexity(ig, ids, FROM)
     b, rep2, _ = perplexity(ig, ids, FROM)
-    assert a == b and rep["kv_fetched_share"] == rep2["kv_fetched_share"]  # deterministic
-    share = rep["kv_fetched_share"]
+    assert a == b and rep.kv_fetched_share == rep2.kv_fetched_share  # deterministic
+    share = rep.kv_fetched_share
     oracle, orep, _ = perplexity(engine.with_policy("oracle", KVOptions(budget=share)), ids, FROM)
-    assert orep["kv_fetched_share"] <= share + 0.02
+    assert orep.kv_fetched_share <= share + 0.02
     assert full <= oracle <= a, (full, oracle, a)
 
 

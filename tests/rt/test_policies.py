@@ -3,6 +3,7 @@ from the copies made, per-sequence selection, capacity and eviction through the 
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -58,7 +59,7 @@ def test_full_budget_equals_full(name, batch, bundles):
         logits, toks, cache = greedy_logits(es[policy], prompts, 12)
         assert torch.equal(toks, ref_toks), policy
         assert (logits - ref).abs().max().item() <= 1e-4, policy
-    assert cache.report()["kv_fetched_share"] == 1.0
+    assert cache.report().kv_fetched_share == 1.0
 
 
 def test_offload_moves_exactly_the_kv_bytes(bundles):
@@ -67,31 +68,35 @@ def test_offload_moves_exactly_the_kv_bytes(bundles):
     _, _, cache = greedy_logits(e, [PROMPTS[2]], steps)
     row = 2 * cfg.head_dim * 4  # K and V of one token, one KV head, fp32
     per_layer_tokens = sum(n + i + 1 for i in range(steps))  # every held token, and a row for the new one
-    assert cache.stats.bytes_h2d == cfg.num_hidden_layers * cfg.num_key_value_heads * per_layer_tokens * row
-    assert cache.stats.bytes_d2h == cfg.num_hidden_layers * cfg.num_key_value_heads * (n + steps) * row
+    report = cache.report()
+    assert report.bytes_h2d == cfg.num_hidden_layers * cfg.num_key_value_heads * per_layer_tokens * row
+    assert report.bytes_d2h == cfg.num_hidden_layers * cfg.num_key_value_heads * (n + steps) * row
 
 
 def test_infinigen_moves_only_the_fetched_rows(bundles):
     e = engines(bundles["llama31_gqa"], ig=("infinigen", KVOptions(alpha=1.0, budget=0.3)))["ig"]
     cfg, steps = e.cfg, 6
     _, _, cache = greedy_logits(e, [PROMPTS[2]], steps)
-    dense = e.infinigen_defaults["dense_layers"]
+    dense = e.dense_layers()
     row = 2 * cfg.head_dim * 4
-    assert cache.stats.fetched < cache.stats.held  # speculation fetched a subset
+    fetched = sum(cache.stats.fetched_rows(j) for j in cache.stats.fetched)
+    assert fetched < sum(cache.stats.held.values())  # speculation fetched a subset
     spec_rows = (cfg.num_hidden_layers - dense) * cfg.num_key_value_heads * steps  # a row per step for the new token
-    assert cache.stats.bytes_h2d == (cache.stats.fetched + spec_rows) * row  # dense layers' KV stays on the device
-    assert cache.pools[:dense] == [None] * dense and len(cache.resident.k) == dense
     report = cache.report()
-    assert 0 < report["kv_fetched_share"] <= 0.3 + 1e-9
-    per = report["per_layer"]
-    assert sum(per["bytes_h2d"]) == report["bytes_h2d"] and len(per["bytes_h2d"]) == cfg.num_hidden_layers
+    assert report.bytes_h2d == (fetched + spec_rows) * row  # dense layers' KV stays on the device
+    assert cache.pools[:dense] == [None] * dense and len(cache.resident.k) == dense
+    assert 0 < report.kv_fetched_share <= 0.3 + 1e-9
+    per = report.per_layer
+    assert sum(per["bytes_h2d"]) == report.bytes_h2d and len(per["bytes_h2d"]) == cfg.num_hidden_layers
     assert per["kv_fetched_share"][:dense] == [None] * dense and per["bytes_h2d"][:dense] == [0] * dense
     assert all(0 < x <= 0.3 + 1e-9 for x in per["kv_fetched_share"][dense:])
 
 
 def test_per_sequence_selection(bundles):
-    """Rows of one batch with different texts select different tokens."""
-    e = engines(bundles["tied_hd64"], ig=("infinigen", KVOptions(alpha=0.5, budget=0.25)))["ig"]
+    """Rows of one batch with different texts select different tokens (no sinks or recent tokens forced: a count
+    this small would be theirs alone, the same slots in every row)."""
+    kv = KVOptions(alpha=0.5, budget=0.25, sinks=0, recent=0)
+    e = engines(bundles["tied_hd64"], ig=("infinigen", kv))["ig"]
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(4, e.cfg.vocab_size, (40,), generator=g).tolist() for _ in range(2)]
     _, _, cache = greedy_logits(e, prompts, 4)
@@ -135,7 +140,7 @@ def test_speculating_on_a_worker_thread_changes_nothing(batch, bundles):
         runs.append((logits, cache.report(), [p.hits.clone() for p in cache.pools[e.dense_layers():]]))
     (l0, r0, h0), (l1, r1, h1) = runs
     torch.testing.assert_close(l1, l0, rtol=0, atol=0)
-    assert r1 == r0 and r0["bytes_h2d"] > 0 and (r0["evictions"] > 0) == (batch == 2)
+    assert r1 == r0 and r0.bytes_h2d > 0 and (r0.evictions > 0) == (batch == 2)
     assert all(torch.equal(a, b) for a, b in zip(h0, h1, strict=True))
 
 
@@ -143,7 +148,7 @@ def test_a_one_token_prompt_generates(bundles):
     """Its first pass is one token over an empty pool: nothing to speculate on yet."""
     e = engines(bundles["llama31_gqa"], ig=("infinigen", KVOptions(budget=0.3)))["ig"]
     logits, toks, cache = greedy_logits(e, [[5]], 6)
-    assert toks.shape == (1, 6) and torch.isfinite(logits).all() and cache.report()["bytes_h2d"] > 0
+    assert toks.shape == (1, 6) and torch.isfinite(logits).all() and cache.report().bytes_h2d > 0
 
 
 @pytest.mark.parametrize("eviction", ["counter", "lru", "fifo"])
@@ -168,7 +173,7 @@ def test_capacity_holds_through_generation(eviction, bundles):
             tok = logits.argmax(-1)
             p = p + 1
             logits = e.model(tok[:, None], p, cache, torch.ones(1, 1, dtype=torch.bool), last_only=True)[:, -1]
-    assert cache.report()["evictions"] > 0
+    assert cache.report().evictions > 0
 
 
 def test_bad_policy_options(bundles, checkpoints, tmp_path):
@@ -235,8 +240,8 @@ def test_int4_equals_its_definition_and_moves_packed_bytes(name, bundles):
     d = e.cfg.head_dim
     row = 2 * (d // 2 + 4 * (d // group_size(d)))  # packed K and V plus fp16 scale and min per group
     assert cache.pools[0].row_bytes == row
-    fetched_rows = cache.stats.bytes_h2d // row
-    assert cache.stats.bytes_h2d == fetched_rows * row and fetched_rows > 0
+    moved = cache.report().bytes_h2d
+    assert moved == (moved // row) * row and moved > 0
 
 
 def test_h2o_full_budget_is_exact_and_budget_bounds_the_kept_tokens(bundles):
@@ -254,7 +259,7 @@ def test_h2o_full_budget_is_exact_and_budget_bounds_the_kept_tokens(bundles):
         assert bool((held <= torch.maximum(keep, torch.tensor(4))[:, None]).all())
         assert bool(alive[:, :, cache.length - 4 : cache.length].all())  # the recent window is kept
     r = cache.report()
-    assert r["evictions"] > 0 and 0 < r["kv_fetched_share"] < 1
+    assert r.evictions > 0 and 0 < r.kv_fetched_share < 1
 
 
 @pytest.mark.parametrize("name", ["llama31_gqa", "opt"])
@@ -267,3 +272,107 @@ def test_renorm_gives_the_next_layers_normalised_input(name, bundles):
     with torch.no_grad():
         for j in range(1, e.cfg.num_hidden_layers):
             assert torch.allclose(cache.spec.renormed(j, norms[j - 1](h)), norms[j](h), atol=1e-4)
+
+
+# ---- the GPU's decode step, run here: sync-free selection, the gather kernel (Triton's interpreter) ----
+
+
+def gpu_step(cache):
+    """Make a CPU cache take the GPU's decode path: fetch sizes from host counts with ok masks (no device read),
+    rows gathered by the Triton kernel (here through TRITON_INTERPRET=1), offload's whole-layer block copies."""
+    cache.prefetch = Inline()
+    cache.sync_free = True
+    cache.block_copy = True
+    for pool in cache.pools:
+        if pool is not None:
+            pool.kernel = True
+    return cache
+
+
+class DeviceReads:
+    """Raises on every way Python code reads a tensor to the host (what a CUDA sync would be), while active."""
+
+    NAMES = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
+
+    def __init__(self):
+        self.active, self.saved = False, {}
+
+    def __enter__(self):
+        for name in self.NAMES:
+            original = getattr(torch.Tensor, name)
+            self.saved[name] = original
+
+            def guard(t, *a, _name=name, _orig=original, **kw):
+                if self.active:
+                    raise AssertionError(f"Tensor.{_name} in a decode step")
+                return _orig(t, *a, **kw)
+
+            setattr(torch.Tensor, name, guard)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self.saved.items():
+            setattr(torch.Tensor, name, original)
+
+
+# the GPU path's CPU stand-in (the kernel through Triton's interpreter); on a GPU, test_gpu.py runs the real one
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or torch.cuda.is_available(), reason="needs triton, and no GPU"
+)
+
+
+@needs_triton
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_gpu_step_chooses_and_computes_what_the_cpu_step_does(batch, bundles):
+    """Same selections (hits), tokens and logits; bytes counted from the rows the kernel read (those that count).
+    Batch 2 has left padding and a capacity that evicts (the masked path)."""
+    kv = KVOptions(alpha=1.0, budget=0.3, capacity=0.6 if batch == 2 else None)
+    e = engines(bundles["llama31_gqa"], ig=("infinigen", kv))["ig"]
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(4, e.cfg.vocab_size, (n,), generator=g).tolist() for n in (50, 37)[:batch]]
+    cpu = e.make_cache(batch, 59)
+    cpu.prefetch = Inline()
+    ref, ref_toks, cpu = greedy_logits(e, prompts, 8, cache=cpu)
+    got, toks, gpu = greedy_logits(e, prompts, 8, cache=gpu_step(e.make_cache(batch, 59)))
+    assert torch.equal(toks, ref_toks)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    for a, b in zip(cpu.pools[e.dense_layers() :], gpu.pools[e.dense_layers() :], strict=True):
+        assert torch.equal(a.hits, b.hits) and a.hits.sum() > 0
+    fetched = sum(gpu.stats.fetched_rows(j) for j in gpu.stats.fetched)
+    r = gpu.report()
+    row = 2 * e.cfg.head_dim * 4
+    assert r.bytes_h2d == fetched * row  # only rows that count crossed
+    assert r.kv_fetched_share == cpu.report().kv_fetched_share and (r.evictions > 0) == (batch == 2)
+
+
+@needs_triton
+@pytest.mark.parametrize("policy", ["infinigen", "offload"])
+def test_full_budget_on_the_gpu_path_equals_full(policy, bundles):
+    es = engines(bundles["llama31_gqa"], x=(policy, EVERYTHING if policy == "infinigen" else KVOptions()))
+    ref, ref_toks, _ = greedy_logits(es["full"], PROMPTS, 8)
+    ids, _, _ = pad_batch(PROMPTS, 0, "cpu")
+    got, toks, cache = greedy_logits(es["x"], PROMPTS, 8, cache=gpu_step(es["x"].make_cache(3, ids.shape[1] + 9)))
+    assert torch.equal(toks, ref_toks) and (got - ref).abs().max().item() <= 1e-4
+    assert cache.report().kv_fetched_share == 1.0
+
+
+@needs_triton
+@pytest.mark.parametrize("policy, capacity", [("infinigen", None), ("infinigen", 8), ("offload", None)])
+def test_a_gpu_decode_step_reads_nothing_from_the_device(policy, capacity, bundles):
+    """By construction: once the prompt is in, a decode step through the model never reads a tensor to the host
+    (fetch sizes, masks, counters and the eviction counts all come from what the host already knows)."""
+    kv = KVOptions(alpha=2.0, budget=0.3, capacity=capacity, window=6)
+    e = engines(bundles["llama31_gqa"], x=(policy, kv))["x"]
+    ids, pos, valid = pad_batch(PROMPTS[:2], 0, "cpu")
+    cache = gpu_step(e.make_cache(2, ids.shape[1] + 9))
+    with torch.inference_mode(), DeviceReads() as reads:
+        logits = e.prefill(cache, ids, pos, valid)  # a prompt may read its padding once
+        tok, p = logits.argmax(-1), pos[:, -1:]
+        for _ in range(6):
+            p = p + 1
+            reads.active = True
+            logits = e.model(tok[:, None], p, cache, torch.ones_like(valid[:, :1]), last_only=True)[:, -1]
+            reads.active = False
+            tok = logits.argmax(-1)
+    r = cache.report()
+    assert r.bytes_h2d > 0 and (r.evictions > 0) == (capacity is not None)

@@ -3,6 +3,7 @@ capacity holds, the recent window survives, an evicted token is never fetched ag
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,9 +13,10 @@ from infinigen_rt.pool import KVPool
 def scenario(eviction: str) -> KVPool:
     """Six tokens (positions 0..5) in one (sequence, KV head); step 1 selects 0, 1, 3; step 2 selects 1, 2.
     hits: 0:1 1:2 2:1 3:1; last selected: 0:1 1:2 2:2 3:1; window 2 protects positions 4 and 5."""
-    pool = KVPool(1, 1, 2, 8, torch.float32, pin=False, eviction=eviction, window=2)
+    pool = KVPool(1, 1, 2, 8, torch.float32, "cpu", eviction=eviction, window=2)
     k = torch.arange(6, dtype=torch.float32)[None, None, :, None].expand(1, 1, 6, 2)
-    slots = pool.insert(k, -k, torch.arange(6)[None], torch.ones(1, 6, dtype=torch.bool))
+    start = pool.insert(k, -k, torch.arange(6)[None], torch.ones(1, 6, dtype=torch.bool))
+    slots = torch.arange(start, start + 6)[None, None]
     for step, chosen in ((1, [0, 1, 3]), (2, [1, 2])):
         sel = slots[:, :, chosen]
         pool.mark_selected(sel, torch.ones_like(sel, dtype=torch.bool), step)
@@ -35,32 +37,35 @@ def held_positions(pool: KVPool) -> list[int]:
 )
 def test_each_policy_evicts_by_its_definition(eviction, survivors):
     pool = scenario(eviction)
-    assert pool.evict(torch.tensor([4])) == 2
+    assert pool.evict(np.array([4])) == 2
     assert held_positions(pool) == survivors
     assert pool.evicted == 2
 
 
-def test_evicted_tokens_are_never_fetched_and_slots_are_reused():
+def test_evicted_tokens_are_never_fetched_and_new_ones_take_fresh_slots():
     pool = scenario("fifo")
-    pool.evict(torch.tensor([4]))
+    pool.evict(np.array([4]))
     slots, ok = pool.held_slots()
-    k, v = pool.gather(slots, "cpu")
-    assert sorted(k[0, 0, :, 0].tolist()) == [2.0, 3.0, 4.0, 5.0] and bool(ok.all())
+    k, v = pool.gather(slots)
+    held = k[0, 0, :, 0][ok[0, 0]]
+    assert sorted(held.tolist()) == [2.0, 3.0, 4.0, 5.0] and ok.sum() == 4
+    assert torch.equal(v[0, 0][ok[0, 0]], -k[0, 0][ok[0, 0]])
     new = pool.insert(
         torch.full((1, 1, 1, 2), 9.0), torch.zeros(1, 1, 1, 2), torch.tensor([[6]]), torch.ones(1, 1, dtype=torch.bool)
     )
-    assert held_positions(pool) == [2, 3, 4, 5, 6]
-    assert pool.hits[0, 0, new[0, 0, 0]] == 0  # a reused slot starts with no history
-    pool.evict(torch.tensor([4]))
-    assert held_positions(pool) == [3, 4, 5, 6]
+    assert new == 6 and pool.fill == 7  # arrival order: the freed slots stay free
+    assert held_positions(pool) == [2, 3, 4, 5, 6] and pool.hits[0, 0, 6] == 0
+    assert pool.held().tolist() == [[5]]
+    pool.evict(np.array([4]))
+    assert held_positions(pool) == [3, 4, 5, 6] and pool.evicted == 3
 
 
 def test_window_is_never_evicted_and_padding_takes_no_slot():
-    pool = KVPool(2, 2, 4, 10, torch.float32, pin=False, eviction="counter", window=3)
+    pool = KVPool(2, 2, 4, 10, torch.float32, "cpu", eviction="counter", window=3)
     valid = torch.tensor([[False, False, True, True, True, True], [True] * 6])
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
     pool.insert(torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4), positions, valid)
     assert pool.held().tolist() == [[4, 4], [6, 6]]
-    pool.evict(torch.tensor([1, 1]))  # asks for less than the window: the window stays
+    assert pool.evict(np.array([1, 1])) == 8  # asks for less than the window: the window stays
     assert pool.held().tolist() == [[3, 3], [3, 3]]
     assert sorted(int(p) for p in pool.pos[1, 0] if p >= 0) == [3, 4, 5]
