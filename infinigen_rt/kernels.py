@@ -8,13 +8,9 @@ included, and the interpreter needs no half-precision arithmetic)."""
 
 from __future__ import annotations
 
-import torch
+import importlib.util
 
-try:  # Triton comes with CUDA builds of torch; a CPU install runs the reference path
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised on machines without triton
-    triton = None
+import torch
 
 ROWS_PER_PROGRAM = 16
 
@@ -26,34 +22,13 @@ def words(t: torch.Tensor) -> torch.Tensor:
     flat = t.view(-1, t.shape[-1])
     for dtype in (torch.int64, torch.int32, torch.int16):
         if row % torch.empty(0, dtype=dtype).element_size() == 0:
-            return flat.view(torch.uint8).view(dtype) if t.dtype != torch.uint8 else flat.view(dtype)
+            return flat.view(torch.uint8).view(dtype)
     return flat.view(torch.uint8)
 
 
-if triton is not None:
-
-    @triton.jit
-    def _gather_kernel(
-        src_a, src_b, out_a, out_b, rows, ok, n_sel, n_out, total,
-        W: tl.constexpr, BLOCK_W: tl.constexpr, ROWS: tl.constexpr, HAS_OK: tl.constexpr,
-    ):  # fmt: skip
-        # program p moves ROWS selected rows; selection m (of `total`) lands at row (m // n_sel) * n_out + m % n_sel
-        m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        live = m < total
-        r = tl.load(rows + m, mask=live, other=0).to(tl.int64)
-        use = live
-        if HAS_OK:
-            use = live & (tl.load(ok + m, mask=live, other=0) != 0)
-        dst = (m // n_sel).to(tl.int64) * n_out + (m % n_sel)
-        cols = tl.arange(0, BLOCK_W)
-        inside = cols[None, :] < W
-        src_off = r[:, None] * W + cols[None, :]
-        dst_off = dst[:, None] * W + cols[None, :]
-        # a row that does not count is written as zeros (never read from the pool: its bytes do not move)
-        a = tl.load(src_a + src_off, mask=use[:, None] & inside, other=0)
-        tl.store(out_a + dst_off, a, mask=live[:, None] & inside)
-        b = tl.load(src_b + src_off, mask=use[:, None] & inside, other=0)
-        tl.store(out_b + dst_off, b, mask=live[:, None] & inside)
+def available() -> bool:
+    """Whether triton is installed (CUDA builds of torch bring it; a CPU install runs the torch path)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def gather_rows(src_a, src_b, rows, ok, out_a, out_b) -> None:
@@ -69,8 +44,12 @@ def gather_rows(src_a, src_b, rows, ok, out_a, out_b) -> None:
     total = g * n
     if total == 0:
         return
+    import triton  # here, not at import: a CPU never needs it
+
+    from infinigen_rt._gather_kernel import gather
+
     grid = (triton.cdiv(total, ROWS_PER_PROGRAM),)
-    _gather_kernel[grid](
+    gather[grid](
         sa, sb, oa, ob, rows.reshape(-1), ok.reshape(-1) if ok is not None else rows, n, n_out, total,
         W=w, BLOCK_W=triton.next_power_of_2(w), ROWS=ROWS_PER_PROGRAM, HAS_OK=ok is not None,
     )  # fmt: skip

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infinigen_rt.kernels import gather_rows, gather_rows_reference, triton
+from infinigen_rt.kernels import available, gather_rows, gather_rows_reference
 
-pytestmark = pytest.mark.skipif(triton is None, reason="needs triton (pip install triton)")
+pytestmark = pytest.mark.skipif(not available(), reason="needs triton (pip install triton)")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 

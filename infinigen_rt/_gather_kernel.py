@@ -1,0 +1,28 @@
+"""The row-gather Triton kernel (see kernels.py, which imports this module only when a GPU gathers)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gather(
+    src_a, src_b, out_a, out_b, rows, ok, n_sel, n_out, total,
+    W: tl.constexpr, BLOCK_W: tl.constexpr, ROWS: tl.constexpr, HAS_OK: tl.constexpr,
+):  # fmt: skip
+    # program p moves ROWS selected rows; selection m (of `total`) lands at row (m // n_sel) * n_out + m % n_sel
+    m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = m < total
+    r = tl.load(rows + m, mask=live, other=0).to(tl.int64)
+    use = live
+    if HAS_OK:
+        use = live & (tl.load(ok + m, mask=live, other=0) != 0)
+    dst = (m // n_sel).to(tl.int64) * n_out + (m % n_sel)
+    cols = tl.arange(0, BLOCK_W)
+    inside = cols[None, :] < W
+    src_off = r[:, None] * W + cols[None, :]
+    dst_off = dst[:, None] * W + cols[None, :]
+    # a row that does not count is written as zeros (never read from the pool: its bytes do not move)
+    a = tl.load(src_a + src_off, mask=use[:, None] & inside, other=0)
+    tl.store(out_a + dst_off, a, mask=live[:, None] & inside)
+    b = tl.load(src_b + src_off, mask=use[:, None] & inside, other=0)
+    tl.store(out_b + dst_off, b, mask=live[:, None] & inside)
