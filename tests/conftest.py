@@ -6,8 +6,10 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -256,3 +258,39 @@ def run_cli(*args, env=None, input=None, timeout=300, cwd=None) -> subprocess.Co
         timeout=timeout,
         cwd=cwd,
     )
+
+
+class ServerProcess:
+    """`python -m infinigen_rt.cli serve ... --port 0` in a subprocess, healthy; its URL read from its log (a file,
+    not a pipe: a full pipe would block the server)."""
+
+    def __init__(self, args: list[str], log: Path, cwd=None, env: dict | None = None):
+        import httpx
+
+        self.log = log
+        full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
+        full_env.pop("INFINIGEN_API_KEY", None)
+        with open(log, "w") as f:
+            cmd = [sys.executable, "-m", "infinigen_rt.cli", *args, "--port", "0"]
+            self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, env=full_env)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited:\n{log.read_text()}"
+            if m := re.search(r"http://127\.0\.0\.1:(\d+)/v1", log.read_text()):
+                self.url = f"http://127.0.0.1:{m[1]}"
+                try:
+                    if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+            time.sleep(0.1)
+        self.stop()
+        raise AssertionError(f"server not healthy in 120 s:\n{log.read_text()}")
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

@@ -8,14 +8,12 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
-import os
 import re
 import shlex
 import shutil
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -23,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from infinigen_rt.policies import POLICIES, RUNTIME_POLICIES
-from tests.conftest import RESULTS, ROOT, TOKENIZER_TEXT, run_cli
+from tests.conftest import RESULTS, ROOT, TOKENIZER_TEXT, ServerProcess, run_cli
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TOOLS = {"infinigen-prep": "prep", "infinigen-rt": "rt"}
@@ -302,39 +300,13 @@ def folder_files(path: Path) -> dict[str, bytes]:
     return {p.relative_to(path).as_posix(): p.read_bytes() for p in path.rglob("*") if p.is_file()}
 
 
-class Server:
+class Server(ServerProcess):
     """A `serve` command line from the docs, on a free port, in `cwd`."""
 
     def __init__(self, argv: list[str], cwd: Path, env: dict):
-        self.log = cwd / "serve.log"
-        full_env = {**os.environ, **env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        full_env.pop("INFINIGEN_API_KEY", None)
-        with open(self.log, "w") as f:
-            cmd = [sys.executable, "-m", f"infinigen_{TOOLS[argv[0]]}.cli", *argv[1:], "--port", "0"]
-            self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, env=full_env)
-        import httpx
-
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()
-            if m := re.search(r"http://127\.0\.0\.1:(\d+)/v1", self.log.read_text()):
-                self.url = f"http://127.0.0.1:{m[1]}"
-                try:
-                    if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-            time.sleep(0.2)
-        self.stop()
-        raise AssertionError(f"{argv} not healthy in 120 s:\n{self.log.read_text()}")
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        assert TOOLS[argv[0]] == "rt"
+        env = {**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        super().__init__(argv[1:], cwd / "serve.log", cwd=cwd, env=env)
 
 
 @pytest.mark.slow

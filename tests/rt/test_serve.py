@@ -7,7 +7,6 @@ at a time and a queue of one (equality with `generate --json` on a real model, a
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from infinigen_rt.engine import Generation, RunStats
 from infinigen_rt.policies import KVOptions
 from infinigen_rt.sampling import SamplingParams
 from infinigen_rt.serve.scheduler import Done, Job, QueueFull, Scheduler, TextStream
-from tests.conftest import TOKENIZER_TEXT, run_cli
+from tests.conftest import TOKENIZER_TEXT, ServerProcess, run_cli
 from tests.test_cli import one_line_error
 
 pytestmark = pytest.mark.slow
@@ -41,38 +40,11 @@ WORDS = " ".join(TOKENIZER_TEXT[:5]).split()
 PROMPTS = [" ".join(WORDS[3 * i : 3 * i + 2 + i % 5]) for i in range(16)]  # different texts and lengths
 
 
-class Server:
-    """`python -m infinigen_rt.cli serve BUNDLE --port 0 ...` in a subprocess; the port is read from its log."""
+class Server(ServerProcess):
+    """`serve BUNDLE --device cpu ARGS` (one torch thread)."""
 
     def __init__(self, bundle: Path, log: Path, *args: str):
-        self.log = log
-        env = {**os.environ, **ENV, "COLUMNS": "200"}
-        env.pop("INFINIGEN_API_KEY", None)
-        cmd = [sys.executable, "-m", "infinigen_rt.cli", "serve", str(bundle), "--port", "0", "--device", "cpu"]
-        with open(log, "w") as f:  # a file, not a pipe: a full pipe would block the server
-            self.proc = subprocess.Popen([*cmd, *args], stdout=f, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"server exited:\n{log.read_text()}"
-            m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", log.read_text())
-            if m:
-                self.url = f"http://127.0.0.1:{m.group(1)}"
-                try:
-                    if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-            time.sleep(0.1)
-        self.stop()
-        raise AssertionError(f"server not healthy in 120 s:\n{log.read_text()}")
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        super().__init__(["serve", str(bundle), "--device", "cpu", *args], log, env=ENV)
 
     def client(self, key: str = KEY, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60, **kw)
