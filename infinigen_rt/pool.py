@@ -21,6 +21,8 @@ An evicted slot is freed (pos = -1), so its token can never be selected again.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -30,20 +32,26 @@ EVICTIONS = ("counter", "lru", "fifo")
 _BIG = 1 << 32  # ranks: primary key * _BIG + position (positions < 2**32)
 
 
-def host_buffer(shape, dtype, pin: bool) -> torch.Tensor:
-    """Zeroed host memory; `pin`: page-locked at its exact size (torch's caching host allocator would round each
-    block up to a power of two: a 514 MiB layer would take 1 GiB). Release with `release_host_buffer`."""
+def host_buffer(shape, dtype, pinned: list | None) -> torch.Tensor:
+    """Zeroed host memory; with a `pinned` list (a GPU computes): page-locked at its exact size, its address
+    appended to the list (torch's caching host allocator would round each block up to a power of two: a 514 MiB
+    layer would take 1 GiB). `unpin` releases what the list holds."""
     t = torch.zeros(shape, dtype=dtype)
-    if pin and t.numel():
+    if pinned is not None and t.numel():
         err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
         if err != 0:
             raise RuntimeError(f"cudaHostRegister failed with CUDA error {err} (is host memory exhausted?)")
+        pinned.append(t.data_ptr())
     return t
 
 
-def release_host_buffer(t: torch.Tensor, pinned: bool) -> None:
-    if pinned and t.numel():
-        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+def unpin(pinned: list, device: torch.device) -> None:
+    """Unregister the pages whose addresses `pinned` lists, once the device is done with them."""
+    if pinned:
+        torch.cuda.synchronize(device)
+        for ptr in pinned:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        pinned.clear()
 
 
 class KVPool:
@@ -55,8 +63,13 @@ class KVPool:
         self.pinned = self.device.type == "cuda"
         self.kernel = self.pinned  # gather with the kernel (tests turn it on for CPU tensors: the interpreter)
         self.batch, self.n_kv, self.slots = batch, n_kv, slots
-        self.k = host_buffer((slots, batch, n_kv, head_dim), dtype, self.pinned)
-        self.v = host_buffer((slots, batch, n_kv, head_dim), dtype, self.pinned)
+        # page-locked addresses, released by close() or, failing that, when the pool is collected (its tensors
+        # are still alive then: the pages are unregistered before they are freed)
+        self.registered: list[int] | None = [] if self.pinned else None
+        if self.pinned:
+            self._unpin = weakref.finalize(self, unpin, self.registered, self.device)
+        self.k = host_buffer((slots, batch, n_kv, head_dim), dtype, self.registered)
+        self.v = host_buffer((slots, batch, n_kv, head_dim), dtype, self.registered)
         state = (batch, n_kv, slots)  # int32: 12 bytes of state per (sequence, KV head, slot) on the device
         self.pos = torch.full(state, -1, dtype=torch.int32, device=self.device)
         self.hits = torch.zeros(state, dtype=torch.int32, device=self.device)
@@ -166,9 +179,7 @@ class KVPool:
     def close(self) -> None:
         """Unpin the host pages (after the device is done with them)."""
         if self.pinned:
-            torch.cuda.synchronize(self.device)
-            release_host_buffer(self.k, True)
-            release_host_buffer(self.v, True)
+            self._unpin()
             self.pinned = False
 
 

@@ -11,7 +11,7 @@ import torch
 
 from infinigen_rt.cache import KVReport
 from infinigen_rt.policies.offload import OffloadCache
-from infinigen_rt.pool import KVPool, host_buffer, release_host_buffer, take
+from infinigen_rt.pool import KVPool, host_buffer, take
 
 GROUP = 64
 
@@ -45,7 +45,7 @@ class Int4Pool(KVPool):
         self.group, self.out_dtype = group_size(head_dim), dtype
         n_groups = head_dim // self.group
         self.meta = {
-            name: host_buffer((slots, batch, n_kv, n_groups), torch.float16, self.pinned)
+            name: host_buffer((slots, batch, n_kv, n_groups), torch.float16, self.registered)
             for name in ("k_scale", "k_min", "v_scale", "v_min")
         }
 
@@ -75,14 +75,6 @@ class Int4Pool(KVPool):
         k = dequantize(kq, m["k_scale"], m["k_min"], self.group, self.out_dtype)
         v = dequantize(vq, m["v_scale"], m["v_min"], self.group, self.out_dtype)
         return k, v
-
-    def close(self):
-        if self.pinned:
-            torch.cuda.synchronize(self.device)
-            for t in self.meta.values():
-                release_host_buffer(t, True)
-        super().close()
-
 
 class Int4Cache(OffloadCache):
     name = "int4"
