@@ -50,6 +50,7 @@ class KVCache:
     speculative = False  # needs the bundle's InfiniGen tensors
     sweep: tuple[str, ...] = ()  # what `eval` sweeps: ("budget",) or ("budget", "alpha")
     scores = False  # its attention builds the score matrix itself (else SDPA's fused kernels never do)
+    dense_prefill = True  # a prompt attends over its exact KV (so one prefill may serve several policies)
 
     @classmethod
     def build(cls, engine, batch: int, max_len: int) -> KVCache:

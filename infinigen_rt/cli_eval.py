@@ -27,7 +27,8 @@ def _floats(text: str | None, name: str) -> list[float]:
 
 def eval_cmd(
     bundle: Annotated[str, typer.Argument(help="Bundle folder, or a Hub repo id to pull.")],
-    text: Annotated[Path, typer.Option(help="A UTF-8 text to score (e.g. a play).")],
+    text: Annotated[Path, typer.Option(help="A UTF-8 text: scored (perplexity) or the haystack (needle).")],
+    task: Annotated[str, typer.Option(help="perplexity, or needle (RULER-style retrieval).")] = "perplexity",
     policies: Annotated[str, typer.Option(help="Comma-separated: full, offload, infinigen, h2o, int4, oracle.")] = (
         "full,infinigen,h2o,int4,oracle"
     ),
@@ -41,16 +42,30 @@ def eval_cmd(
     resume: Annotated[bool, typer.Option("--resume", help="Skip rows already in --out.")] = False,
     recall: Annotated[bool, typer.Option(help="Trace infinigen's attention-mass recall (slower).")] = True,
     plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Write the plot (PNG) here.")] = None,
+    contexts: Annotated[Optional[str], typer.Option(
+        help="needle: prompt lengths [1024, 2048, ... up to the model's context]")] = None,  # fmt: skip
+    depths: Annotated[str, typer.Option(help="needle: where the needle goes, 0 (start) to 1 (end).")] = (
+        "0,0.25,0.5,0.75,1"
+    ),
+    needles: Annotated[int, typer.Option(help="needle: needles per task, context and depth.")] = 2,
+    needle_tasks: Annotated[str, typer.Option(help="needle: single, multikey, multivalue.")] = (
+        "single,multikey,multivalue"
+    ),
+    seed: Annotated[int, typer.Option(help="needle: the seed of keys, values and haystack offsets.")] = 0,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda.")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto, float32, float16, bfloat16.")] = "auto",
     json_out: Annotated[bool, typer.Option("--json", help="Print the results as one JSON object.")] = False,
 ):
-    """Perplexity of each KV policy by teacher-forced decoding, against full attention.
+    """Accuracy of each KV policy against full attention: perplexity by teacher-forced decoding, or needles.
+
+    --task needle hides RULER-style needles (single, multikey, multivalue) at depths of contexts built from
+    --text, prefills each prompt once for every policy compared and checks each policy's greedy answer.
 
     Examples:
       infinigen-rt eval artifacts/bundles/smollm2-135m --text hamlet.txt --out results.json --plot results.png
       infinigen-rt eval BUNDLE --text play.txt --policies full,infinigen --budgets 0.1 --alphas 3,5 --json
       infinigen-rt eval BUNDLE --text play.txt --out results.json --resume
+      infinigen-rt eval BUNDLE --task needle --text novel.txt --policies full,infinigen,h2o,oracle --budgets 0.1
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -70,9 +85,14 @@ def eval_cmd(
         raise InfinigenError(f"--budgets must be in (0, 1], got {budgets}")
     if resume and out is None:
         raise InfinigenError("--resume reads the rows already in --out: pass --out FILE")
+    if task not in ("perplexity", "needle"):
+        raise InfinigenError(f"--task must be perplexity or needle, got {task!r}")
     check_outputs(out, plot_path)
     path = resolve_bundle(bundle)
     engine = Engine(read_bundle(path), device=device, dtype=dtype)
+    if task == "needle":
+        return needle_cmd(engine, path, text, names, budget_list, alpha_list, contexts, depths, needles,
+                          needle_tasks, seed, out, resume, plot_path, json_out)  # fmt: skip
     if any("alpha" in POLICIES[p].sweep for p in names) and not alpha_list:  # the bundle's (a one-line error
         alpha_list = [engine.speculation()[1]["alpha"]]  # for a bundle converted with --no-infinigen)
     ids, sha = text_ids(engine, text, seq_len, score_from)
@@ -115,4 +135,94 @@ def eval_table(rows: list[Row], title: str) -> Table:
         table.add_row(r.policy, f(r.budget, ".2f"), f(r.alpha, "g"), f(r.perplexity, ".3f"),
                       "-" if r.delta_pct is None else f"{r.delta_pct:+.2f}%", f(r.kv_fetched_share, ".1%"),
                       f(r.kv_attended_share, ".1%"), f(r.recall, ".3f"), f(r.bytes_per_token, ".2f", 1e6))  # fmt: skip
+    return table
+
+
+def _progress_bar(disable: bool):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                    console=err_console, transient=True, disable=disable)  # fmt: skip
+
+
+def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depths, per_cell, tasks, seed, out,
+               resume, plot_path, json_out) -> None:  # fmt: skip
+    """eval --task needle: build the cases, answer them with every policy, print, save, plot."""
+    import json
+
+    from infinigen_rt import needle
+    from infinigen_rt.errors import InfinigenError
+    from infinigen_rt.files import read_utf8, write_atomic
+    from infinigen_rt.policies import POLICIES
+
+    task_list = [t.strip() for t in tasks.split(",") if t.strip()]
+    if not task_list or any(t not in needle.TASKS for t in task_list):
+        raise InfinigenError(f"--needle-tasks takes {', '.join(needle.TASKS)}, got {tasks!r}")
+    depth_list = _floats(depths, "--depths")
+    if not depth_list or any(not 0 <= d <= 1 for d in depth_list):
+        raise InfinigenError(f"--depths must be in [0, 1], got {depths!r}")
+    if per_cell < 1:
+        raise InfinigenError(f"--needles must be >= 1, got {per_cell}")
+    limit = engine.cfg.max_position_embeddings - max(needle.MAX_NEW[t] for t in task_list)
+    if contexts:
+        context_list = [int(c) for c in _floats(contexts, "--contexts")]
+        if any(c > limit for c in context_list):
+            positions = engine.cfg.max_position_embeddings
+            raise InfinigenError(f"--contexts must be at most {limit} for this model (its {positions} positions "
+                                 "less the answer's tokens)")  # fmt: skip
+    else:  # 1k, 2k, 4k, ... up to the model's context, the last cut to leave room for the answer
+        context_list, c = [], 1024
+        while c < limit:
+            context_list.append(c)
+            c *= 2
+        context_list.append(limit)
+    alpha = alphas[0] if alphas else None
+    if len(alphas) > 1:
+        raise InfinigenError("--task needle takes one --alphas value (or none: the bundle's default)")
+    if any("alpha" in POLICIES[p].sweep for p in names) and alpha is None:
+        alpha = engine.speculation()[1]["alpha"]
+    if not text.is_file():
+        raise InfinigenError(f"--text {text} does not exist")
+    hay, sha = read_utf8(text, f"--text {text}")
+    cases = needle.build_cases(engine.tokenizer, hay, task_list, context_list, depth_list, per_cell, seed)
+    todo = needle.configs(names, budgets or [0.1], alpha)
+    meta = {"task": "needle", "bundle": str(path), "text": text.name, "text_sha256": sha, "seed": seed,
+            "tasks": task_list, "contexts": context_list, "depths": depth_list, "needles": per_cell,
+            "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}  # fmt: skip
+    done: list = []
+    if resume and out.is_file():
+        try:
+            old = json.loads(out.read_text())
+            done = [needle.Result(**r) for r in old["results"]]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise InfinigenError(f"cannot resume from {out}: not a needle result file ({e})") from None
+        for k in ("bundle", "text_sha256", "seed"):
+            if old.get(k) != meta[k]:
+                raise InfinigenError(f"cannot resume from {out}: it was run with another {k} ({old.get(k)!r})")
+
+    def save(results, _seconds):
+        write_atomic(out, json.dumps(needle.as_json(meta, results), indent=2) + "\n", "--out")
+
+    bar = _progress_bar(json_out)
+    with bar:
+        job = bar.add_task(f"needles x {len(todo)} policies", total=len(cases))
+        results = needle.run(engine, cases, todo, done, on_case=save if out else None,
+                             progress=lambda d, t: bar.update(job, completed=d))  # fmt: skip
+    keep = {(*c, *k.cell()) for c in todo for k in cases}
+    results = [r for r in results if r.key() in keep]  # a resumed file may hold more than asked for now
+    if plot_path:
+        needle.heatmaps(results, plot_path, f"{Path(str(path)).name}: needles in {text.name} "
+                        f"({', '.join(task_list)}; {per_cell} per cell and task)")  # fmt: skip
+    if json_out:
+        print_json(needle.as_json(meta, results))
+        return
+    console.print(needle_table(needle.summary(results), f"needle accuracy in {text.name} (seed {seed})"))
+
+
+def needle_table(rows: list[dict], title: str) -> Table:
+    table = results_table(title, ["policy", "budget", "context", "cases", "accuracy", "vs full", "fetched"])
+    for r in rows:
+        table.add_row(r["policy"], "-" if r["budget"] is None else f"{r['budget']:.2f}", str(r["context"]),
+                      str(r["cases"]), f"{r['accuracy']:.1%}", "-" if r["vs_full"] is None else f"{r['vs_full']:.1%}",
+                      "-" if r["kv_fetched_share"] is None else f"{r['kv_fetched_share']:.1%}")  # fmt: skip
     return table

@@ -25,6 +25,11 @@ TOKENIZER_TEXT = [
     "Numbers like 12345 and 2048 appear, and so do names: Hamlet, Ophelia, Horatio, Polonius.",
     "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer.",
     "A king said to the queen: the night is long, the kingdom is large, and the crown is heavy.",
+    # the needle task's templates (tests/rt/test_needle.py), so its prompts fit the tiny models' 256 positions
+    "Some special magic numbers are hidden within the following text. Make sure to memorize it. I will quiz you "
+    "about the numbers afterwards. One of the special magic numbers for quiet-harbor is: 1234567.",
+    "What is the special magic number for quiet-harbor mentioned in the provided text? The special magic number "
+    "for quiet-harbor mentioned in the provided text is. What are all the special magic numbers, they are.",
 ] * 4
 
 # name -> (model_type, config kwargs); each exercises something the runtime must get right
@@ -84,7 +89,7 @@ def write_tokenizer(path: Path, model_type: str) -> int:
     specials = ["<s>", "<pad>", "</s>", "<unk>"] if model_type == "opt" else ["<unk>", "<s>", "</s>"]
     tok = ByteLevelBPETokenizer()
     tok.train_from_iterator(
-        TOKENIZER_TEXT, vocab_size=400, min_frequency=1, special_tokens=specials, show_progress=False
+        TOKENIZER_TEXT, vocab_size=512, min_frequency=1, special_tokens=specials, show_progress=False
     )
     if model_type == "opt":  # OPT ships GPT-2 style vocab.json + merges.txt, no tokenizer.json
         tok.save_model(str(path))

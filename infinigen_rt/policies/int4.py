@@ -79,6 +79,7 @@ class Int4Pool(KVPool):
 class Int4Cache(OffloadCache):
     name = "int4"
     pool_class = Int4Pool
+    dense_prefill = False  # the prompt attends over its own quantized KV
 
     @classmethod
     def kv_bytes(cls, engine, tokens, dtype_bytes):

@@ -1,0 +1,324 @@
+"""Retrieval as users of KV selection check it: RULER-style needles in a haystack, answered greedily.
+
+A needle is a sentence "One of the special magic numbers for KEY is: VALUE." placed at a depth (0 = the
+start of the haystack, 1 = its end) in real text cut to a context length; the question after the haystack
+asks for KEY's number, and the greedy answer is right only if it gives the value exactly. Tasks, as RULER
+defines them (Hsieh et al., 2024):
+  single      one needle, asked;
+  multikey    the needle among 3 distractor needles with other keys (at seeded random depths), one asked;
+  multivalue  4 needles with the same key and different values (the first at the depth, the others at
+              seeded random depths), all asked: scored as the share of the values the answer gives
+              (RULER's string_match_all).
+
+The prompt is prefilled once for all the policies compared whose prefill is exact dense attention (each
+cache stores what it keeps of it; `int4`, whose prompt attends over its quantized KV, prefills on its own),
+then each policy decodes its own answer from its own cache.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from infinigen_rt.cache import DenseCache, KVCache
+from infinigen_rt.engine import Engine
+from infinigen_rt.errors import InfinigenError
+from infinigen_rt.files import pyplot, save_figure
+from infinigen_rt.policies import POLICIES, KVOptions
+
+TASKS = ("single", "multikey", "multivalue")
+HEADER = (
+    "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+    "I will quiz you about the numbers afterwards.\n"
+)
+NEEDLE = " One of the special magic numbers for {key} is: {value}. "
+QUESTION = {
+    "one": "\nWhat is the special magic number for {key} mentioned in the provided text? "
+    "The special magic number for {key} mentioned in the provided text is",
+    "all": "\nWhat are all the special magic numbers for {key} mentioned in the provided text? "
+    "The special magic numbers for {key} mentioned in the provided text are",
+}
+ADJECTIVES = (
+    "quiet bright hollow amber rapid gentle frozen silent crimson ancient narrow golden bitter distant hidden "
+    "lively rusty velvet wooden zealous"
+).split()
+NOUNS = (
+    "harbor lantern meadow violin compass orchard glacier falcon teapot canyon ribbon anchor pebble thistle "
+    "saddle beacon walnut quarry kettle sparrow"
+).split()
+DISTRACTORS, VALUES = 3, 4  # multikey: other keys besides the one asked; multivalue: values of the one key
+MAX_NEW = {"single": 16, "multikey": 16, "multivalue": 48}
+
+
+@dataclass
+class Case:
+    task: str
+    context: int  # tokens in the prompt (at most)
+    depth: float
+    index: int  # the needle's number within its cell
+    key: str
+    values: list[str]  # the answer: one value, or all of them (multivalue)
+    ids: list[int] = field(repr=False)
+
+    def cell(self) -> tuple:
+        return (self.task, self.context, self.depth, self.index)
+
+
+@dataclass
+class Result:
+    policy: str
+    budget: float | None
+    alpha: float | None
+    task: str
+    context: int
+    depth: float
+    index: int
+    score: float  # 0 or 1; multivalue: the share of the values given
+    answer: str
+    kv_fetched_share: float | None
+    kv_attended_share: float | None
+
+    def key(self) -> tuple:
+        return (self.policy, self.budget, self.alpha, self.task, self.context, self.depth, self.index)
+
+
+def sentence_ends(text: str) -> list[int]:
+    """Character offsets just after a sentence or a line ends: where a needle may go."""
+    return [m.end() for m in re.finditer(r"[.!?]['\")\]]*\s+|\n\s*\n", text)] or [len(text)]
+
+
+def place(text: str, depth: float, ends: list[int]) -> int:
+    """The sentence end nearest to depth * len(text) (0 and 1 are the very start and end)."""
+    if depth <= 0:
+        return 0
+    if depth >= 1:
+        return len(text)
+    want = depth * len(text)
+    return min(ends, key=lambda e: abs(e - want))
+
+
+def build_case(tok, hay: list[int], task: str, context: int, depth: float, index: int, rng: random.Random) -> Case:
+    """One prompt of at most `context` tokens: header, haystack with the task's needles, the question."""
+    keys = rng.sample([f"{a}-{n}" for a in ADJECTIVES for n in NOUNS], 1 + DISTRACTORS)
+    key = keys[0]
+    n_values = VALUES if task == "multivalue" else 1
+    values = [str(v) for v in rng.sample(range(1_000_000, 10_000_000), n_values)]
+    needles = [(depth, NEEDLE.format(key=key, value=values[0]))]
+    needles += [(rng.random(), NEEDLE.format(key=key, value=v)) for v in values[1:]]
+    if task == "multikey":
+        needles += [(rng.random(), NEEDLE.format(key=k, value=rng.randrange(1_000_000, 10_000_000))) for k in keys[1:]]
+    question = QUESTION["all" if task == "multivalue" else "one"].format(key=key)
+    fixed = len(tok.encode(HEADER + "".join(n for _, n in needles) + question))
+    room = context - fixed - 8  # the haystack's tokens, with a margin for merges at the joins
+    if room < 16:
+        raise InfinigenError(f"context {context} is too short for the {task} needles; use at least {fixed + 24}")
+    if len(hay) < room:
+        raise InfinigenError(f"the haystack text has {len(hay)} tokens, fewer than the {room} a {context}-token "
+                             "context needs; give a longer --text")  # fmt: skip
+    start = rng.randrange(0, len(hay) - room + 1)
+    while True:  # the joins can merge or split tokens: shrink the haystack until the prompt fits
+        filler = tok.decode(hay[start : start + room])
+        ends = sentence_ends(filler)
+        at = sorted((place(filler, d, ends), i, s) for i, (d, s) in enumerate(needles))
+        parts, prev = [], 0
+        for pos, _, s in at:
+            parts += [filler[prev:pos], s]
+            prev = pos
+        parts.append(filler[prev:])
+        ids = tok.encode(HEADER + "".join(parts) + question)
+        if len(ids) <= context:
+            return Case(task, context, depth, index, key, values, ids)
+        room -= len(ids) - context + 2
+
+
+def build_cases(tok, hay_text: str, tasks, contexts, depths, per_cell: int, seed: int) -> list[Case]:
+    """Every (task, context, depth, needle) case, seeded: the same arguments give the same prompts."""
+    hay = tok.encode(hay_text, add_special_tokens=False)
+    out = []
+    for task in tasks:
+        for context in contexts:
+            for depth in depths:
+                for i in range(per_cell):
+                    rng = random.Random(f"{seed}/{task}/{context}/{depth}/{i}")
+                    out.append(build_case(tok, hay, task, context, depth, i, rng))
+    return out
+
+
+def score(case: Case, answer: str) -> float:
+    """Exact numbers: 1 if the answer's first number is the value, else 0; multivalue: the share of the values
+    found among the answer's numbers."""
+    numbers = re.findall(r"\d+", answer)
+    if case.task == "multivalue":
+        return sum(v in numbers for v in case.values) / len(case.values)
+    return float(bool(numbers) and numbers[0] == case.values[0])
+
+
+class SharedPrefill(KVCache):
+    """One prefill for several caches: each stores what it keeps; attention runs on the first, a DenseCache
+    (the exact prefill every policy computes). Only for the prefill: each cache then decodes on its own."""
+
+    def __init__(self, caches: list[KVCache]):
+        assert isinstance(caches[0], DenseCache)
+        self.caches = caches
+
+    def begin(self, valid, positions):
+        for c in self.caches:
+            c.begin(valid, positions)
+
+    def observe(self, layer, x):
+        for c in self.caches:
+            c.observe(layer, x)
+
+    def update(self, layer, q, k, v):
+        out = self.caches[0].update(layer, q, k, v)
+        for c in self.caches[1:]:
+            c.update(layer, q, k, v)
+        return out
+
+    def end(self):
+        for c in self.caches:
+            c.end()
+
+
+def configs(policies: list[str], budgets: list[float], alpha: float | None) -> list[tuple]:
+    """(policy, budget, alpha) to compare: full first, then each policy at each budget it sweeps."""
+    out = [("full", None, None)]
+    for p in policies:
+        if p == "full":
+            continue
+        sweep = POLICIES[p].sweep
+        if "budget" in sweep or "alpha" in sweep:
+            out += [(p, b, alpha if "alpha" in sweep else None) for b in budgets]
+        else:
+            out.append((p, None, None))
+    return out
+
+
+def greedy(engine: Engine, cache: KVCache, first: torch.Tensor, n: int, max_new: int) -> list[int]:
+    """Greedy tokens after a prefill of n tokens whose next token is `first`, up to max_new, an end of
+    sequence, or the end of the line that holds a number (the answer is given)."""
+    dev, tok, got = engine.device, first, []
+    one = torch.ones(1, 1, dtype=torch.bool, device=dev)
+    for step in range(max_new):
+        t = int(tok)
+        if t in engine.tokenizer.eos_ids:
+            break
+        got.append(t)
+        if "\n" in engine.tokenizer.decode([t]) and any(ch.isdigit() for ch in engine.tokenizer.decode(got)):
+            break
+        if step < max_new - 1:
+            tok = engine.model(tok.view(1, 1), torch.tensor([[n + step]], device=dev), cache, one, last_only=True)
+            tok = tok[:, -1].argmax(-1)
+    return got
+
+
+@torch.inference_mode()
+def answer_all(engine: Engine, case: Case, todo: list[tuple]) -> list[Result]:
+    """Answer the case with every (policy, budget, alpha): the policies whose prefill is exact dense attention
+    share one prefill (each cache stores what it keeps of it); any other prefills on its own."""
+    shared = [c for c in todo if POLICIES[c[0]].dense_prefill]
+    own = [c for c in todo if not POLICIES[c[0]].dense_prefill]
+    out = dict(zip(shared, _answer(engine, case, shared), strict=True)) if shared else {}
+    for c in own:
+        out[c] = _answer(engine, case, [c])[0]
+    return [out[c] for c in todo]
+
+
+def _answer(engine: Engine, case: Case, todo: list[tuple]) -> list[Result]:
+    dev, n = engine.device, len(case.ids)
+    max_new = MAX_NEW[case.task]
+    views = [engine.with_policy(p, KVOptions(alpha=a, budget=b or 1.0)) for p, b, a in todo]
+    caches = [POLICIES[v.policy].build(v, 1, n + max_new) for v in views]
+    if len(todo) == 1:
+        ref, prefill_cache = caches[0], caches[0]
+    else:
+        ref = caches[0] if todo[0][0] == "full" else DenseCache.build(engine, 1, n + max_new)
+        prefill_cache = SharedPrefill([ref] + [c for c in caches if c is not ref])
+    try:
+        x = torch.tensor([case.ids], device=dev)
+        positions, valid = torch.arange(n, device=dev)[None], torch.ones_like(x, dtype=torch.bool)
+        first = engine.prefill(prefill_cache, x, positions, valid).argmax(-1)
+        out = []
+        for (policy, budget, alpha), cache in zip(todo, caches, strict=True):
+            text = engine.tokenizer.decode(greedy(engine, cache, first, n, max_new))
+            report = cache.report()
+            out.append(Result(policy, budget, alpha, case.task, case.context, case.depth, case.index,
+                              score(case, text), text.strip(), report.kv_fetched_share,
+                              report.kv_attended_share))  # fmt: skip
+        return out
+    finally:
+        for c in {id(c): c for c in [ref, *caches]}.values():
+            c.close()
+
+
+def run(engine: Engine, cases: list[Case], todo: list[tuple], done: list[Result], on_case=None, progress=None):
+    """Answer every case not already in `done` with every config; `on_case(results)` after each case."""
+    results = list(done)
+    have = {r.key() for r in results}
+    for i, case in enumerate(cases):
+        missing = [c for c in todo if (*c, *case.cell()) not in have]
+        if missing:
+            t0 = time.perf_counter()
+            results += answer_all(engine, case, missing)
+            if on_case:
+                on_case(results, time.perf_counter() - t0)
+        if progress:
+            progress(i + 1, len(cases))
+    return results
+
+
+def summary(results: list[Result]) -> list[dict]:
+    """Accuracy per (policy, budget, alpha) and context, over tasks, depths and needles, next to full's."""
+    groups: dict[tuple, list[Result]] = {}
+    for r in results:
+        groups.setdefault((r.policy, r.budget, r.alpha, r.context), []).append(r)
+    full = {k[3]: sum(r.score for r in v) / len(v) for k, v in groups.items() if k[0] == "full"}
+    rows = []
+    for (policy, budget, alpha, context), rs in groups.items():
+        acc = sum(r.score for r in rs) / len(rs)
+        shares = [r.kv_fetched_share for r in rs if r.kv_fetched_share is not None]
+        rows.append({
+            "policy": policy, "budget": budget, "alpha": alpha, "context": context, "cases": len(rs),
+            "accuracy": round(acc, 4),
+            "vs_full": round(acc / full[context], 4) if full.get(context) else None,
+            "kv_fetched_share": round(sum(shares) / len(shares), 4) if shares else None,
+        })  # fmt: skip
+    return rows
+
+
+def as_json(meta: dict, results: list[Result]) -> dict:
+    return {**meta, "summary": summary(results), "results": [asdict(r) for r in results]}
+
+
+def heatmaps(results: list[Result], path, title: str) -> None:
+    """Accuracy over depth (rows) x context (columns), one panel per (policy, budget): RULER's picture."""
+    plt = pyplot()
+    panels = list(dict.fromkeys((r.policy, r.budget, r.alpha) for r in results))
+    contexts = sorted({r.context for r in results})
+    depths = sorted({r.depth for r in results})
+    fig, axes = plt.subplots(1, len(panels), figsize=(2.2 + 2.3 * len(panels), 3.4), squeeze=False)
+    for ax, (policy, budget, alpha) in zip(axes[0], panels, strict=True):
+        grid = [[float("nan")] * len(contexts) for _ in depths]
+        for i, d in enumerate(depths):
+            for j, c in enumerate(contexts):
+                rs = [r.score for r in results if (r.policy, r.budget, r.alpha, r.depth, r.context) ==
+                      (policy, budget, alpha, d, c)]  # fmt: skip
+                if rs:
+                    grid[i][j] = sum(rs) / len(rs)
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for i in range(len(depths)):
+            for j in range(len(contexts)):
+                if grid[i][j] == grid[i][j]:
+                    ax.text(j, i, f"{100 * grid[i][j]:.0f}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(contexts)), [f"{c // 1024}k" if c % 1024 == 0 else str(c) for c in contexts])
+        ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
+        ax.set_title(policy + (f" {budget:g}" if budget is not None else ""), fontsize=9)
+        ax.set_xlabel("context")
+    axes[0][0].set_ylabel("needle depth")
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
+    fig.suptitle(title, fontsize=9)
+    save_figure(fig, path, dpi=120)
