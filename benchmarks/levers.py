@@ -30,6 +30,8 @@ LEVERS = {  # each relative to KVOptions' defaults (every winning lever on)
     "dense1": {"dense_layers": 1},
     "dense3": {"dense_layers": 3},
     "dense4": {"dense_layers": 4},
+    "layer_budget0.5": {"layer_budget": 0.5},  # per-layer budgets from the calibration's attention spread
+    "layer_budget1": {"layer_budget": 1.0},
 }
 
 

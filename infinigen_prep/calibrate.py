@@ -7,6 +7,7 @@ than one layer's activations, so a 7B model calibrates in the memory of its weig
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +73,8 @@ class Grams:
     q: list[torch.Tensor]
     k: list[torch.Tensor]
     tokens: int
+    # per layer: the mean share of the keys a query needs for MASS of its attention (queries of the second half)
+    mass_share: list[float] | None = None
 
 
 def calib_token_ids(ids: list[int], text: CalibText, n: int, max_positions: int) -> list[int]:
@@ -124,14 +127,33 @@ def for_each_layer_qk(model, cfg, ids: list[int], fn) -> None:
             hook.remove()
 
 
+MASS = 0.9  # the attention mass whose key share calibration measures per layer
+
+
+def mass_share(q: torch.Tensor, k: torch.Tensor, from_pos: int, mass: float = MASS) -> float:
+    """How spread a layer's attention is: the mean over query heads and positions >= from_pos of the share of
+    the keys (of those it may see) that a query needs to reach `mass` of its attention. q: [Hkv, G, T, D]."""
+    hkv, g, t, d = q.shape
+    pos = torch.arange(from_pos, t, device=q.device)
+    future = torch.arange(t, device=q.device)[None, :] > pos[:, None]
+    total = 0.0
+    for h in range(hkv):  # a KV head at a time bounds the memory: [G, T', T]
+        s = (q[h, :, from_pos:].float() @ k[h].float().T) / math.sqrt(d)
+        p = s.masked_fill(future, float("-inf")).softmax(-1).sort(-1, descending=True).values.cumsum(-1)
+        need = (p < mass).sum(-1) + 1  # keys to reach the mass
+        total += float((need.float() / (pos + 1).float()).mean())
+    return total / hkv
+
+
 def calibrate(model, cfg, ids: list[int], progress=None) -> Grams:
     """Gram matrices of every layer's queries (per KV group) and keys over `ids`, in float64.
 
     `progress(layer_done, n_layers)` is called as each layer's statistics are in."""
     n = cfg.num_hidden_layers
-    grams = Grams([None] * n, [None] * n, len(ids))
+    grams = Grams([None] * n, [None] * n, len(ids), [0.0] * n)
 
     def accumulate(i, q, k):
+        grams.mass_share[i] = round(mass_share(q, k, from_pos=len(ids) // 2), 6)
         q, k = q.double(), k.double()
         grams.q[i] = torch.einsum("kgtd,kgte->kde", q, q)
         grams.k[i] = torch.einsum("ktd,kte->kde", k, k)

@@ -143,7 +143,13 @@ def add_infinigen(folder: Path, text: CalibText, opts: PrepOptions, progress=Non
             "unskewed": round(energy_share(grams, [skew_matrix(g, False) for g in grams.q], opts.partial_ratio), 6),
         },
         "calibration": {"name": text.name, "sha256": text.sha256, "tokens": len(ids)},  # a file name, never a path
-        "defaults": {"alpha": DEFAULT_ALPHA[cfg.arch], "dense_layers": max(1, min(DENSE_LAYERS, n_layers - 1))},
+        "defaults": {
+            "alpha": DEFAULT_ALPHA[cfg.arch],
+            "dense_layers": max(1, min(DENSE_LAYERS, n_layers - 1)),
+            # per layer, the mean share of the keys a query needs for MASS of its attention on the calibration
+            # text: how spread the layer's attention is (KVOptions.layer_budget scales budgets by it)
+            "layer_key_share": grams.mass_share,
+        },
     }
 
 

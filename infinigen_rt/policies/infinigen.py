@@ -15,15 +15,43 @@ the pinned pool, the new token's rows go down with one asynchronous copy, and th
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
 from infinigen_rt.cache import KVReport
+from infinigen_rt.errors import InfinigenError
 from infinigen_rt.policies.offload import POOL_KNOBS, OffloadCache
+from infinigen_rt.policies.options import KVOptions
 from infinigen_rt.prefetch import prefetcher
 from infinigen_rt.speculation import Selection, Speculator, fetch_width, select
 
 BUCKET = 64  # the fetch size of a sync-free step is a multiple of this (fewer distinct shapes)
+
+
+def layer_options(opts: KVOptions, defaults: dict, dense: int, n_layers: int) -> dict[int, KVOptions]:
+    """Each speculated layer's options: the same budget, or with layer_budget e, budgets min(1, c * s_j^e) from
+    the calibration's per-layer key shares s_j, c chosen so that their mean is the budget (the same bytes: spread
+    layers fetch more, focused ones less; a full budget stays every token of every layer)."""
+    layers = range(dense, n_layers)
+    if not opts.layer_budget:
+        return dict.fromkeys(layers, opts)
+    shares = defaults.get("layer_key_share")
+    if not shares or len(shares) != n_layers:
+        raise InfinigenError("layer_budget needs the bundle's per-layer attention statistics (layer_key_share); "
+                             "convert it again with this version of infinigen-prep")  # fmt: skip
+    if opts.budget >= 1:
+        return dict.fromkeys(layers, opts)
+    w = [max(shares[j], 1e-6) ** opts.layer_budget for j in layers]
+
+    def mean_budget(c: float) -> float:
+        return sum(min(1.0, c * x) for x in w) / len(w)
+
+    lo, hi = 0.0, 1.0 / min(w)  # at hi every layer is capped at 1
+    for _ in range(60):  # the mean is monotone in c: bisect to the budget
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mean_budget(mid) < opts.budget else (lo, mid)
+    return {j: replace(opts, budget=min(1.0, hi * x)) for j, x in zip(layers, w, strict=True)}
 
 
 class InfinigenCache(OffloadCache):
@@ -32,7 +60,7 @@ class InfinigenCache(OffloadCache):
     sweep = ("budget", "alpha")
     knobs = POOL_KNOBS | {
         "alpha", "budget", "max_kv", "dense_layers", "trace_recall", "sinks", "recent", "renorm", "per_head",
-        "group_agg",
+        "group_agg", "layer_budget",
     }  # fmt: skip
 
     @classmethod
@@ -60,6 +88,7 @@ class InfinigenCache(OffloadCache):
                    for j in range(dense, cfg.num_hidden_layers)}  # fmt: skip
         self.prefetch = prefetcher(self.device)  # a side stream, a worker thread, or inline
         self.sync_free = self.device.type == "cuda"  # no device read for the fetch size (see the docstring)
+        self.layer_opts = layer_options(opts, defaults, dense, cfg.num_hidden_layers)
         self.last_sel: Selection | None = None  # of the layer being computed
 
     def begin(self, valid, positions) -> None:
@@ -86,8 +115,9 @@ class InfinigenCache(OffloadCache):
         if not self.every_slot_held(j):
             pos = pool.pos[..., :t]
             held = pos >= 0
-        width = fetch_width(int(pool.n_held.max()), t, self.opts, BUCKET) if self.sync_free else None
-        sel = select(q, self.pk[j][..., :t], self.alpha, self.opts, held, pos, width)
+        opts = self.layer_opts[j]
+        width = fetch_width(int(pool.n_held.max()), t, opts, BUCKET) if self.sync_free else None
+        sel = select(q, self.pk[j][..., :t], self.alpha, opts, held, pos, width)
         k, v = pool.gather(sel.slots, None if sel.every else sel.ok, extra=1)
         return sel, k, v
 

@@ -1,0 +1,75 @@
+"""Per-layer budgets (KVOptions.layer_budget): convert measures how spread each layer's attention is on the
+calibration text, the runtime shares the budget out in proportion, each layer fetches its share (measured from
+the copies), a full budget stays exact, and a bundle without the statistics is a one-line error."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from infinigen_prep.calibrate import MASS, mass_share
+from infinigen_rt.bundle import read_bundle
+from infinigen_rt.errors import InfinigenError
+from infinigen_rt.policies import KVOptions
+from infinigen_rt.policies.infinigen import layer_options
+from tests.rt.test_policies import PROMPTS, engines, greedy_logits
+
+
+def test_mass_share_measures_how_spread_attention_is():
+    t, d = 64, 16
+    k = torch.randn(1, t, d)
+    uniform = mass_share(torch.zeros(1, 2, t, d), k, from_pos=32)  # every key weighs the same
+    want = sum(math.ceil(MASS * (p + 1) - 1e-9) / (p + 1) for p in range(32, t)) / (t - 32)
+    assert abs(uniform - want) < 0.02, (uniform, want)
+    focused = mass_share(100 * k[:, None, :, :].expand(1, 2, t, d).clone(), k, from_pos=32)  # each query: itself
+    assert focused < 2.5 / 32, focused
+
+
+def test_convert_records_each_layers_key_share(bundles):
+    for name in ("llama2_mha", "llama31_gqa", "opt"):
+        meta = json.loads((bundles[name] / "bundle.json").read_text())
+        shares = meta["infinigen"]["defaults"]["layer_key_share"]
+        assert len(shares) == read_bundle(bundles[name]).config.num_hidden_layers
+        assert all(0 < s <= 1 for s in shares), shares
+
+
+def test_layer_options_share_the_budget_in_proportion():
+    shares = [0.5, 0.4, 0.1, 0.2, 0.3]
+    opts = KVOptions(budget=0.2)
+    assert all(o is opts for o in layer_options(opts, {"layer_key_share": shares}, 2, 5).values())
+    per = layer_options(KVOptions(budget=0.2, layer_budget=1.0), {"layer_key_share": shares}, 2, 5)
+    assert sorted(per) == [2, 3, 4]
+    assert [round(per[j].budget, 6) for j in per] == [0.1, 0.2, 0.3]  # 0.2 * s / mean(0.1, 0.2, 0.3): no layer capped
+    half = layer_options(KVOptions(budget=0.2, layer_budget=0.5), {"layer_key_share": shares}, 2, 5)
+    assert per[2].budget < half[2].budget < 0.2 < half[4].budget < per[4].budget
+    capped = layer_options(KVOptions(budget=0.9, layer_budget=1.0), {"layer_key_share": shares}, 2, 5)
+    assert capped[4].budget == 1.0 and abs(sum(o.budget for o in capped.values()) / 3 - 0.9) < 1e-6  # the same mean
+    every = layer_options(KVOptions(budget=1.0, layer_budget=1.0), {"layer_key_share": shares}, 2, 5)
+    assert all(o.budget == 1.0 for o in every.values())
+    with pytest.raises(InfinigenError, match="convert it again"):
+        layer_options(KVOptions(layer_budget=1.0), {"alpha": 5.0}, 2, 5)
+    with pytest.raises(InfinigenError, match="layer_budget must be"):
+        KVOptions(layer_budget=-1).check()
+
+
+def test_each_layer_fetches_its_share_and_a_full_budget_stays_exact(bundles):
+    name = "llama31_gqa"
+    shares = json.loads((bundles[name] / "bundle.json").read_text())["infinigen"]["defaults"]["layer_key_share"]
+    es = engines(bundles[name], lb=("infinigen", KVOptions(alpha=math.inf, budget=0.4, layer_budget=1.0)),
+                 every=("infinigen", KVOptions(alpha=math.inf, budget=1.0, layer_budget=1.0)))  # fmt: skip
+    _, _, cache = greedy_logits(es["lb"], [PROMPTS[2]], 8)
+    dense = es["lb"].dense_layers()
+    got = cache.report().per_layer["kv_fetched_share"][dense:]
+    want = [o.budget for o in layer_options(KVOptions(budget=0.4, layer_budget=1.0), {"layer_key_share": shares},
+                                            dense, len(shares)).values()]  # fmt: skip
+    assert abs(sum(want) / len(want) - 0.4) < 1e-6 and max(want) <= 1
+    for g, w in zip(got, want, strict=True):  # the floor of budget x held, over ~20-28 held tokens
+        assert w - 1 / 20 - 1e-6 <= g <= w + 1e-6, (got, want)
+    assert len(set(want)) > 1  # the layers really differ
+
+    ref, ref_toks, _ = greedy_logits(es["full"], [PROMPTS[2]], 8)
+    logits, toks, _ = greedy_logits(es["every"], [PROMPTS[2]], 8)
+    assert torch.equal(toks, ref_toks) and (logits - ref).abs().max().item() <= 1e-4
