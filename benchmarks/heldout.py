@@ -2,7 +2,7 @@
 per-text table and the mean over the held-out texts out (JSON, markdown, plot).
 
     python benchmarks/heldout.py artifacts/results/accuracy-smollm2-{alice,constitution,rst-spec}.json \
-        --tuning artifacts/results/accuracy-smollm2.json --out artifacts/results/accuracy-heldout-smollm2.json \
+        --tuning artifacts/results/accuracy-smollm2-hamlet.json --out artifacts/results/accuracy-heldout-smollm2.json \
         --plot artifacts/results/accuracy-heldout-smollm2.png [--markdown]
 """
 

@@ -1,7 +1,7 @@
 """Markdown tables from the results JSON that `infinigen-rt eval` and `infinigen-rt bench` write, as published in
 docs/accuracy.md and docs/performance.md (tests/test_docs.py checks the docs hold exactly these).
 
-python benchmarks/tables.py artifacts/results/accuracy-smollm2.json artifacts/results/bench-cpu-smollm2.json
+python benchmarks/tables.py artifacts/results/accuracy-smollm2-hamlet.json artifacts/results/bench-cpu-smollm2.json
 """
 
 from __future__ import annotations
@@ -43,6 +43,27 @@ def bench(d: dict) -> str:
     return "\n".join(out)
 
 
+def needle(d: dict) -> str:
+    """Accuracy per policy (columns) and context (rows), with the share of full's accuracy it keeps."""
+    configs = list(dict.fromkeys((s["policy"], s["budget"]) for s in d["summary"]))
+    head = [f"{p}" + (f" {b:g}" if b is not None else "") for p, b in configs]
+    out = ["| context | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
+    by = {(s["policy"], s["budget"], s["context"]): s for s in d["summary"]}
+    for c in sorted({s["context"] for s in d["summary"]}):
+        cells = []
+        for p, b in configs:
+            s = by.get((p, b, c))
+            if s is None:
+                cells.append("-")
+            elif p == "full":
+                cells.append(f"{pct(s['accuracy'], 0)}")
+            else:
+                keep = "-" if s["vs_full"] is None else pct(s["vs_full"], 0)
+                cells.append(f"{pct(s['accuracy'], 0)} ({keep} of full, {pct(s['kv_fetched_share'])} fetched)")
+        out.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def machine(d: dict) -> str:
     """The line above a bench table: model, device, and the bandwidths measured at start."""
     bw = d["bandwidth"]
@@ -56,7 +77,10 @@ def main():
     for path in sys.argv[1:]:
         d = json.load(open(path))
         print(f"<!-- {path} -->")
-        print(accuracy(d) if "rows" in d and "points" not in d else f"{machine(d)}\n\n{bench(d)}")
+        if d.get("task") == "needle":
+            print(needle(d))
+        else:
+            print(accuracy(d) if "rows" in d and "points" not in d else f"{machine(d)}\n\n{bench(d)}")
         print()
 
 

@@ -208,8 +208,8 @@ def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depth
         job = bar.add_task(f"needles x {len(todo)} policies", total=len(cases))
         results = needle.run(engine, cases, todo, done, on_case=save if out else None,
                              progress=lambda d, t: bar.update(job, completed=d))  # fmt: skip
-    keep = {(*c, *k.cell()) for c in todo for k in cases}
-    results = [r for r in results if r.key() in keep]  # a resumed file may hold more than asked for now
+    cells = {k.cell() for k in cases}  # what --out holds for these cases: this run's policies and earlier ones'
+    results = [r for r in results if (r.task, r.context, r.depth, r.index) in cells]
     if plot_path:
         needle.heatmaps(results, plot_path, f"{Path(str(path)).name}: needles in {text.name} "
                         f"({', '.join(task_list)}; {per_cell} per cell and task)")  # fmt: skip

@@ -143,7 +143,7 @@ def build_cases(tok, hay_text: str, tasks, contexts, depths, per_cell: int, seed
         for context in contexts:
             for depth in depths:
                 for i in range(per_cell):
-                    rng = random.Random(f"{seed}/{task}/{context}/{depth}/{i}")
+                    rng = random.Random(f"{seed}/{task}/{context}/{float(depth)}/{i}")
                     out.append(build_case(tok, hay, task, context, depth, i, rng))
     return out
 
@@ -300,7 +300,8 @@ def heatmaps(results: list[Result], path, title: str) -> None:
     panels = list(dict.fromkeys((r.policy, r.budget, r.alpha) for r in results))
     contexts = sorted({r.context for r in results})
     depths = sorted({r.depth for r in results})
-    fig, axes = plt.subplots(1, len(panels), figsize=(2.2 + 2.3 * len(panels), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(1.6 + 2.6 * len(panels), 3.6), squeeze=False, sharey=True,
+                             layout="constrained")  # fmt: skip
     for ax, (policy, budget, alpha) in zip(axes[0], panels, strict=True):
         grid = [[float("nan")] * len(contexts) for _ in depths]
         for i, d in enumerate(depths):
@@ -314,7 +315,7 @@ def heatmaps(results: list[Result], path, title: str) -> None:
             for j in range(len(contexts)):
                 if grid[i][j] == grid[i][j]:
                     ax.text(j, i, f"{100 * grid[i][j]:.0f}", ha="center", va="center", fontsize=7)
-        ax.set_xticks(range(len(contexts)), [f"{c // 1024}k" if c % 1024 == 0 else str(c) for c in contexts])
+        ax.set_xticks(range(len(contexts)), [f"{c / 1024:.0f}k" if c >= 1000 else str(c) for c in contexts])
         ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
         ax.set_title(policy + (f" {budget:g}" if budget is not None else ""), fontsize=9)
         ax.set_xlabel("context")

@@ -247,7 +247,7 @@ def test_published_numbers_are_the_results_json():
     spec = importlib.util.spec_from_file_location("doc_tables", ROOT / "benchmarks" / "tables.py")
     tables = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tables)
-    acc = json.loads((RESULTS / "accuracy-smollm2.json").read_text())
+    acc = json.loads((RESULTS / "accuracy-smollm2-hamlet.json").read_text())
     cpu = json.loads((RESULTS / "bench-cpu-smollm2.json").read_text())
     peer = json.loads((RESULTS / "bench-cpu-vs-transformers.json").read_text())
     accuracy, performance = (ROOT / "docs" / "accuracy.md").read_text(), (ROOT / "docs" / "performance.md").read_text()
@@ -259,7 +259,18 @@ def test_published_numbers_are_the_results_json():
     ours, theirs = med["infinigen-rt full"], med["transformers"]
     assert f"{ours:.1f} ms per step for `full`, {theirs:.1f} for transformers ({theirs / ours:.2f}x)" in performance
 
-    row = {(r["policy"], r["budget"]): r for r in acc["rows"]}
+    spec = importlib.util.spec_from_file_location("doc_heldout", ROOT / "benchmarks" / "heldout.py")
+    heldout = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(heldout)
+    held = [heldout.load(str(RESULTS / f"accuracy-smollm2-{t}.json")) for t in ("alice", "constitution", "rst-spec")]
+    mean = heldout.mean_rows(held)
+    assert mean == json.loads((RESULTS / "accuracy-heldout-smollm2.json").read_text())["mean"]
+    table = heldout.markdown(held, [heldout.load(str(RESULTS / "accuracy-smollm2-hamlet.json"))], mean)
+    assert table in accuracy, "docs/accuracy.md: the held-out table is not heldout.py's rendering of the JSON"
+    needles = json.loads((RESULTS / "needle-smollm2.json").read_text())
+    assert tables.needle(needles) in accuracy, "docs/accuracy.md: the needle table is not tables.py's rendering"
+
+    row = {(r["policy"], r["budget"]): r for r in mean}
     ig20, ig10 = row[("infinigen", 0.2)], row[("infinigen", 0.1)]
     pt = {(p["policy"], p["context"]): p["ms_per_step"] for p in cpu["points"]}
     ig, full = pt[("infinigen", 8192)], pt[("full", 8192)]
@@ -272,7 +283,8 @@ def test_published_numbers_are_the_results_json():
 # ---- the commands run ------------------------------------------------------------------------------------------
 
 # what the docs' real sizes become on the tiny models (256 positions): option -> tiny value
-TINY = {"eval": {"--seq-len": "48", "--score-from": "40"}, "bench": {"--context": "32", "--gen": "2", "--warmup": "1"}}
+TINY = {"eval": {"--seq-len": "48", "--score-from": "40", "--contexts": "232", "--depths": "0,1"},
+        "bench": {"--context": "32", "--gen": "2", "--warmup": "1"}}
 CHAT = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}" \
        "<s>assistant:{% endif %}"  # fmt: skip
 

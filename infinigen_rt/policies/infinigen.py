@@ -30,11 +30,12 @@ BUCKET = 64  # the fetch size of a sync-free step is a multiple of this (fewer d
 
 
 def layer_options(opts: KVOptions, defaults: dict, dense: int, n_layers: int) -> dict[int, KVOptions]:
-    """Each speculated layer's options: the same budget, or with layer_budget e, budgets min(1, c * s_j^e) from
-    the calibration's per-layer key shares s_j, c chosen so that their mean is the budget (the same bytes: spread
-    layers fetch more, focused ones less; a full budget stays every token of every layer)."""
+    """Each speculated layer's options: one budget, or with layer_budget e (the option, else the bundle's default)
+    budgets min(1, c * s_j^e) from the calibration's per-layer key shares s_j, c chosen so that their mean is the
+    budget (the same bytes: spread layers fetch more, focused ones less; a full budget stays every token)."""
     layers = range(dense, n_layers)
-    if not opts.layer_budget:
+    e = defaults.get("layer_budget", 0.0) if opts.layer_budget is None else opts.layer_budget
+    if not e:
         return dict.fromkeys(layers, opts)
     shares = defaults.get("layer_key_share")
     if not shares or len(shares) != n_layers:
@@ -42,7 +43,7 @@ def layer_options(opts: KVOptions, defaults: dict, dense: int, n_layers: int) ->
                              "convert it again with this version of infinigen-prep")  # fmt: skip
     if opts.budget >= 1:
         return dict.fromkeys(layers, opts)
-    w = [max(shares[j], 1e-6) ** opts.layer_budget for j in layers]
+    w = [max(shares[j], 1e-6) ** e for j in layers]
 
     def mean_budget(c: float) -> float:
         return sum(min(1.0, c * x) for x in w) / len(w)

@@ -30,9 +30,10 @@ class KVOptions:
     renorm: bool = True  # rescale layer i's normalised input by layer i+1's norm weight over layer i's
     per_head: bool = False  # each KV head fetches its own alpha count instead of the mean over heads
     group_agg: str = "sum"  # how a GQA group's scores rank tokens: "max" of logits or "sum" of probabilities
-    # per-layer budgets: layer j's budget is budget * (s_j / mean s)^layer_budget, s_j the share of keys layer j
-    # needs for 90 % of its attention on the calibration text (the bundle's layer_key_share); 0 = one budget
-    layer_budget: float = 0.0
+    # per-layer budgets: layer j's budget is in proportion to s_j^layer_budget (mean kept), s_j the share of keys
+    # layer j needs for 90 % of its attention on the calibration text (the bundle's layer_key_share); 0 = one
+    # budget for every layer; None = the bundle's default (0 for a bundle converted without the statistics)
+    layer_budget: float | None = None
 
     def check(self) -> None:
         if self.alpha is not None and not self.alpha >= 0:
@@ -55,7 +56,7 @@ class KVOptions:
                 )
         if self.sinks < 0 or self.recent < 0:
             raise InfinigenError("--sinks and --recent must be >= 0")
-        if not 0 <= self.layer_budget <= 2:
+        if self.layer_budget is not None and not 0 <= self.layer_budget <= 2:
             raise InfinigenError(f"layer_budget must be in [0, 2] (an exponent), got {self.layer_budget}")
         if self.group_agg not in ("max", "sum"):
             raise InfinigenError(f"--group-agg must be max or sum, got {self.group_agg!r}")

@@ -39,7 +39,11 @@ def test_convert_records_each_layers_key_share(bundles):
 def test_layer_options_share_the_budget_in_proportion():
     shares = [0.5, 0.4, 0.1, 0.2, 0.3]
     opts = KVOptions(budget=0.2)
-    assert all(o is opts for o in layer_options(opts, {"layer_key_share": shares}, 2, 5).values())
+    assert all(o is opts for o in layer_options(opts, {"layer_key_share": shares}, 2, 5).values())  # default: 0
+    per = layer_options(opts, {"layer_key_share": shares, "layer_budget": 1.0}, 2, 5)  # the bundle's default
+    assert [round(per[j].budget, 6) for j in per] == [0.1, 0.2, 0.3]
+    off = KVOptions(budget=0.2, layer_budget=0.0)  # the option overrides the bundle's
+    assert all(o is off for o in layer_options(off, {"layer_key_share": shares, "layer_budget": 1.0}, 2, 5).values())
     per = layer_options(KVOptions(budget=0.2, layer_budget=1.0), {"layer_key_share": shares}, 2, 5)
     assert sorted(per) == [2, 3, 4]
     assert [round(per[j].budget, 6) for j in per] == [0.1, 0.2, 0.3]  # 0.2 * s / mean(0.1, 0.2, 0.3): no layer capped
@@ -51,6 +55,8 @@ def test_layer_options_share_the_budget_in_proportion():
     assert all(o.budget == 1.0 for o in every.values())
     with pytest.raises(InfinigenError, match="convert it again"):
         layer_options(KVOptions(layer_budget=1.0), {"alpha": 5.0}, 2, 5)
+    old = layer_options(KVOptions(budget=0.2), {"alpha": 5.0}, 2, 5)  # a bundle from before: one budget, no error
+    assert {o.budget for o in old.values()} == {0.2}
     with pytest.raises(InfinigenError, match="layer_budget must be"):
         KVOptions(layer_budget=-1).check()
 
