@@ -35,7 +35,7 @@ def eval_cmd(
     budgets: Annotated[str, typer.Option(help="Budgets (share of the context) for infinigen, h2o, oracle.")] = (
         "0.05,0.1,0.2"
     ),
-    alphas: Annotated[Optional[str], typer.Option(help="Alphas for infinigen [the bundle's default].")] = None,
+    alphas: Annotated[Optional[str], typer.Option(help="Alphas for infinigen \\[the bundle's default].")] = None,
     seq_len: Annotated[int, typer.Option(help="Tokens of the text used.")] = 2048,
     score_from: Annotated[int, typer.Option(help="Tokens before this are the prompt; the rest are scored.")] = 1024,
     out: Annotated[Optional[Path], typer.Option(help="Write results JSON here (after every row).")] = None,
@@ -43,7 +43,7 @@ def eval_cmd(
     recall: Annotated[bool, typer.Option(help="Trace infinigen's attention-mass recall (slower).")] = True,
     plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Write the plot (PNG) here.")] = None,
     contexts: Annotated[Optional[str], typer.Option(
-        help="needle: prompt lengths [1024, 2048, ... up to the model's context]")] = None,  # fmt: skip
+        help="needle: prompt lengths \\[1024, 2048, ... up to the model's context]")] = None,  # fmt: skip
     depths: Annotated[str, typer.Option(help="needle: where the needle goes, 0 (start) to 1 (end).")] = (
         "0,0.25,0.5,0.75,1"
     ),
@@ -58,8 +58,8 @@ def eval_cmd(
 ):
     """Accuracy of each KV policy against full attention: perplexity by teacher-forced decoding, or needles.
 
-    --task needle hides RULER-style needles (single, multikey, multivalue) at depths of contexts built from
-    --text, prefills each prompt once for every policy compared and checks each policy's greedy answer.
+    With --task needle: RULER-style needles (single, multikey, multivalue) at depths of contexts cut from the
+    text; each prompt is prefilled once for every policy compared, and each policy's greedy answer is checked.
 
     Examples:
       infinigen-rt eval artifacts/bundles/smollm2-135m --text hamlet.txt --out results.json --plot results.png
