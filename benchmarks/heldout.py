@@ -54,7 +54,7 @@ def markdown(texts: list[dict], tuning: list[dict], mean: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     full = {t["name"]: next(r["perplexity"] for r in t["rows"] if r["policy"] == "full") for t in tuning + texts}
     cells = " | ".join(f"{full[c]:.3f}" for c in cols)
-    lines.append(f"| full (perplexity) | - | {cells} | - | 100.0 % | 100.0 % |")
+    lines.append(f"| full | (its perplexity) | {cells} | - | 100.0 % | 100.0 % |")
     for m in mean:
         if m["policy"] == "full":
             continue

@@ -283,7 +283,7 @@ def test_published_numbers_are_the_results_json():
 # ---- the commands run ------------------------------------------------------------------------------------------
 
 # what the docs' real sizes become on the tiny models (256 positions): option -> tiny value
-TINY = {"eval": {"--seq-len": "48", "--score-from": "40", "--contexts": "232", "--depths": "0,1"},
+TINY = {"eval": {"--seq-len": "48", "--score-from": "40"},
         "bench": {"--context": "32", "--gen": "2", "--warmup": "1"}}
 CHAT = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}" \
        "<s>assistant:{% endif %}"  # fmt: skip
