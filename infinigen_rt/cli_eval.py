@@ -67,8 +67,6 @@ def eval_cmd(
       infinigen-rt eval BUNDLE --text play.txt --out results.json --resume
       infinigen-rt eval BUNDLE --task needle --text novel.txt --policies full,infinigen,h2o,oracle --budgets 0.1
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     from infinigen_rt.bundle import read_bundle
     from infinigen_rt.engine import Engine
     from infinigen_rt.errors import InfinigenError
@@ -101,8 +99,7 @@ def eval_cmd(
     done = load_done(out, meta) if resume and out else []
     todo = configs(names, budget_list, alpha_list)
 
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                   console=err_console, transient=True, disable=json_out)  # fmt: skip
+    bar = _progress_bar(json_out)
     tasks: dict[str, int] = {}
 
     def progress(label, d, t):
