@@ -32,6 +32,7 @@ LEVERS = {  # each relative to KVOptions' defaults (every winning lever on)
     "dense4": {"dense_layers": 4},
     "layer_budget0.5": {"layer_budget": 0.5},  # per-layer budgets from the calibration's attention spread
     "layer_budget1": {"layer_budget": 1.0},
+    "layer_alpha": {"layer_alpha": True},  # per-layer margins calibrated at convert time (needs --alphas "")
 }
 
 

@@ -17,6 +17,7 @@ from infinigen_prep.calibrate import CalibText, calib_token_ids, calibrate, for_
 from infinigen_prep.skew import (
     SELECTIONS,
     attention_recall,
+    calibrated_alpha,
     column_energy,
     energy_share,
     fold_heads,
@@ -42,6 +43,7 @@ DEFAULT_ALPHA = {"opt": 4.0, "llama": 8.0}
 DENSE_LAYERS = 2
 RECALL_KEEP = 0.1  # share of the context kept when comparing column selections
 EVAL_TOKENS = 1024
+ALPHA_RECALL = 0.95  # the mean true attention mass the calibrated per-layer margins keep (see layer_alpha)
 
 
 @dataclass
@@ -107,15 +109,16 @@ def add_infinigen(folder: Path, text: CalibText, opts: PrepOptions, progress=Non
         skews.append(a)
         step("skewing", i + 1, n_layers)
 
-    recall = None
-    choice = opts.partial_select
-    if choice == "auto":
-        held_out = all_ids[len(ids) : len(ids) + EVAL_TOKENS]
-        in_sample = len(held_out) < 128
-        eval_ids = ids[:EVAL_TOKENS] if in_sample else held_out
-        eval_ids = eval_ids[: cfg.max_position_embeddings]
-        recall = compare_selections(model, cfg, eval_ids, skews, candidates, progress)
-        choice = max(SELECTIONS, key=lambda how: recall[how])  # ties keep "qk" (listed first)
+    # a second pass over tokens calibration did not fit (the text's next EVAL_TOKENS, else its first): each column
+    # selection's recall ("auto" keeps the better) and the margin alpha per layer for the selection kept
+    held_out = all_ids[len(ids) : len(ids) + EVAL_TOKENS]
+    in_sample = len(held_out) < 128
+    eval_ids = (ids[:EVAL_TOKENS] if in_sample else held_out)[: cfg.max_position_embeddings]
+    compare = opts.partial_select == "auto"
+    kept = candidates if compare else {opts.partial_select: candidates[opts.partial_select]}
+    recall, alphas = measure_selections(model, cfg, eval_ids, skews, kept, compare, progress)
+    choice = max(SELECTIONS, key=lambda how: recall[how]) if compare else opts.partial_select  # ties keep "qk"
+    if recall is not None:
         recall.update(keep=RECALL_KEEP, tokens=len(eval_ids), held_out=not in_sample)
     del model
 
@@ -149,23 +152,32 @@ def add_infinigen(folder: Path, text: CalibText, opts: PrepOptions, progress=Non
             # per layer, the mean share of the keys a query needs for MASS of its attention on the calibration
             # text: how spread the layer's attention is (KVOptions.layer_budget scales budgets by it)
             "layer_key_share": grams.mass_share,
+            # per layer, the margin at which the speculated scores fetch as many keys as 90 % of the true attention
+            # needs (skew.calibrated_alpha, on the second pass's tokens): KVOptions.layer_alpha uses it
+            "layer_alpha": alphas[choice],
+            "layer_alpha_recall": ALPHA_RECALL,
+            "layer_alpha_tokens": len(eval_ids),
         },
     }
 
 
-def compare_selections(model, cfg, ids, skews, candidates, progress=None) -> dict:
-    """Mean attention-mass recall of each column selection on `ids` (true per-layer queries and keys)."""
+def measure_selections(model, cfg, ids, skews, candidates, compare: bool, progress=None) -> tuple:
+    """On `ids` (true per-layer queries and keys): each column selection's mean attention-mass recall (None
+    unless `compare`) and its calibrated alpha per layer (skew.calibrated_alpha)."""
     sums = {how: 0.0 for how in candidates}
-    n = cfg.num_hidden_layers
+    alphas = {how: [None] * cfg.num_hidden_layers for how in candidates}
+    n, from_pos = cfg.num_hidden_layers, len(ids) // 2
 
     def measure(i, q, k):
         for how, idx in candidates.items():
-            sums[how] += attention_recall(q, k, skews[i], idx[i], RECALL_KEEP, from_pos=len(ids) // 2)
+            if compare:
+                sums[how] += attention_recall(q, k, skews[i], idx[i], RECALL_KEEP, from_pos=from_pos)
+            alphas[how][i] = calibrated_alpha(q, k, skews[i], idx[i], from_pos, ALPHA_RECALL)
         if progress:
-            progress("comparing selections", i + 1, n, f"layer {i + 1}/{n}")
+            progress("measuring selections", i + 1, n, f"layer {i + 1}/{n}")
 
     for_each_layer_qk(model, cfg, ids, measure)
-    return {how: round(s / n, 6) for how, s in sums.items()}
+    return ({how: round(s / n, 6) for how, s in sums.items()} if compare else None), alphas
 
 
 def fold_opt(folder: Path, bundle, skews, idx) -> dict[str, torch.Tensor]:

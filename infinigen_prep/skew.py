@@ -92,3 +92,29 @@ def attention_recall(q, k, a, idx, keep: float, from_pos: int) -> float:
     )
     kept = part >= thresh
     return (true * kept).sum(-1).mean().item()
+
+
+def calibrated_alpha(q, k, a, idx, from_pos: int, recall: float, top: float = 40.0, bins: int = 4000) -> float:
+    """The smallest margin alpha (logit units) whose speculated set holds, on average, `recall` of the true
+    attention: over query heads and rows t >= from_pos, the keys whose partial score is within alpha of the row's
+    best (the runtime's count) hold that mean share of the row's true softmax mass. Scores scaled by 1/sqrt(D), as
+    the runtime's are; the budget's cap is not applied (alpha is what a large budget fetches).
+
+    q: [Hkv, G, T, D], k: [Hkv, T, D] (post-RoPE); a: [Hkv, D, D]; idx: [Hkv, d']. Found on a histogram of the
+    gaps below each row's best, weighted by the true probabilities (resolution top/bins); `top` at most."""
+    hkv, g, t, d = q.shape
+    a_part = torch.gather(a.float(), 2, idx[:, None, :].expand(hkv, d, -1))  # [Hkv, D, d']
+    pos = torch.arange(from_pos, t)
+    future = torch.arange(t)[None, :] > pos[:, None]  # [S, T]
+    hist = torch.zeros(bins + 1, dtype=torch.float64)
+    for h in range(hkv):  # a KV head at a time bounds the memory: [G, S, T]
+        true = (q[h, :, from_pos:].float() @ k[h].float().T) / math.sqrt(d)
+        p = true.masked_fill(future, float("-inf")).softmax(-1)
+        part = ((q[h, :, from_pos:].float() @ a_part[h]) @ (k[h].float() @ a_part[h]).T) / math.sqrt(d)
+        part = part.masked_fill(future, float("-inf"))
+        gap = part.amax(-1, keepdim=True) - part  # [G, S, T], inf for future keys (probability 0)
+        b = (gap / top * bins).clamp(max=bins).long()  # gaps of `top` or more land in the last bin
+        hist += torch.bincount(b.reshape(-1), weights=p.reshape(-1).double(), minlength=bins + 1)
+    within = hist[:bins].cumsum(0) / (hkv * g * len(pos))  # within[i]: mean mass of gaps < (i + 1) * top / bins
+    i = int(torch.searchsorted(within, torch.tensor([recall], dtype=torch.float64)))
+    return top if i >= bins else round((i + 1) * top / bins, 4)

@@ -55,13 +55,26 @@ def layer_options(opts: KVOptions, defaults: dict, dense: int, n_layers: int) ->
     return {j: replace(opts, budget=min(1.0, hi * x)) for j, x in zip(layers, w, strict=True)}
 
 
+def layer_alphas(opts: KVOptions, defaults: dict, dense: int, n_layers: int) -> dict[int, float]:
+    """Each speculated layer's margin: the option's alpha; else with layer_alpha the bundle's calibrated one per
+    layer; else the bundle's alpha."""
+    layers = range(dense, n_layers)
+    if opts.alpha is not None or not opts.layer_alpha:
+        return dict.fromkeys(layers, defaults["alpha"] if opts.alpha is None else opts.alpha)
+    per = defaults.get("layer_alpha")
+    if not per or len(per) != n_layers:
+        raise InfinigenError("layer_alpha needs the bundle's calibrated margins (layer_alpha); convert it again "
+                             "with this version of infinigen-prep")  # fmt: skip
+    return {j: float(per[j]) for j in layers}
+
+
 class InfinigenCache(OffloadCache):
     name = "infinigen"
     speculative = True
     sweep = ("budget", "alpha")
     knobs = POOL_KNOBS | {
         "alpha", "budget", "max_kv", "dense_layers", "trace_recall", "sinks", "recent", "renorm", "per_head",
-        "group_agg", "layer_budget",
+        "group_agg", "layer_budget", "layer_alpha",
     }  # fmt: skip
 
     @classmethod
@@ -81,6 +94,7 @@ class InfinigenCache(OffloadCache):
         dense = defaults["dense_layers"] if opts.dense_layers is None else opts.dense_layers
         super().__init__(cfg, batch, max_len, device, dtype, opts, resident=dense)  # dense layers stay on the device
         self.alpha = defaults["alpha"] if opts.alpha is None else opts.alpha
+        self.alphas = layer_alphas(opts, defaults, dense, cfg.num_hidden_layers)
         self.dense_layers = dense
         self.spec = Speculator(cfg, model.speculation_taps(), tensors, self.device, dtype)
         hkv, d_prime = cfg.num_key_value_heads, self.spec.d_prime
@@ -118,7 +132,7 @@ class InfinigenCache(OffloadCache):
             held = pos >= 0
         opts = self.layer_opts[j]
         width = fetch_width(int(pool.n_held.max()), t, opts, BUCKET) if self.sync_free else None
-        sel = select(q, self.pk[j][..., :t], self.alpha, opts, held, pos, width)
+        sel = select(q, self.pk[j][..., :t], self.alphas[j], opts, held, pos, width)
         k, v = pool.gather(sel.slots, None if sel.every else sel.ok, extra=1)
         return sel, k, v
 

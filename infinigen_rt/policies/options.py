@@ -34,6 +34,9 @@ class KVOptions:
     # layer j needs for 90 % of its attention on the calibration text (the bundle's layer_key_share); 0 = one
     # budget for every layer; None = the bundle's default (0 for a bundle converted without the statistics)
     layer_budget: float | None = None
+    # per-layer margins: layer j's alpha is the one convert calibrated for it (the bundle's layer_alpha: the margin
+    # at which speculation fetches as many keys as 90 % of the true attention needs); an explicit alpha wins
+    layer_alpha: bool = False
 
     def check(self) -> None:
         if self.alpha is not None and not self.alpha >= 0:

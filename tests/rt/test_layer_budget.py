@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from infinigen_prep.calibrate import MASS, mass_share
+from infinigen_prep.skew import calibrated_alpha
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.policies import KVOptions
-from infinigen_rt.policies.infinigen import layer_options
+from infinigen_rt.policies.infinigen import layer_alphas, layer_options
 from tests.rt.test_policies import PROMPTS, engines, greedy_logits
 
 
@@ -79,3 +80,43 @@ def test_each_layer_fetches_its_share_and_a_full_budget_stays_exact(bundles):
     ref, ref_toks, _ = greedy_logits(es["full"], [PROMPTS[2]], 8)
     logits, toks, _ = greedy_logits(es["every"], [PROMPTS[2]], 8)
     assert torch.equal(toks, ref_toks) and (logits - ref).abs().max().item() <= 1e-4
+
+
+def _captured(q, k, a_part, from_pos, alpha):
+    """Mean over query heads and rows >= from_pos of the true attention mass on the keys within alpha of the row's
+    best partial score (the runtime's speculated set), computed directly."""
+    hkv, g, t, d = q.shape
+    total, rows = 0.0, 0
+    for h in range(hkv):
+        for r in range(from_pos, t):
+            p = (q[h, :, r] @ k[h, : r + 1].T / math.sqrt(d)).softmax(-1)  # [G, r+1]
+            s = (q[h, :, r] @ a_part[h]) @ (k[h, : r + 1] @ a_part[h]).T / math.sqrt(d)
+            total += float((p * (s > s.amax(-1, keepdim=True) - alpha)).sum())
+            rows += g
+    return total / rows
+
+
+def test_calibrated_alpha_is_the_smallest_margin_holding_the_recall():
+    torch.manual_seed(0)
+    hkv, g, t, d = 2, 2, 48, 16
+    q, k = 3 * torch.randn(hkv, g, t, d), torch.randn(hkv, t, d)
+    a = torch.linalg.qr(torch.randn(hkv, d, d, dtype=torch.float64))[0]
+    idx = torch.arange(6).expand(hkv, 6)
+    alpha = calibrated_alpha(q, k, a, idx, from_pos=24, recall=0.9, top=40.0, bins=4000)
+    a_part = torch.gather(a.float(), 2, idx[:, None, :].expand(hkv, d, -1))
+    step = 40.0 / 4000
+    assert _captured(q, k, a_part, 24, alpha - step) < 0.9 <= _captured(q, k, a_part, 24, alpha) + 1e-6
+    assert calibrated_alpha(q, k, a, idx, 24, recall=0.99) > alpha > calibrated_alpha(q, k, a, idx, 24, recall=0.5)
+    full = torch.eye(d, dtype=torch.float64).expand(hkv, d, d)  # every column: the true scores, a tighter margin
+    assert calibrated_alpha(q, k, full, torch.arange(d).expand(hkv, d), 24, recall=0.9) < alpha
+
+
+def test_convert_records_each_layers_alpha_and_the_option_uses_it(bundles):
+    meta = json.loads((bundles["llama31_gqa"] / "bundle.json").read_text())["infinigen"]["defaults"]
+    per = meta["layer_alpha"]
+    assert len(per) == len(meta["layer_key_share"]) and all(0 < x <= 40 for x in per), per
+    assert layer_alphas(KVOptions(layer_alpha=True), meta, 2, len(per)) == {j: per[j] for j in range(2, len(per))}
+    assert set(layer_alphas(KVOptions(), meta, 2, len(per)).values()) == {meta["alpha"]}  # off by default
+    assert set(layer_alphas(KVOptions(alpha=3.0, layer_alpha=True), meta, 2, len(per)).values()) == {3.0}
+    with pytest.raises(InfinigenError, match="layer_alpha needs"):
+        layer_alphas(KVOptions(layer_alpha=True), {"alpha": 5.0}, 2, len(per))
