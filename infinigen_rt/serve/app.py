@@ -14,7 +14,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from infinigen_rt import __version__
@@ -148,8 +149,7 @@ def create_app(
 
     @app.get("/metrics")
     async def prometheus():
-        text = metrics.render(scheduler.queue_depth, scheduler.batch_size)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     card = {"id": model_name, "object": "model", "created": started, "owned_by": "infinigen"}
 

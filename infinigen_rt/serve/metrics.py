@@ -1,101 +1,143 @@
-"""Server counters in the Prometheus text format (no client library), and the ASGI middleware that counts
-requests by endpoint and status."""
+"""Server metrics on prometheus_client, and the ASGI middleware that counts requests by endpoint and status.
+
+Each app has its own registry: several apps live in one test process, and the global one would mix them. Names
+are vLLM's with our prefix (`vllm:time_to_first_token_seconds` -> `infinigen_time_to_first_token_seconds`)
+where the meaning is the same."""
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+# 1 ms to 60 s: a GPU's inter-token gap to a first token behind a long queue on a CPU
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0)
+# whole requests: hundreds of tokens on a loaded CPU take minutes
+REQUEST_BUCKETS = (*LATENCY_BUCKETS[3:], 120.0, 300.0, 600.0)
 
 
 class Metrics:
-    """Counts updated from the event loop (requests) and the scheduler thread (batches), under one lock."""
+    """One app's metrics, updated from the event loop (requests) and the scheduler thread (batches, tokens);
+    prometheus_client locks each metric. The gauges of the scheduler's state are read at each scrape from the
+    callables given to `watch`."""
 
     def __init__(self):
-        self.lock = threading.Lock()
-        self.requests: Counter = Counter()  # (endpoint, status) -> count
-        self.prompt_tokens = self.generated_tokens = self.cancelled = 0
-        self.batches = self.batch_rows = 0
-        self.bytes_h2d = self.bytes_d2h = 0
-        self.kv_fetched_share: float | None = None  # of the last batch, when its policy reports one
-        self.decode_tokens_per_s: float | None = None
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "infinigen_requests", "HTTP requests by endpoint and status.", ["endpoint", "status"], registry=r
+        )
+        self.prompt_tokens = Counter("infinigen_prompt_tokens", "Prompt tokens of the requests run.", registry=r)
+        self.generated_tokens = Counter("infinigen_generated_tokens", "Tokens generated.", registry=r)
+        self.cancelled = Counter(
+            "infinigen_requests_cancelled", "Requests whose client left before the end.", registry=r
+        )
+        self.batches = Counter("infinigen_batches", "Batches run.", registry=r)
+        self.batch_rows = Counter(
+            "infinigen_batch_rows", "Rows of all batches run (over batches_total: mean batch size).", registry=r
+        )
+        self.bytes_h2d = Counter("infinigen_bytes_h2d", "KV bytes copied host to device.", registry=r)
+        self.bytes_d2h = Counter("infinigen_bytes_d2h", "KV bytes copied device to host.", registry=r)
+        self.ttft = Histogram(
+            "infinigen_time_to_first_token_seconds",
+            "From a request's arrival at the scheduler to its first generated token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "infinigen_inter_token_latency_seconds",
+            "Between consecutive generated tokens of a request.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "infinigen_e2e_request_latency_seconds",
+            "From a request's arrival at the scheduler to its end, for requests that ended with stop or length.",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.last_batch: dict[str, float] = {}  # kv_fetched_share, decode_tokens_per_second of the last batch
+        self.waiting: Callable[[], int] | None = None
+        self.running: Callable[[], int] | None = None
+        self.kv_blocks: Callable[[], tuple[int, int]] | None = None
+        r.register(_Live(self))
+
+    def watch(
+        self,
+        waiting: Callable[[], int],
+        running: Callable[[], int],
+        kv_blocks: Callable[[], tuple[int, int]] | None = None,
+    ) -> None:
+        """Where the gauges read the scheduler's state; `kv_blocks` returns the KV pool's (used, free) blocks."""
+        self.waiting, self.running, self.kv_blocks = waiting, running, kv_blocks
 
     def count_request(self, path: str, status: int) -> None:
         endpoint = path if path in ENDPOINTS else "other"  # bounded label values, whatever clients ask for
-        with self.lock:
-            self.requests[endpoint, status] += 1
+        self.requests.labels(endpoint, str(status)).inc()
 
     def count_cancelled(self) -> None:
-        with self.lock:
-            self.cancelled += 1
+        self.cancelled.inc()
+
+    def record_tokens(self, n: int, wait: float, first: bool) -> None:
+        """`n` new tokens of one request, the first `wait` s after the request's previous token (`first`: after
+        its arrival). Tokens that come in one step reach the client together: the others wait 0."""
+        (self.ttft if first else self.itl).observe(wait)
+        for _ in range(n - 1):
+            self.itl.observe(0.0)
 
     def record_batch(self, batch_prompts: list[int], results, stats) -> None:
         s = stats.to_dict()
-        with self.lock:
-            self.batches += 1
-            self.batch_rows += len(batch_prompts)
-            self.prompt_tokens += sum(batch_prompts)
-            self.generated_tokens += sum(len(r.token_ids) for r in results)
-            self.cancelled += sum(r.finish_reason == "cancelled" for r in results)
-            self.bytes_h2d += s.get("bytes_h2d") or 0
-            self.bytes_d2h += s.get("bytes_d2h") or 0
-            if s.get("kv_fetched_share") is not None:
-                self.kv_fetched_share = s["kv_fetched_share"]
-            self.decode_tokens_per_s = s.get("decode_tokens_per_s")
+        self.batches.inc()
+        self.batch_rows.inc(len(batch_prompts))
+        self.prompt_tokens.inc(sum(batch_prompts))
+        self.generated_tokens.inc(sum(len(r.token_ids) for r in results))
+        self.cancelled.inc(sum(r.finish_reason == "cancelled" for r in results))
+        self.bytes_h2d.inc(s.get("bytes_h2d") or 0)
+        self.bytes_d2h.inc(s.get("bytes_d2h") or 0)
+        last = {"decode_tokens_per_second": s.get("decode_tokens_per_s")}
+        if s.get("kv_fetched_share") is not None:  # kept from an earlier batch when this policy reports none
+            last["kv_fetched_share"] = s["kv_fetched_share"]
+        self.last_batch = {**self.last_batch, **last}  # one assignment: a scrape sees the old dict or the new
 
-    def render(self, queue_depth: int, batch_size: int) -> str:
-        """The Prometheus text exposition format, version 0.0.4."""
-        out: list[str] = []
+    def render(self) -> bytes:
+        """The text exposition, of type `prometheus_client.CONTENT_TYPE_LATEST`."""
+        return generate_latest(self.registry)
 
-        def metric(name: str, kind: str, help: str, samples) -> None:
-            out.append(f"# HELP infinigen_{name} {help}")
-            out.append(f"# TYPE infinigen_{name} {kind}")
-            for labels, value in samples:
-                out.append(f"infinigen_{name}{labels} {value}")
 
-        with self.lock:
-            reqs = sorted(self.requests.items())
-            metric(
-                "requests_total",
-                "counter",
-                "HTTP requests by endpoint and status.",
-                [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in reqs],
+class _Live:
+    """The gauges read at scrape time: the scheduler's queue and batch, the KV pool, the last batch's figures."""
+
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+
+    def collect(self):
+        m = self.m
+        if m.waiting is not None and m.running is not None:
+            waiting, running = m.waiting(), m.running()
+            yield _gauge("queue_depth", "Requests waiting for a batch.", waiting)
+            yield _gauge("batch_size", "Rows in the batch on the engine now (0 = idle).", running)
+            yield _gauge("num_requests_waiting", "Requests waiting to be scheduled.", waiting)
+            yield _gauge("num_requests_running", "Requests on the engine now.", running)
+        if m.kv_blocks is not None:
+            used, free = m.kv_blocks()
+            yield _gauge("kv_pool_blocks_used", "KV pool blocks holding a request's cache.", used)
+            yield _gauge("kv_pool_blocks_free", "KV pool blocks free.", free)
+        last = m.last_batch
+        if last.get("kv_fetched_share") is not None:
+            yield _gauge(
+                "kv_fetched_share", "Share of the held KV fetched per step, last batch.", last["kv_fetched_share"]
             )
-            metric("prompt_tokens_total", "counter", "Prompt tokens of the requests run.", [("", self.prompt_tokens)])
-            metric("generated_tokens_total", "counter", "Tokens generated.", [("", self.generated_tokens)])
-            metric(
-                "requests_cancelled_total",
-                "counter",
-                "Requests whose client left before the end.",
-                [("", self.cancelled)],
+        if last.get("decode_tokens_per_second") is not None:
+            yield _gauge(
+                "decode_tokens_per_second",
+                "Decode throughput of the last batch (all rows).",
+                last["decode_tokens_per_second"],
             )
-            metric("queue_depth", "gauge", "Requests waiting for a batch.", [("", queue_depth)])
-            metric("batch_size", "gauge", "Rows in the batch on the engine now (0 = idle).", [("", batch_size)])
-            metric("batches_total", "counter", "Batches run.", [("", self.batches)])
-            metric(
-                "batch_rows_total",
-                "counter",
-                "Rows of all batches run (over batches_total: mean batch size).",
-                [("", self.batch_rows)],
-            )
-            metric("bytes_h2d_total", "counter", "KV bytes copied host to device.", [("", self.bytes_h2d)])
-            metric("bytes_d2h_total", "counter", "KV bytes copied device to host.", [("", self.bytes_d2h)])
-            if self.kv_fetched_share is not None:
-                metric(
-                    "kv_fetched_share",
-                    "gauge",
-                    "Share of the held KV fetched per step, last batch.",
-                    [("", self.kv_fetched_share)],
-                )
-            if self.decode_tokens_per_s is not None:
-                metric(
-                    "decode_tokens_per_second",
-                    "gauge",
-                    "Decode throughput of the last batch (all rows).",
-                    [("", self.decode_tokens_per_s)],
-                )
-        return "\n".join(out) + "\n"
+
+
+def _gauge(name: str, help: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"infinigen_{name}", help, value=value)
 
 
 class CountRequests:

@@ -2,9 +2,10 @@
 
 Requests wait in a bounded FIFO. The thread takes the oldest one plus up to max_batch - 1 more with the same
 KV options (the engine holds one set per batch) that fit the context together, and runs them as one
-`Engine.generate` batch with limits, sampling and stop strings per row. From `on_step` it hands each
-streaming row its new text and returns the rows whose clients left, so those rows stop. Requests that arrive
-meanwhile wait for the next batch: the engine's decode loop is closed, so a running batch takes no new rows.
+`Engine.generate` batch with limits, sampling and stop strings per row. From `on_step` it times each row's
+new tokens (the metrics' first-token and inter-token latencies), hands each streaming row its new text and
+returns the rows whose clients left, so those rows stop. Requests that arrive meanwhile wait for the next
+batch: the engine's decode loop is closed, so a running batch takes no new rows.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ class Job:
     stream: bool = False
     cancelled: bool = False  # set from the HTTP side when the client leaves
     seen: int = 0  # tokens of this row already looked at by on_step
+    arrived: float = 0.0  # time.perf_counter() at submit
+    last_token: float = 0.0  # time.perf_counter() when on_step last saw new tokens of this row
     text: TextStream = field(init=False)
 
     def __post_init__(self):
@@ -114,6 +117,7 @@ class Scheduler:
         self.cond = threading.Condition()
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="infinigen-scheduler", daemon=True)
+        self.metrics.watch(waiting=lambda: len(self.waiting), running=lambda: len(self.running))
 
     def start(self) -> None:
         self.thread.start()
@@ -149,6 +153,7 @@ class Scheduler:
                 raise ShuttingDown()
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull()
+            job.arrived = time.perf_counter()
             self.waiting.append(job)
             self.cond.notify()
 
@@ -197,14 +202,17 @@ class Scheduler:
         engine, tok = self.engine, self.engine.tokenizer
 
         def on_step(generated: list[list[int]]) -> set[int]:
-            gone = set()
+            gone, now = set(), time.perf_counter()
             for i, job in enumerate(batch):
                 if job.cancelled:
                     gone.add(i)
-                elif job.stream and len(generated[i]) != job.seen:
-                    job.seen = len(generated[i])
-                    piece = job.text.update(tok.decode(generated[i]))
-                    if piece:
+                elif len(generated[i]) != job.seen:
+                    first = job.seen == 0
+                    self.metrics.record_tokens(
+                        len(generated[i]) - job.seen, now - (job.arrived if first else job.last_token), first
+                    )
+                    job.seen, job.last_token = len(generated[i]), now
+                    if job.stream and (piece := job.text.update(tok.decode(generated[i]))):
                         _emit(job, piece)
             return gone
 
@@ -234,6 +242,7 @@ class Scheduler:
             if res.finish_reason == "cancelled":
                 continue
             text = job.text.finish(res.text) if job.stream else res.text
+            self.metrics.e2e.observe(time.perf_counter() - job.arrived)  # before the client can see its end
             _emit(job, Done(text, res.finish_reason, len(res.token_ids)))
         self.metrics.record_batch(batch_prompts=[len(j.prompt_ids) for j in batch], results=results, stats=stats)
 

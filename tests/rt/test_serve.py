@@ -22,6 +22,7 @@ import pytest
 from infinigen_rt.engine import Generation, RunStats
 from infinigen_rt.policies import KVOptions
 from infinigen_rt.sampling import SamplingParams
+from infinigen_rt.serve.metrics import Metrics
 from infinigen_rt.serve.scheduler import Done, Job, QueueFull, Scheduler, TextStream
 from tests.conftest import TOKENIZER_TEXT, ServerProcess, run_cli
 from tests.test_cli import one_line_error
@@ -31,6 +32,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
 KEY = "sk-test-0123"
 # one torch thread per process: other tests share this machine's two cores, and oversubscribed OpenMP
@@ -233,6 +235,8 @@ def test_full_queue_answers_429(smol):
             while httpx.get(smol.url + "/health").json()["queue_depth"] < 1:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
+            m = smol.metrics()
+            assert m["infinigen_num_requests_running"] == 1 and m["infinigen_num_requests_waiting"] == 1
             r = smol.post("/v1/completions", {"prompt": "Hello", "max_tokens": 2}, key=None)
             assert r.status_code == 429 and r.headers["retry-after"] == "1"
             err = r.json()["error"]
@@ -398,6 +402,38 @@ def test_flood_is_served_within_bounds(tiny):
     assert m['infinigen_requests_total{endpoint="/v1/completions",status="200"}'] >= n
 
 
+def test_metrics_time_every_token_and_parse(tiny):
+    """After requests streamed and not: one first-token time per request that produced a token, one inter-token
+    time per later token, one end-to-end time per request; the exposition parses with prometheus_client."""
+    before = tiny.metrics()
+    tokens = [complete(tiny, PROMPTS[i], 4 + 3 * i).usage.completion_tokens for i in range(3)]
+    for i in range(3, 5):
+        stream = tiny.client().completions.create(
+            model="tiny", prompt=PROMPTS[i], max_tokens=4 + 3 * i, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        tokens.append(list(stream)[-1].usage.completion_tokens)
+    assert sum(tokens) > 5  # the tiny model's tokens are arbitrary: most requests run to their limit
+    r = httpx.get(tiny.url + "/metrics", timeout=10)
+    assert r.headers["content-type"].startswith("text/plain; version=")
+    families = {f.name: f for f in prometheus_parser.text_string_to_metric_families(r.text)}
+    assert families["infinigen_time_to_first_token_seconds"].type == "histogram"
+    assert families["infinigen_requests"].type == "counter" and families["infinigen_queue_depth"].type == "gauge"
+    assert "infinigen_kv_pool_blocks_used" not in families  # no pool to read yet
+    after = tiny.metrics()
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0)
+
+    assert grew("infinigen_time_to_first_token_seconds_count") == sum(t > 0 for t in tokens)
+    assert grew("infinigen_inter_token_latency_seconds_count") == sum(max(t - 1, 0) for t in tokens)
+    assert grew("infinigen_e2e_request_latency_seconds_count") == 5
+    assert grew("infinigen_e2e_request_latency_seconds_sum") >= grew("infinigen_time_to_first_token_seconds_sum") > 0
+    buckets = [s.value for s in families["infinigen_inter_token_latency_seconds"].samples if s.name.endswith("_bucket")]
+    assert buckets == sorted(buckets) and buckets[-1] == after["infinigen_inter_token_latency_seconds_count"]
+    assert after["infinigen_num_requests_running"] == after["infinigen_num_requests_waiting"] == 0
+
+
 # ---- the scheduler and the text stream, without a server ----
 
 
@@ -443,6 +479,62 @@ def test_scheduler_batches_only_compatible_requests():
     assert engine.calls == [(2, engine.kv), (1, other)] and engine.kv is sched.base_kv
     assert [ev for n, ev in events if n == 3] == ["a", "b", "c", Done("", "length", 3)]  # streamed, then done
     assert (5, Done("abcde", "length", 5)) in events and (4, Done("abcd", "length", 4)) in events
+
+
+def scrape(metrics: Metrics) -> dict[str, float]:
+    """The exposition parsed by prometheus_client: 'name' or 'name{labels}' -> value."""
+    out = {}
+    for family in prometheus_parser.text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+            out[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return out
+
+
+def test_scheduler_gauges_while_requests_wait_and_token_timings():
+    engine, release, ended = FakeEngine(), threading.Event(), []
+    generate = engine.generate
+
+    def held(*args, **kw):  # the first batch waits for `release`: its row runs, the others wait
+        release.wait(10)
+        return generate(*args, **kw)
+
+    engine.generate = held
+    sched = Scheduler(engine, max_batch=1, max_queue=4, batch_wait_s=0)
+    limits = [3, 5, 1]
+    for n in limits:
+        sched.submit(Job([1, 2], n, SamplingParams(), [], engine.kv, emit=ended.append, stream=n == 3))
+    sched.start()
+    deadline = time.monotonic() + 10
+    while sched.batch_size == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    m = scrape(sched.metrics)
+    assert m["infinigen_num_requests_running"] == m["infinigen_batch_size"] == 1
+    assert m["infinigen_num_requests_waiting"] == m["infinigen_queue_depth"] == 2
+    assert m["infinigen_time_to_first_token_seconds_count"] == 0
+    time.sleep(0.05)
+    release.set()
+    while sum(isinstance(e, Done) for e in ended) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    sched.stop()
+    m = scrape(sched.metrics)
+    assert m["infinigen_num_requests_running"] == m["infinigen_num_requests_waiting"] == 0
+    assert m["infinigen_time_to_first_token_seconds_count"] == 3
+    assert m['infinigen_time_to_first_token_seconds_bucket{le="0.025"}'] == 0  # all three waited 50 ms at least
+    assert m["infinigen_inter_token_latency_seconds_count"] == sum(n - 1 for n in limits)
+    assert m["infinigen_e2e_request_latency_seconds_count"] == 3
+    assert m["infinigen_e2e_request_latency_seconds_sum"] >= m["infinigen_time_to_first_token_seconds_sum"] >= 0.15
+    assert m["infinigen_generated_tokens_total"] == sum(limits) and m["infinigen_batches_total"] == 3
+
+
+def test_kv_pool_gauges_read_the_callable_given():
+    metrics = Metrics()
+    assert not any(k.startswith("infinigen_kv_pool") for k in scrape(metrics))
+    metrics.watch(waiting=lambda: 0, running=lambda: 0, kv_blocks=lambda: (3, 5))
+    m = scrape(metrics)
+    assert m["infinigen_kv_pool_blocks_used"] == 3 and m["infinigen_kv_pool_blocks_free"] == 5
 
 
 def test_text_stream_holds_back_partial_characters_and_stops():
