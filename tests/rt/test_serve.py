@@ -6,6 +6,7 @@ at a time and a queue of one (equality with `generate --json` on a real model, a
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -24,7 +25,7 @@ from infinigen_rt.policies import KVOptions
 from infinigen_rt.sampling import SamplingParams
 from infinigen_rt.serve.metrics import Metrics
 from infinigen_rt.serve.scheduler import Done, Job, QueueFull, Scheduler, TextStream
-from tests.conftest import TOKENIZER_TEXT, ServerProcess, run_cli
+from tests.conftest import ROOT, TOKENIZER_TEXT, ServerProcess, run_cli
 from tests.test_cli import one_line_error
 
 pytestmark = pytest.mark.slow
@@ -432,6 +433,31 @@ def test_metrics_time_every_token_and_parse(tiny):
     buckets = [s.value for s in families["infinigen_inter_token_latency_seconds"].samples if s.name.endswith("_bucket")]
     assert buckets == sorted(buckets) and buckets[-1] == after["infinigen_inter_token_latency_seconds_count"]
     assert after["infinigen_num_requests_running"] == after["infinigen_num_requests_waiting"] == 0
+
+
+def test_serve_load_open_loop(tiny):
+    """benchmarks/serve_load.py's open loop: a few requests at a high rate, each streamed; sane figures."""
+    spec = importlib.util.spec_from_file_location("serve_load", ROOT / "benchmarks" / "serve_load.py")
+    load = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(load)
+    plan = load.open_loop_plan(20, 6, None, (4, 24), (2, 8), seed=3)
+    assert plan == load.open_loop_plan(20, 6, None, (4, 24), (2, 8), seed=3)  # seeded
+    assert [t for t, _, _ in plan] == sorted(t for t, _, _ in plan) and len({p for _, p, _ in plan}) > 1
+    # the same requests at another rate, arriving in the same pattern scaled
+    slower = load.open_loop_plan(10, 6, None, (4, 24), (2, 8), seed=3)
+    assert [(p, n) for _, p, n in slower] == [(p, n) for _, p, n in plan]
+    assert [t for t, _, _ in slower] == pytest.approx([2 * t for t, _, _ in plan])
+    before = tiny.metrics()
+    r = load.run_open_loop(tiny.url, "tiny", 20, 6, (4, 24), (2, 8), 3, KEY)
+    assert r["requests"] == r["ok"] == 6 and r["errors"] == 0 and r["first_error"] is None, r
+    assert 0 < r["generated_tokens"] <= sum(n for _, _, n in plan)
+    after = tiny.metrics()
+    ended = "infinigen_e2e_request_latency_seconds_count"
+    assert after[ended] - before[ended] == 6  # the server saw the same requests end
+    assert r["ttft_p50_s"] <= r["ttft_p99_s"] and r["itl_p50_s"] <= r["itl_p99_s"] and r["e2e_p50_s"] <= r["e2e_p99_s"]
+    assert 0 < r["ttft_p50_s"] <= r["e2e_p50_s"] and r["ttft_p99_s"] <= r["e2e_p99_s"] < 30
+    assert r["requests_per_s"] > 0 and r["generated_tokens_per_s"] > 0 and r["server_ttft_mean_s"] > 0
+    assert r["queue_depth_max"] is None or r["queue_depth_max"] <= 6
 
 
 # ---- the scheduler and the text stream, without a server ----
