@@ -238,13 +238,14 @@ class Scheduler:
             engine.kv = self.base_kv
             with self.cond:
                 self.running = []
+        # counted before any client sees its end: a scrape after a response includes that response's batch
+        self.metrics.record_batch(batch_prompts=[len(j.prompt_ids) for j in batch], results=results, stats=stats)
         for job, res in zip(batch, results, strict=True):
             if res.finish_reason == "cancelled":
                 continue
             text = job.text.finish(res.text) if job.stream else res.text
-            self.metrics.e2e.observe(time.perf_counter() - job.arrived)  # before the client can see its end
+            self.metrics.e2e.observe(time.perf_counter() - job.arrived)
             _emit(job, Done(text, res.finish_reason, len(res.token_ids)))
-        self.metrics.record_batch(batch_prompts=[len(j.prompt_ids) for j in batch], results=results, stats=stats)
 
 
 def _emit(job: Job, event) -> None:

@@ -589,3 +589,19 @@ def test_serve_help_and_lazy_imports(tmp_path):
     code = "import sys; sys.modules['uvicorn'] = None; from infinigen_rt.cli import main; main()"
     r = subprocess.run([sys.executable, "-c", code, "serve", str(tmp_path)], capture_output=True, text=True)
     one_line_error(r, "pip install 'infinigen[serve]'")
+
+
+def test_a_batch_is_counted_before_its_clients_see_their_end():
+    """A scrape made as soon as a response ends includes that response's tokens and batch."""
+    engine, seen = FakeEngine(), []
+    sched = Scheduler(engine, max_batch=2, max_queue=4, batch_wait_s=0)
+
+    def emit(ev):
+        if isinstance(ev, Done):
+            m = scrape(sched.metrics)
+            seen.append((m["infinigen_generated_tokens_total"], m["infinigen_batches_total"]))
+
+    for n in (2, 3):
+        sched.submit(Job([1, 2], n, SamplingParams(), [], engine.kv, emit=emit))
+    sched._run(sched._next_batch())
+    assert seen == [(5.0, 1.0), (5.0, 1.0)]
