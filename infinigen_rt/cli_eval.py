@@ -149,6 +149,7 @@ def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depth
 
     from infinigen_rt import needle
     from infinigen_rt.errors import InfinigenError
+    from infinigen_rt.eval import load_finished
     from infinigen_rt.files import read_utf8, write_atomic
     from infinigen_rt.policies import POLICIES
 
@@ -186,16 +187,8 @@ def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depth
     meta = {"task": "needle", "bundle": str(path), "text": text.name, "text_sha256": sha, "seed": seed,
             "tasks": task_list, "contexts": context_list, "depths": depth_list, "needles": per_cell,
             "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}  # fmt: skip
-    done: list = []
-    if resume and out.is_file():
-        try:
-            old = json.loads(out.read_text())
-            done = [needle.Result(**r) for r in old["results"]]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise InfinigenError(f"cannot resume from {out}: not a needle result file ({e})") from None
-        for k in ("bundle", "text_sha256", "seed"):
-            if old.get(k) != meta[k]:
-                raise InfinigenError(f"cannot resume from {out}: it was run with another {k} ({old.get(k)!r})")
+    done = load_finished(out, meta, "results", lambda r: needle.Result(**r), "a needle",
+                         ("bundle", "text_sha256", "seed")) if resume else []  # fmt: skip
 
     def save(results, _seconds):
         write_atomic(out, json.dumps(needle.as_json(meta, results), indent=2) + "\n", "--out")

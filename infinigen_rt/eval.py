@@ -136,17 +136,24 @@ def save(path: Path, meta: dict, rows: list[Row]) -> None:
 
 def load_done(path: Path, meta: dict) -> list[Row]:
     """Finished rows of an earlier run with the same bundle, text and lengths (else a one-line error)."""
+    return load_finished(path, meta, "rows", lambda r: Row(**{"kv_attended_share": None, **r}), "an eval",
+                         ("bundle", "text_sha256", "seq_len", "score_from"))  # fmt: skip
+
+
+def load_finished(path: Path, meta: dict, field: str, make, what: str, same: tuple[str, ...]) -> list:
+    """What an earlier run saved in `path` under `field` (each made by `make`), if it ran with the same `same` keys
+    of `meta`; nothing when there is no file; a one-line error for another kind of file or another run."""
     if not path.is_file():
         return []
     try:
         old = json.loads(path.read_text())
-        rows = [Row(**{"kv_attended_share": None, **r}) for r in old["rows"]]
+        done = [make(r) for r in old[field]]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise InfinigenError(f"cannot resume from {path}: not an eval result file ({e})") from None
-    for k in ("bundle", "text_sha256", "seq_len", "score_from"):
+        raise InfinigenError(f"cannot resume from {path}: not {what} result file ({e})") from None
+    for k in same:
         if old.get(k) != meta[k]:
             raise InfinigenError(f"cannot resume from {path}: it was run with another {k} ({old.get(k)!r})")
-    return rows
+    return done
 
 
 def plot(rows: list[Row], path: Path, title: str) -> None:
