@@ -74,13 +74,17 @@ def partial_rows(t: torch.Tensor, idx: torch.Tensor, n_heads: int) -> torch.Tens
     return t[rows].contiguous()
 
 
+def partial_skew(a: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The skew's kept columns, fp32: a [Hkv, D, D], idx [Hkv, d'] -> [Hkv, D, d'] (q @ it: the partial query)."""
+    return torch.gather(a.float(), 2, idx[:, None, :].expand(-1, a.shape[1], -1))
+
+
 def attention_recall(q, k, a, idx, keep: float, from_pos: int) -> float:
     """Mean share of the true softmax mass inside the top ceil(keep*(t+1)) keys ranked by partial scores.
 
     q: [Hkv, G, T, D], k: [Hkv, T, D] (post-RoPE); a: [Hkv, D, D]; idx: [Hkv, d']. Query rows t >= from_pos."""
     hkv, g, t, d = q.shape
-    cols = idx[:, None, :].expand(hkv, d, -1)
-    a_part = torch.gather(a.float(), 2, cols)  # [Hkv, D, d']
+    a_part = partial_skew(a, idx)
     qp, kp = q @ a_part[:, None], k @ a_part  # [Hkv, G, T, d'], [Hkv, T, d']
     causal = torch.ones(t, t, dtype=torch.bool).tril()[from_pos:]
     true = (q[:, :, from_pos:] @ k.transpose(-1, -2)[:, None]) / math.sqrt(d)
@@ -103,7 +107,7 @@ def calibrated_alpha(q, k, a, idx, from_pos: int, recall: float, top: float = 40
     q: [Hkv, G, T, D], k: [Hkv, T, D] (post-RoPE); a: [Hkv, D, D]; idx: [Hkv, d']. Found on a histogram of the
     gaps below each row's best, weighted by the true probabilities (resolution top/bins); `top` at most."""
     hkv, g, t, d = q.shape
-    a_part = torch.gather(a.float(), 2, idx[:, None, :].expand(hkv, d, -1))  # [Hkv, D, d']
+    a_part = partial_skew(a, idx)
     pos = torch.arange(from_pos, t)
     future = torch.arange(t)[None, :] > pos[:, None]  # [S, T]
     hist = torch.zeros(bins + 1, dtype=torch.float64)
