@@ -1,8 +1,9 @@
 """KV caches: what the attention layer asks for keys and values.
 
 Per forward pass the model calls `cache.begin(valid, positions)`; every attention layer calls
-`cache.observe(layer, x)` with its normalised input, then `k, v, mask = cache.update(layer, q, k, v)`
-and attends over what it gets back; the model ends with `cache.end()`. Where keys and values live,
+`cache.observe(layer, x)` with its normalised input, then `y = cache.attend(layer, q, k, v)` (by default:
+`update` stores the new keys and values and returns what to attend over, and SDPA attends); the model ends with
+`cache.end()`. Where keys and values live,
 which of them a layer sees, and what moves where is the cache's business: every policy (full, offload,
 infinigen, h2o, int4) implements these calls and no model code knows which one it talks to.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn.functional as F
 
 from infinigen_rt.config import ModelConfig
 
@@ -80,6 +82,14 @@ class KVCache:
         keys/values: [B, Hkv, T, D]; mask: [B, 1, S, T] bool, True where a query may attend, or None for
         plain causal attention among the new tokens only (T == S, no padding: the fused kernels' fast path)."""
         raise NotImplementedError
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store k, v and attend the queries q over what `update` returns: y [B, H, S, D]."""
+        keys, values, mask = self.update(layer, q, k, v)
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=mask is None and q.shape[2] > 1,
+            enable_gqa=keys.shape[1] != q.shape[1],
+        )  # fmt: skip
 
     def end(self) -> None:
         """The forward pass is over (policies enforce capacity, advance counters)."""
@@ -156,3 +166,48 @@ def causal_mask(valid: torch.Tensor, start: int) -> torch.Tensor:
     mask = causal[None] & valid[:, None, :]  # [B, S, T]
     mask = mask | (k_pos == q_pos)[None]
     return mask[:, None]
+
+
+class Rows(KVCache):
+    """One forward pass over several requests, each with its own cache: row i of the batch is the one sequence of
+    `caches[i]`. The projections and the MLP run batched; each row attends through its own cache (its policy,
+    length and state), so a request computes the same whichever requests share its step."""
+
+    def __init__(self, caches: list[KVCache]):
+        self.caches = caches
+
+    def begin(self, valid, positions) -> None:
+        for i, c in enumerate(self.caches):
+            c.begin(valid[i : i + 1], positions[i : i + 1])
+
+    def observe(self, layer, x) -> None:
+        for i, c in enumerate(self.caches):
+            c.observe(layer, x[i : i + 1])
+
+    def attend(self, layer, q, k, v) -> torch.Tensor:
+        return torch.cat([c.attend(layer, q[i : i + 1], k[i : i + 1], v[i : i + 1]) for i, c in enumerate(self.caches)])
+
+    def end(self) -> None:
+        for c in self.caches:
+            c.end()
+
+
+def merge_reports(reports: list[KVReport]) -> KVReport:
+    """Several requests' reports as one: bytes and evictions summed, shares and recall their mean over the
+    requests that report them, the largest per-head count."""
+    if len(reports) == 1:
+        return reports[0]
+    out = KVReport()
+    if not reports:
+        return out
+    for f in ("bytes_h2d", "bytes_d2h", "evictions"):
+        setattr(out, f, sum(getattr(r, f) for r in reports))
+    for f in ("kv_fetched_share", "kv_attended_share", "attention_recall", "tokens_per_head_mean"):
+        vals = [getattr(r, f) for r in reports if getattr(r, f) is not None]
+        setattr(out, f, round(sum(vals) / len(vals), 6) if vals else None)
+    top = [r.tokens_per_head_max for r in reports if r.tokens_per_head_max is not None]
+    out.tokens_per_head_max = max(top) if top else None
+    layers = [r.per_layer for r in reports if r.per_layer]
+    if layers:
+        out.per_layer = {"bytes_h2d": [sum(x) for x in zip(*(p["bytes_h2d"] for p in layers), strict=True)]}
+    return out

@@ -88,10 +88,11 @@ def generate(
       infinigen-rt generate bundles/smol - --policy infinigen --budget 0.1 --capacity 0.5 --json < book.txt
     """
     from infinigen_rt.bundle import read_bundle
-    from infinigen_rt.engine import Engine, check_context
+    from infinigen_rt.engine import Engine
     from infinigen_rt.errors import InfinigenError, notice
     from infinigen_rt.hub import resolve_bundle
     from infinigen_rt.policies import KVOptions
+    from infinigen_rt.runner import check_context
     from infinigen_rt.sampling import SamplingParams
     from infinigen_rt.tokenizer import check_text
 

@@ -6,10 +6,7 @@ import copy
 import ctypes
 import os
 import sys
-import time
 from collections.abc import Callable
-from contextlib import closing
-from dataclasses import dataclass, field
 
 import torch
 
@@ -17,39 +14,9 @@ from infinigen_rt.bundle import DTYPES, Bundle, load_infinigen
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.models import load_model
 from infinigen_rt.policies import POLICIES, KVOptions
-from infinigen_rt.sampling import SamplingParams, sample
+from infinigen_rt.runner import Generation, Request, Runner, RunStats, per_row
+from infinigen_rt.sampling import SamplingParams
 from infinigen_rt.tokenizer import Tokenizer
-
-
-@dataclass
-class Generation:
-    text: str
-    token_ids: list[int]
-    prompt_token_ids: list[int]
-    finish_reason: str  # "stop" (eos or a stop string) or "length"
-
-
-@dataclass
-class RunStats:
-    prefill_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_tokens: int = 0
-    decode_steps: int = 0
-    decode_s: float = 0.0
-    extra: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return {
-            "prefill_tokens": self.prefill_tokens,
-            "prefill_s": round(self.prefill_s, 6),
-            "prefill_tokens_per_s": round(self.prefill_tokens / self.prefill_s, 3) if self.prefill_s else None,
-            "decode_tokens": self.decode_tokens,
-            "decode_steps": self.decode_steps,
-            "decode_s": round(self.decode_s, 6),
-            "decode_tokens_per_s": round(self.decode_tokens / self.decode_s, 3) if self.decode_s else None,
-            "ms_per_step": round(1000 * self.decode_s / self.decode_steps, 3) if self.decode_steps else None,
-            **self.extra,
-        }
 
 
 def resolve_device(device: str) -> torch.device:
@@ -123,7 +90,7 @@ class Engine:
     ):  # fmt: skip
         self.bundle, self.cfg = bundle, bundle.config
         self._speculation = None  # (tensors, defaults), loaded once on first use
-        self.set_policy(policy, kv)
+        self._set_policy(policy, kv)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, bundle.dtype, self.device)
         if self.device.type == "cpu":
@@ -143,7 +110,7 @@ class Engine:
             keep_host_heap()
         self.bundle, self.cfg, self.device, self.dtype = None, cfg, torch.device(device), dtype
         self.model, self.tokenizer, self._speculation = model, None, speculation
-        self.set_policy(policy, kv)
+        self._set_policy(policy, kv)
         return self
 
     def speculation(self) -> tuple[dict, dict]:
@@ -153,8 +120,8 @@ class Engine:
             self._speculation = tensors, (self.bundle.meta.get("infinigen") or {}).get("defaults")
         return self._speculation
 
-    def set_policy(self, policy: str, kv: KVOptions | None = None) -> None:
-        """Choose the KV policy and its options (the loaded model stays)."""
+    def _set_policy(self, policy: str, kv: KVOptions | None = None) -> None:
+        """The run's KV policy and its options, checked once (a request may bring its own: `with_policy`)."""
         if policy not in POLICIES:
             raise InfinigenError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}")
         kv = kv or KVOptions()
@@ -170,7 +137,7 @@ class Engine:
     def with_policy(self, policy: str, kv: KVOptions | None = None) -> Engine:
         """A view of this engine (same model and tokenizer) with another policy."""
         other = copy.copy(self)
-        other.set_policy(policy, kv)
+        other._set_policy(policy, kv)
         return other
 
     def dense_layers(self) -> int:
@@ -192,11 +159,10 @@ class Engine:
             logits = self.model(ids[:, sl], positions[:, sl], cache, valid[:, sl], last_only=True)
         return logits[:, -1]
 
-    def _sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def runner(self, *, max_batch: int = 8, prefill_chunk: int | None = 512, kv_tokens: int | None = None) -> Runner:
+        """A step-level runner over this engine (continuous batching): see runner.py."""
+        return Runner(self, max_batch=max_batch, prefill_chunk=prefill_chunk, kv_tokens=kv_tokens)
 
-    @torch.inference_mode()
     def generate(
         self,
         prompts: list[list[int]],
@@ -205,102 +171,41 @@ class Engine:
         stop: list[str] | list[list[str]] | None = None,
         on_step: Callable[[list[list[int]]], set[int] | None] | None = None,
     ) -> tuple[list[Generation], RunStats]:
-        """Generate for a batch of token-id prompts. Limits, sampling and stop strings are one for all rows
-        or one per row. `on_step(generated)` sees every step's ids so far and may return rows to cancel."""
+        """Generate for token-id prompts, all running together: a loop over a Runner's steps. Limits, sampling
+        and stop strings are one for all rows or one per row. `on_step(generated)` sees every step's ids so far
+        and may return rows to cancel."""
         b = len(prompts)
-        if not prompts or any(len(p) == 0 for p in prompts):
+        if not prompts:
             raise InfinigenError("every prompt needs at least one token")
         limits = per_row(max_new_tokens, b, "max_new_tokens")
         params = per_row(sampling or SamplingParams(), b, "sampling")
         stops = per_row(stop or [], b, "stop", nested=True)
-        if min(limits) < 1:
-            raise InfinigenError(f"max-new-tokens must be >= 1, got {min(limits)}")
-        s, steps = max(len(p) for p in prompts), max(limits)
-        check_context(s, steps, self.cfg.max_position_embeddings)
-        gens = [torch.Generator(device=self.device).manual_seed(p.seed) if p.seed is not None else None for p in params]
-        ids, positions, valid = pad_batch(prompts, self.tokenizer.pad_id, self.device)
-        with closing(self.make_cache(b, s + steps)) as cache:  # closed even when a step fails
-            stats = RunStats(prefill_tokens=sum(len(p) for p in prompts))
-
-            self._sync()
-            t0 = time.perf_counter()
-            logits = self.prefill(cache, ids, positions, valid)
-            next_tok = sample_rows(logits, params, gens)
-            self._sync()
-            stats.prefill_s = time.perf_counter() - t0
-
-            out: list[list[int]] = [[] for _ in range(b)]
-            reasons: list[str | None] = [None] * b
-            texts: list[str | None] = [None] * b
-            pos = positions[:, -1:]
-            t0 = time.perf_counter()
-            for step in range(steps):
-                toks = next_tok.tolist()  # the one host sync a step: the sampled tokens
-                for i, t in enumerate(toks):
-                    if reasons[i] is not None:
-                        continue
-                    if t in self.tokenizer.eos_ids:
-                        reasons[i] = "stop"
-                        continue
-                    out[i].append(t)
-                    if stops[i]:
-                        text = self.tokenizer.decode(out[i])
-                        hit = [text.index(x) for x in stops[i] if x in text]
-                        if hit:
-                            texts[i], reasons[i] = text[: min(hit)], "stop"
-                    if reasons[i] is None and len(out[i]) >= limits[i]:
-                        reasons[i] = "length"
+        run = self.runner(max_batch=b, prefill_chunk=self.kv.prefill_chunk)
+        rids = [run.add(Request(p, n, s, x)) for p, n, s, x in zip(prompts, limits, params, stops, strict=True)]
+        row = {rid: i for i, rid in enumerate(rids)}
+        results: list[Generation | None] = [None] * b
+        out: list[list[int]] = [[] for _ in range(b)]
+        try:
+            while run.has_work:
+                for o in run.step():
+                    out[row[o.id]] = o.token_ids
+                    if o.finished:
+                        results[row[o.id]] = o.generation
                 if on_step is not None:
                     for i in on_step(out) or ():
-                        reasons[i] = reasons[i] or "cancelled"
-                if all(r is not None for r in reasons) or step == steps - 1:
-                    break
-                pos = pos + 1
-                logits = self.model(next_tok[:, None], pos, cache, torch.ones_like(valid[:, :1]), last_only=True)[:, -1]
-                next_tok = sample_rows(logits, params, gens)
-                stats.decode_steps += 1
-            self._sync()
-            stats.decode_s = time.perf_counter() - t0
-            stats.decode_tokens = stats.decode_steps * b  # tokens computed by decode forwards, whole batch
-            stats.extra = {
-                "policy": self.policy,
-                "device": str(self.device),
-                "dtype": str(self.dtype).removeprefix("torch."),
-                "batch": b,
-                "generated_tokens": sum(len(o) for o in out),
-                **cache.report().to_dict(),
-                **memory_stats(self.device),
-            }
-        results = []
-        for i in range(b):
-            text = texts[i] if texts[i] is not None else self.tokenizer.decode(out[i])
-            results.append(Generation(text, out[i], list(prompts[i]), reasons[i] or "length"))
+                        if results[i] is None:
+                            results[i] = run.abort(rids[i])
+        finally:  # a failed step: the others' KV goes back too
+            for rid in rids:
+                run.abort(rid)
+        stats = run.stats
+        stats.extra = {
+            "policy": self.policy,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "batch": b,
+            "generated_tokens": sum(len(r.token_ids) for r in results),
+            **run.report().to_dict(),
+            **memory_stats(self.device),
+        }
         return results, stats
-
-
-def check_context(prompt_tokens: int, new_tokens: int, context: int) -> None:
-    """A prompt and its new tokens must fit the model's positions (the KV cache is sized by their sum)."""
-    if prompt_tokens >= context:
-        raise InfinigenError(f"the prompt is {prompt_tokens} tokens but the model's context is {context}; shorten it")
-    if prompt_tokens + new_tokens > context:
-        raise InfinigenError(
-            f"the prompt's {prompt_tokens} tokens + max-new-tokens {new_tokens} exceed the model's context of "
-            f"{context} tokens; ask for at most {context - prompt_tokens}"
-        )
-
-
-def per_row(value, b: int, name: str, nested: bool = False) -> list:
-    """One value for every row, or a list of exactly b values."""
-    is_list = isinstance(value, list) and (not nested or (value and isinstance(value[0], list)))
-    if not is_list:
-        return [value] * b
-    if len(value) != b:
-        raise InfinigenError(f"{name}: {len(value)} values for {b} prompts")
-    return value
-
-
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens) -> torch.Tensor:
-    """Next tokens [B]: one batched call when every row samples the same way, else row by row."""
-    if all(p == params[0] for p in params) and all(g is None for g in gens):
-        return sample(logits, params[0], None)
-    return torch.cat([sample(logits[i : i + 1], p, g) for i, (p, g) in enumerate(zip(params, gens, strict=True))])

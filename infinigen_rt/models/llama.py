@@ -97,10 +97,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
         v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v, mask = cache.update(self.layer, q, k, v)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and s > 1, enable_gqa=self.n_kv != self.n_heads
-        )
+        y = cache.attend(self.layer, q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
 
 

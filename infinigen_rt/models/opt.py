@@ -32,9 +32,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, S, D)
         k = self.k_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k, v, mask = cache.update(self.layer, q, k, v)
-        # OPT scales q by head_dim**-0.5 after the bias: the same as SDPA's default scale
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and s > 1)
+        y = cache.attend(self.layer, q, k, v)  # OPT scales q by head_dim**-0.5 after the bias: SDPA's default
         return self.out_proj(y.transpose(1, 2).reshape(b, s, -1))
 
 

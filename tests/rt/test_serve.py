@@ -20,8 +20,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from infinigen_rt.engine import Generation, RunStats
 from infinigen_rt.policies import KVOptions
+from infinigen_rt.runner import Generation, RunStats
 from infinigen_rt.sampling import SamplingParams
 from infinigen_rt.serve.metrics import Metrics
 from infinigen_rt.serve.scheduler import Done, Job, QueueFull, Scheduler, TextStream

@@ -1,0 +1,340 @@
+"""Step-level generation: requests join and leave the running batch at every step (continuous batching).
+
+    runner = engine.runner(max_batch=8, prefill_chunk=512, kv_tokens=65536)
+    rid = runner.add(Request(prompt_ids, max_new_tokens=64))   # checked at once: a bad request raises here
+    while runner.has_work:
+        for out in runner.step():                              # each running request's new tokens
+            ...                                                # out.finished: out.generation is its result
+    runner.abort(rid)                                          # its KV is freed at once
+
+A step admits waiting requests while the batch has a row (`max_batch`) and the KV budget has room for the
+request's prompt and new tokens (`kv_tokens`, counted in blocks of `BLOCK_TOKENS`; a request waits, never fails,
+while the budget is taken), prefills up to `prefill_chunk` prompt tokens (a long prompt takes several steps, so
+the running streams keep getting a token every step), then runs one decode forward over every running request.
+
+Each request owns its cache, built by its own policy and options (resolved once against the bundle's defaults
+when it is added) and closed the moment it finishes or is aborted. The decode forward is one batched pass
+through the model whose attention each row does through its own cache (cache.Rows), so a request's tokens are
+the same whichever requests share its steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from infinigen_rt.cache import KVReport, Rows, merge_reports
+from infinigen_rt.errors import InfinigenError
+from infinigen_rt.policies import KVOptions
+from infinigen_rt.sampling import SamplingParams, sample
+
+if TYPE_CHECKING:
+    from infinigen_rt.engine import Engine
+
+BLOCK_TOKENS = 16  # the unit in which the KV budget is taken and reported (the metrics' pool blocks)
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str  # "stop" (eos or a stop string), "length" or "cancelled"
+
+
+@dataclass
+class RunStats:
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_steps: int = 0
+    decode_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "prefill_tokens": self.prefill_tokens,
+            "prefill_s": round(self.prefill_s, 6),
+            "prefill_tokens_per_s": round(self.prefill_tokens / self.prefill_s, 3) if self.prefill_s else None,
+            "decode_tokens": self.decode_tokens,
+            "decode_steps": self.decode_steps,
+            "decode_s": round(self.decode_s, 6),
+            "decode_tokens_per_s": round(self.decode_tokens / self.decode_s, 3) if self.decode_s else None,
+            "ms_per_step": round(1000 * self.decode_s / self.decode_steps, 3) if self.decode_steps else None,
+            **self.extra,
+        }
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_new_tokens: int = 64
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] = field(default_factory=list)
+    policy: str | None = None  # None: the runner's
+    kv: KVOptions | None = None  # None: the runner's
+
+
+@dataclass
+class Output:
+    """One request's part of a step: the tokens it gained, and when it finished, its result."""
+
+    id: int
+    new_token_ids: list[int]
+    token_ids: list[int]  # every token so far (the list keeps growing: copy it to keep a snapshot)
+    generation: Generation | None = None  # set when the request finished in this step
+    report: KVReport | None = None  # and what its cache did
+
+    @property
+    def finished(self) -> bool:
+        return self.generation is not None
+
+
+@dataclass(eq=False)
+class _Seq:
+    id: int
+    req: Request
+    view: Engine  # the engine with this request's policy and options
+    need: int  # KV tokens its cache is sized for: prompt + new tokens
+    gen: torch.Generator | None
+    cache: object = None
+    done: int = 0  # prompt tokens prefilled
+    out: list[int] = field(default_factory=list)
+    pending: torch.Tensor | None = None  # the sampled token not yet fed to the model: [1] on the device
+    reason: str | None = None
+    text: str | None = None
+    report: KVReport | None = None
+
+
+class Runner:
+    """See the module docstring. One thread drives a runner (the server's scheduler thread, or `generate`)."""
+
+    def __init__(
+        self, engine: Engine, *, max_batch: int = 8, prefill_chunk: int | None = 512, kv_tokens: int | None = None,
+    ):  # fmt: skip
+        if max_batch < 1:
+            raise InfinigenError(f"--max-batch must be >= 1, got {max_batch}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise InfinigenError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
+        if kv_tokens is not None and kv_tokens < BLOCK_TOKENS:
+            raise InfinigenError(f"--kv-tokens must be >= {BLOCK_TOKENS} (one block), got {kv_tokens}")
+        self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
+        self.total_blocks = None if kv_tokens is None else kv_tokens // BLOCK_TOKENS
+        self.used_blocks = 0
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []  # admitted: prefilling (done < prompt) or decoding, in arrival order
+        self.ids = itertools.count()
+        self.stats = RunStats()
+        self.reports: list[KVReport] = []  # of the requests that finished or were aborted
+        self.eos = engine.tokenizer.eos_ids if engine.tokenizer is not None else set()
+
+    # ---- requests in and out
+
+    def add(self, req: Request) -> int:
+        """Queue a request; its checks (context, limits, policy and options) fail here, not at a later step."""
+        eng = self.engine
+        if not req.prompt_ids:
+            raise InfinigenError("every prompt needs at least one token")
+        if req.max_new_tokens < 1:
+            raise InfinigenError(f"max-new-tokens must be >= 1, got {req.max_new_tokens}")
+        check_context(len(req.prompt_ids), req.max_new_tokens, eng.cfg.max_position_embeddings)
+        policy, kv = req.policy or eng.policy, req.kv or eng.kv
+        view = eng if (policy, kv) == (eng.policy, eng.kv) else eng.with_policy(policy, kv)
+        need = len(req.prompt_ids) + req.max_new_tokens
+        if self.total_blocks is not None and blocks(need) > self.total_blocks:
+            raise InfinigenError(
+                f"the request needs {need} tokens of KV (prompt + max-new-tokens) but the KV budget holds "
+                f"{self.total_blocks * BLOCK_TOKENS}; raise --kv-tokens or ask for fewer tokens"
+            )
+        seed = req.sampling.seed
+        gen = torch.Generator(device=eng.device).manual_seed(seed) if seed is not None else None
+        seq = _Seq(next(self.ids), req, view, need, gen)
+        self.waiting.append(seq)
+        return seq.id
+
+    def abort(self, rid: int) -> Generation | None:
+        """Stop a request now (waiting or running) and free its KV; returns what it generated, or None if the
+        runner does not know it (finished already)."""
+        for seq in self.waiting:
+            if seq.id == rid:
+                self.waiting.remove(seq)
+                seq.reason = "cancelled"
+                return self._result(seq)
+        for seq in self.running:
+            if seq.id == rid:
+                seq.reason = "cancelled"
+                self._free(seq)
+                return self._result(seq)
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def blocks(self) -> tuple[int, int]:
+        """KV blocks (used, free); free is -1 without a budget."""
+        return self.used_blocks, -1 if self.total_blocks is None else self.total_blocks - self.used_blocks
+
+    def report(self) -> KVReport:
+        """The KV report over the requests that have ended (see cache.merge_reports)."""
+        return merge_reports(self.reports)
+
+    # ---- a step
+
+    @torch.inference_mode()
+    def step(self) -> list[Output]:
+        """Admit, prefill up to one chunk, decode one token for every running request. Returns an Output for every
+        request that gained a token or finished in this step."""
+        self._admit()
+        outs: dict[int, Output] = {}
+        self._prefill(outs)
+        self._decode(outs)
+        return list(outs.values())
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            if self.total_blocks is not None and self.used_blocks + blocks(seq.need) > self.total_blocks:
+                break  # first come, first served: the next one waits for room too
+            self.waiting.popleft()
+            seq.cache = seq.view.make_cache(1, seq.need)
+            self.used_blocks += blocks(seq.need)
+            self.running.append(seq)
+
+    def _prefill(self, outs: dict[int, Output]) -> None:
+        budget = self.prefill_chunk
+        dev = self.engine.device
+        for seq in [s for s in self.running if s.done < len(s.req.prompt_ids)]:
+            if budget is not None and budget <= 0:
+                break
+            prompt = seq.req.prompt_ids
+            chunk = seq.view.kv.prefill_chunk or budget or len(prompt)
+            n = min(len(prompt) - seq.done, chunk, budget or chunk)
+            ids = torch.tensor([prompt[seq.done : seq.done + n]], device=dev)
+            pos = torch.arange(seq.done, seq.done + n, device=dev)[None]
+            sync(dev)
+            t0 = time.perf_counter()
+            try:
+                logits = self.engine.model(ids, pos, seq.cache, torch.ones_like(ids, dtype=torch.bool), last_only=True)
+            except Exception:
+                self._fail([seq])
+                raise
+            seq.done += n
+            self.stats.prefill_tokens += n
+            if budget is not None:
+                budget -= n
+            if seq.done == len(prompt):
+                seq.pending = sample(logits[:, -1], seq.req.sampling, seq.gen)
+                self._take(seq, int(seq.pending), outs)  # the request's first token
+            sync(dev)
+            self.stats.prefill_s += time.perf_counter() - t0
+
+    def _decode(self, outs: dict[int, Output]) -> None:
+        rows = [s for s in self.running if s.pending is not None]
+        if not rows:
+            return
+        dev = self.engine.device
+        t0 = time.perf_counter()
+        ids = torch.cat([s.pending for s in rows])[:, None]
+        pos = torch.tensor([[len(s.req.prompt_ids) + len(s.out) - 1] for s in rows], device=dev)
+        cache = rows[0].cache if len(rows) == 1 else Rows([s.cache for s in rows])
+        try:
+            logits = self.engine.model(ids, pos, cache, torch.ones_like(ids, dtype=torch.bool), last_only=True)[:, -1]
+            toks = sample_rows(logits, [s.req.sampling for s in rows], [s.gen for s in rows])
+            got = toks.tolist()  # the one host sync a step: the sampled tokens
+        except Exception:
+            self._fail(rows)
+            raise
+        for i, (seq, t) in enumerate(zip(rows, got, strict=True)):
+            seq.pending = toks[i : i + 1]
+            self._take(seq, t, outs)
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += len(rows)
+        sync(dev)
+        self.stats.decode_s += time.perf_counter() - t0
+
+    def _take(self, seq: _Seq, t: int, outs: dict[int, Output]) -> None:
+        """A sampled token: the end (eos), or one more token, then maybe a stop string or the limit."""
+        out = outs.setdefault(seq.id, Output(seq.id, [], seq.out))
+        if t in self.eos:
+            seq.reason = "stop"
+        else:
+            seq.out.append(t)
+            out.new_token_ids.append(t)
+            if seq.req.stop:
+                text = self.engine.tokenizer.decode(seq.out)
+                hit = [text.index(x) for x in seq.req.stop if x in text]
+                if hit:
+                    seq.text, seq.reason = text[: min(hit)], "stop"
+            if seq.reason is None and len(seq.out) >= seq.req.max_new_tokens:
+                seq.reason = "length"
+        if seq.reason is not None:
+            self._free(seq)
+            out.generation, out.report = self._result(seq), seq.report
+
+    def _free(self, seq: _Seq) -> None:
+        """Its KV goes back at once (the cache closed, its blocks returned)."""
+        if seq.cache is not None:
+            try:
+                seq.report = seq.cache.report()
+                self.reports.append(seq.report)
+            finally:
+                seq.cache.close()
+                seq.cache, seq.pending = None, None
+                self.used_blocks -= blocks(seq.need)
+        if seq in self.running:
+            self.running.remove(seq)
+
+    def _fail(self, seqs: list[_Seq]) -> None:
+        """A forward failed: the requests in it end (their KV freed); the others run on."""
+        for seq in seqs:
+            seq.reason = seq.reason or "error"
+            self._free(seq)
+
+    def _result(self, seq: _Seq) -> Generation:
+        tok = self.engine.tokenizer
+        text = seq.text if seq.text is not None else (tok.decode(seq.out) if tok is not None else "")
+        return Generation(text, seq.out, list(seq.req.prompt_ids), seq.reason or "length")
+
+
+def blocks(tokens: int) -> int:
+    return math.ceil(tokens / BLOCK_TOKENS)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_context(prompt_tokens: int, new_tokens: int, context: int) -> None:
+    """A prompt and its new tokens must fit the model's positions (the KV cache is sized by their sum)."""
+    if prompt_tokens >= context:
+        raise InfinigenError(f"the prompt is {prompt_tokens} tokens but the model's context is {context}; shorten it")
+    if prompt_tokens + new_tokens > context:
+        raise InfinigenError(
+            f"the prompt's {prompt_tokens} tokens + max-new-tokens {new_tokens} exceed the model's context of "
+            f"{context} tokens; ask for at most {context - prompt_tokens}"
+        )
+
+
+def per_row(value, b: int, name: str, nested: bool = False) -> list:
+    """One value for every row, or a list of exactly b values."""
+    is_list = isinstance(value, list) and (not nested or (value and isinstance(value[0], list)))
+    if not is_list:
+        return [value] * b
+    if len(value) != b:
+        raise InfinigenError(f"{name}: {len(value)} values for {b} prompts")
+    return value
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens) -> torch.Tensor:
+    """Next tokens [B]: one batched call when every row samples the same way, else row by row."""
+    if all(p == params[0] for p in params) and all(g is None for g in gens):
+        return sample(logits, params[0], None)
+    return torch.cat([sample(logits[i : i + 1], p, g) for i, (p, g) in enumerate(zip(params, gens, strict=True))])
