@@ -240,7 +240,12 @@ def serve(
     model_name: Annotated[
         Optional[str], typer.Option("--model-name", help="The model id clients send (default: the bundle folder name).")
     ] = None,
-    max_batch: Annotated[int, typer.Option("--max-batch", help="Most requests run together in one batch.")] = 8,
+    max_batch: Annotated[int, typer.Option("--max-batch", help="Most requests running together (one step).")] = 8,
+    kv_tokens: Annotated[
+        Optional[int],
+        typer.Option("--kv-tokens", help="KV budget of the running requests, in tokens (each takes prompt + "
+                     "max_tokens); a request waits while it is taken. Default: --max-batch requests of full context."),
+    ] = None,
     max_queue: Annotated[int, typer.Option("--max-queue", help="Most requests waiting; beyond it: 429.")] = 64,
     max_body: Annotated[
         Optional[int],
@@ -260,7 +265,9 @@ def serve(
     eviction: Eviction = "counter",
     window: Window = 16,
     dense_layers: DenseLayers = None,
-    prefill_chunk: PrefillChunk = None,
+    prefill_chunk: Annotated[
+        int, typer.Option(help="Prompt tokens prefilled per step, between decode steps of the running requests.")
+    ] = 512,
     revision: Revision = None,
     verify: Annotated[bool, typer.Option(help="Check every bundle file's sha256 before loading.")] = True,
 ):
@@ -268,6 +275,7 @@ def serve(
 
     /v1/models, /v1/completions, /v1/chat/completions ("stream": true for SSE), /health, /metrics.
 
+    Requests join the running batch at the next step and leave it when they end (continuous batching).
     A request may override KV options with {"infinigen": {"alpha": A, "budget": B}}.
 
     Examples:
@@ -291,8 +299,12 @@ def serve(
     from infinigen_rt.hub import resolve_bundle
     from infinigen_rt.policies import KVOptions
 
-    if max_batch < 1 or max_queue < 1:
-        raise InfinigenError(f"--max-batch and --max-queue must be >= 1, got {max_batch} and {max_queue}")
+    if max_batch < 1 or max_queue < 1 or prefill_chunk < 1:
+        raise InfinigenError(
+            f"--max-batch, --max-queue and --prefill-chunk must be >= 1, got {max_batch}, {max_queue}, {prefill_chunk}"
+        )
+    if kv_tokens is not None and kv_tokens < 16:
+        raise InfinigenError(f"--kv-tokens must be >= 16 (one block), got {kv_tokens}")
     if max_body is not None and max_body < 1024:
         raise InfinigenError(f"--max-body must be at least 1024 bytes, got {max_body}")
     path = resolve_bundle(bundle, revision)
@@ -300,21 +312,31 @@ def serve(
     with err_console.status("loading bundle", spinner="dots"):
         kv = KVOptions(
             alpha=alpha, budget=budget, max_kv=max_kv, capacity=capacity, eviction=eviction, window=window,
-            dense_layers=dense_layers, prefill_chunk=prefill_chunk,
+            dense_layers=dense_layers,
         )  # fmt: skip
         engine = Engine(read_bundle(path, verify=verify), device=device, dtype=dtype, policy=policy, kv=kv)
     name = model_name or (Path(bundle).name if Path(bundle).exists() else bundle)
-    server_app = create_app(engine, name, max_batch=max_batch, max_queue=max_queue, api_key=api_key, max_body=max_body)
+    server_app = create_app(
+        engine, name, max_batch=max_batch, max_queue=max_queue, api_key=api_key, max_body=max_body,
+        prefill_chunk=prefill_chunk, kv_tokens=kv_tokens,
+    )  # fmt: skip
     port = sock.getsockname()[1]
     shown, dt = f"[{host}]" if ":" in host else host, str(engine.dtype).removeprefix("torch.")
     err_console.print(
-        f"serving [bold]{name}[/] ({policy} on {engine.device}, {dt}, batches of <= {max_batch}) at "
+        f"serving [bold]{name}[/] ({policy} on {engine.device}, {dt}, up to {max_batch} requests per step) at "
         f"http://{shown}:{port}/v1" + (" (API key required)" if api_key else ""),
         soft_wrap=True,
     )
-    # on Ctrl+C / SIGTERM: open streams get 5 s to end, then are cancelled (their rows stop)
+    # on Ctrl+C / SIGTERM the scheduler ends every request at once (their streams get an error event and close),
+    # so uvicorn's graceful wait for open connections is short
     config = uvicorn.Config(server_app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            server_app.state.scheduler.stop(wait=False)
+            super().handle_exit(sig, frame)
+
+    Server(config).run(sockets=[sock])
 
 
 def _listen_socket(host: str, port: int):

@@ -54,13 +54,17 @@ def body_limit(context: int) -> int:
 
 def create_app(
     engine: Engine, model_name: str, *, max_batch: int = 8, max_queue: int = 64, api_key: str | None = None,
+    prefill_chunk: int | None = 512, kv_tokens: int | None = None,
     max_body: int | None = None,
 ) -> FastAPI:  # fmt: skip
     """An app serving `engine` as `model_name`; its scheduler thread runs while the app does (lifespan).
 
     `max_body`: larger request bodies get a 413 before they are parsed (default: `body_limit(context)`)."""
     metrics = Metrics()
-    scheduler = Scheduler(engine, max_batch=max_batch, max_queue=max_queue, metrics=metrics)
+    scheduler = Scheduler(
+        engine, max_batch=max_batch, max_queue=max_queue, metrics=metrics, prefill_chunk=prefill_chunk,
+        kv_tokens=kv_tokens,
+    )  # fmt: skip
     tok, context, started = engine.tokenizer, engine.cfg.max_position_embeddings, int(time.time())
 
     @asynccontextmanager

@@ -33,10 +33,13 @@ class Metrics:
         self.cancelled = Counter(
             "infinigen_requests_cancelled", "Requests whose client left before the end.", registry=r
         )
-        self.batches = Counter("infinigen_batches", "Batches run.", registry=r)
-        self.batch_rows = Counter(
-            "infinigen_batch_rows", "Rows of all batches run (over batches_total: mean batch size).", registry=r
+        self.steps = Counter(
+            "infinigen_decode_steps", "Decode steps run (each over every running request).", registry=r
         )
+        self.step_rows = Counter(
+            "infinigen_decode_rows", "Requests of all decode steps (over decode_steps_total: mean batch size).",
+            registry=r,
+        )  # fmt: skip
         self.bytes_h2d = Counter("infinigen_bytes_h2d", "KV bytes copied host to device.", registry=r)
         self.bytes_d2h = Counter("infinigen_bytes_d2h", "KV bytes copied device to host.", registry=r)
         self.ttft = Histogram(
@@ -57,7 +60,7 @@ class Metrics:
             buckets=REQUEST_BUCKETS,
             registry=r,
         )
-        self.last_batch: dict[str, float] = {}  # kv_fetched_share, decode_tokens_per_second of the last batch
+        self.last: dict[str, float] = {}  # kv_fetched_share of the last request, decode_tokens_per_second
         self.waiting: Callable[[], int] | None = None
         self.running: Callable[[], int] | None = None
         self.kv_blocks: Callable[[], tuple[int, int]] | None = None
@@ -82,23 +85,25 @@ class Metrics:
     def record_tokens(self, n: int, wait: float, first: bool) -> None:
         """`n` new tokens of one request, the first `wait` s after the request's previous token (`first`: after
         its arrival). Tokens that come in one step reach the client together: the others wait 0."""
+        self.generated_tokens.inc(n)
         (self.ttft if first else self.itl).observe(wait)
         for _ in range(n - 1):
             self.itl.observe(0.0)
 
-    def record_batch(self, batch_prompts: list[int], results, stats) -> None:
-        s = stats.to_dict()
-        self.batches.inc()
-        self.batch_rows.inc(len(batch_prompts))
-        self.prompt_tokens.inc(sum(batch_prompts))
-        self.generated_tokens.inc(sum(len(r.token_ids) for r in results))
-        self.cancelled.inc(sum(r.finish_reason == "cancelled" for r in results))
-        self.bytes_h2d.inc(s.get("bytes_h2d") or 0)
-        self.bytes_d2h.inc(s.get("bytes_d2h") or 0)
-        last = {"decode_tokens_per_second": s.get("decode_tokens_per_s")}
-        if s.get("kv_fetched_share") is not None:  # kept from an earlier batch when this policy reports none
-            last["kv_fetched_share"] = s["kv_fetched_share"]
-        self.last_batch = {**self.last_batch, **last}  # one assignment: a scrape sees the old dict or the new
+    def record_step(self, steps: int, rows: int, tokens_per_s: float | None) -> None:
+        """After a runner step: its decode steps (0 or 1) and their rows, the engine's decode rate so far."""
+        self.steps.inc(steps)
+        self.step_rows.inc(rows)
+        if tokens_per_s is not None:
+            self.last = {**self.last, "decode_tokens_per_second": tokens_per_s}
+
+    def record_request(self, prompt_tokens: int, report) -> None:
+        """A request that ended, with its cache's KVReport."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.bytes_h2d.inc(report.bytes_h2d)
+        self.bytes_d2h.inc(report.bytes_d2h)
+        if report.kv_fetched_share is not None:  # kept from an earlier request when this policy reports none
+            self.last = {**self.last, "kv_fetched_share": report.kv_fetched_share}  # one assignment: atomic
 
     def render(self) -> bytes:
         """The text exposition, of type `prometheus_client.CONTENT_TYPE_LATEST`."""
@@ -106,7 +111,7 @@ class Metrics:
 
 
 class _Live:
-    """The gauges read at scrape time: the scheduler's queue and batch, the KV pool, the last batch's figures."""
+    """The gauges read at scrape time: the scheduler's queue and batch, the KV pool, the last request's figures."""
 
     def __init__(self, metrics: Metrics):
         self.m = metrics
@@ -123,15 +128,15 @@ class _Live:
             used, free = m.kv_blocks()
             yield _gauge("kv_pool_blocks_used", "KV pool blocks holding a request's cache.", used)
             yield _gauge("kv_pool_blocks_free", "KV pool blocks free.", free)
-        last = m.last_batch
+        last = m.last
         if last.get("kv_fetched_share") is not None:
             yield _gauge(
-                "kv_fetched_share", "Share of the held KV fetched per step, last batch.", last["kv_fetched_share"]
+                "kv_fetched_share", "Share of the held KV fetched per step, last request.", last["kv_fetched_share"]
             )
         if last.get("decode_tokens_per_second") is not None:
             yield _gauge(
                 "decode_tokens_per_second",
-                "Decode throughput of the last batch (all rows).",
+                "Decode tokens per second of the engine so far (all requests).",
                 last["decode_tokens_per_second"],
             )
 

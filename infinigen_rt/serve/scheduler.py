@@ -1,11 +1,11 @@
-"""One thread owns the engine and runs waiting requests through it in batches.
+"""One thread owns a runner over the engine and drives it step by step (continuous batching).
 
-Requests wait in a bounded FIFO. The thread takes the oldest one plus up to max_batch - 1 more with the same
-KV options (the engine holds one set per batch) that fit the context together, and runs them as one
-`Engine.generate` batch with limits, sampling and stop strings per row. From `on_step` it times each row's
-new tokens (the metrics' first-token and inter-token latencies), hands each streaming row its new text and
-returns the rows whose clients left, so those rows stop. Requests that arrive meanwhile wait for the next
-batch: the engine's decode loop is closed, so a running batch takes no new rows.
+Requests wait in a bounded FIFO. At every step the thread hands the new ones to the runner (runner.py), which
+admits them into the running batch while it has a row (--max-batch) and KV room (--kv-tokens), prefills their
+prompts in chunks (--prefill-chunk) and decodes one token for every running request. Each step's tokens are
+timed (the metrics' first-token and inter-token latencies) and streamed at once; a request that ends gets its
+answer in that step, and one whose client left is aborted there, its KV freed. Each request carries its own
+KV options, so requests with different options share steps.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.policies import KVOptions
+from infinigen_rt.runner import Request
 from infinigen_rt.sampling import SamplingParams
 from infinigen_rt.serve.metrics import Metrics
 
@@ -84,13 +85,13 @@ class Job:
     max_tokens: int
     sampling: SamplingParams
     stop: list[str]
-    kv: KVOptions  # requests share a batch only when these are equal
+    kv: KVOptions  # this request's (the server's, with its overrides)
     emit: Callable[[str | Done | Failed], None]
     stream: bool = False
     cancelled: bool = False  # set from the HTTP side when the client leaves
-    seen: int = 0  # tokens of this row already looked at by on_step
+    seen: int = 0  # tokens of this request already handed on
     arrived: float = 0.0  # time.perf_counter() at submit
-    last_token: float = 0.0  # time.perf_counter() when on_step last saw new tokens of this row
+    last_token: float = 0.0  # time.perf_counter() of its previous tokens
     text: TextStream = field(init=False)
 
     def __post_init__(self):
@@ -98,7 +99,7 @@ class Job:
 
 
 class Scheduler:
-    """Owns the engine from its own thread; `submit` and `cancel` are safe from any thread."""
+    """Owns the engine's runner from its own thread; `submit` and `cancel` are safe from any thread."""
 
     def __init__(
         self,
@@ -106,34 +107,40 @@ class Scheduler:
         max_batch: int = 8,
         max_queue: int = 64,
         metrics: Metrics | None = None,
-        batch_wait_s: float = 0.02,
+        prefill_chunk: int | None = 512,
+        kv_tokens: int | None = None,
     ):
         self.engine, self.base_kv = engine, engine.kv
-        self.max_batch, self.max_queue, self.batch_wait_s = max_batch, max_queue, batch_wait_s
+        if kv_tokens is None:  # room for max_batch requests of the model's whole context
+            kv_tokens = max_batch * engine.cfg.max_position_embeddings
+        self.runner = engine.runner(max_batch=max_batch, prefill_chunk=prefill_chunk, kv_tokens=kv_tokens)
+        self.max_batch, self.max_queue = max_batch, max_queue
         self.metrics = metrics or Metrics()
-        self.context = engine.cfg.max_position_embeddings
-        self.waiting: deque[Job] = deque()
-        self.running: list[Job] = []
+        self.inbox: deque[Job] = deque()  # submitted, not yet handed to the runner
+        self.jobs: dict[int, Job] = {}  # the runner's requests (waiting in it or running) by id
         self.cond = threading.Condition()
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="infinigen-scheduler", daemon=True)
-        self.metrics.watch(waiting=lambda: len(self.waiting), running=lambda: len(self.running))
+        self.metrics.watch(waiting=lambda: self.queue_depth, running=lambda: self.batch_size, kv_blocks=self._blocks)
+
+    def _blocks(self) -> tuple[int, int]:
+        return self.runner.blocks()
 
     def start(self) -> None:
         self.thread.start()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Refuse new requests, fail the waiting ones, cut the running batch short, wait for the thread."""
+    def stop(self, timeout: float = 30.0, wait: bool = True) -> None:
+        """Refuse new requests, fail the waiting and running ones at the end of the step in progress (their streams
+        end), and with `wait` wait for the thread."""
         with self.cond:
             self.stopping = True
-            for job in self.waiting:
-                _emit(job, Failed(503, "the server is shutting down"))
-            self.waiting.clear()
-            for job in self.running:
-                job.cancelled = True
             self.cond.notify_all()
+        if not wait:
+            return
         if self.thread.is_alive():
             self.thread.join(timeout)
+        else:
+            self._fail_all()
 
     @property
     def alive(self) -> bool:
@@ -141,111 +148,107 @@ class Scheduler:
 
     @property
     def queue_depth(self) -> int:
-        return len(self.waiting)
+        return len(self.inbox) + len(self.runner.waiting)
 
     @property
     def batch_size(self) -> int:
-        return len(self.running)
+        return len(self.runner.running)
 
     def submit(self, job: Job) -> None:
         with self.cond:
             if self.stopping:
                 raise ShuttingDown()
-            if len(self.waiting) >= self.max_queue:
+            if self.queue_depth >= self.max_queue:
                 raise QueueFull()
             job.arrived = time.perf_counter()
-            self.waiting.append(job)
+            self.inbox.append(job)
             self.cond.notify()
 
     def cancel(self, job: Job) -> None:
-        """The client left: a waiting job leaves the queue, a running row stops at the next step."""
+        """The client left: the job ends at the next step (its KV freed there)."""
         with self.cond:
             job.cancelled = True
-            if job in self.waiting:
-                self.waiting.remove(job)
-                self.metrics.count_cancelled()
+            self.cond.notify()
 
     def _loop(self) -> None:
-        while (batch := self._next_batch()) is not None:
-            self._run(batch)
-
-    def _next_batch(self) -> list[Job] | None:
-        with self.cond:
-            while True:
-                while not self.waiting and not self.stopping:
-                    self.cond.wait()
-                # requests that come together share a batch: wait a moment for the rest of them (a batch takes
-                # no new rows, so starting with the first alone would keep the others waiting a whole generation)
-                deadline = time.monotonic() + self.batch_wait_s
-                while not self.stopping and len(self.waiting) < self.max_batch and time.monotonic() < deadline:
-                    self.cond.wait(deadline - time.monotonic())
-                if self.stopping:
-                    return None
-                if self.waiting:  # else: the waiting ones were cancelled meanwhile
-                    break
-            first = self.waiting[0]
-            batch, longest, steps = [], 0, 0
-            for job in self.waiting:
-                if len(batch) == self.max_batch:
-                    break
-                # one KV option set per batch; the cache holds the longest prompt + the most new tokens
-                fits = max(longest, len(job.prompt_ids)) + max(steps, job.max_tokens) <= self.context
-                if job.kv == first.kv and (fits or not batch):
-                    batch.append(job)
-                    longest, steps = max(longest, len(job.prompt_ids)), max(steps, job.max_tokens)
-            for job in batch:
-                self.waiting.remove(job)
-            self.running = batch
-            return batch
-
-    def _run(self, batch: list[Job]) -> None:
-        engine, tok = self.engine, self.engine.tokenizer
-
-        def on_step(generated: list[list[int]]) -> set[int]:
-            gone, now = set(), time.perf_counter()
-            for i, job in enumerate(batch):
-                if job.cancelled:
-                    gone.add(i)
-                elif len(generated[i]) != job.seen:
-                    first = job.seen == 0
-                    self.metrics.record_tokens(
-                        len(generated[i]) - job.seen, now - (job.arrived if first else job.last_token), first
-                    )
-                    job.seen, job.last_token = len(generated[i]), now
-                    if job.stream and (piece := job.text.update(tok.decode(generated[i]))):
-                        _emit(job, piece)
-            return gone
-
-        engine.kv = batch[0].kv  # this thread owns the engine: the batch's KV options for this run only
         try:
-            results, stats = engine.generate(
-                [j.prompt_ids for j in batch],
-                [j.max_tokens for j in batch],
-                [j.sampling for j in batch],
-                stop=[j.stop for j in batch],
-                on_step=on_step,
-            )
-        except InfinigenError as e:
-            for job in batch:
-                _emit(job, Failed(400, str(e)))
-            return
-        except Exception as e:  # a bug: fail this batch, keep serving
-            log.exception("batch of %d failed", len(batch))
-            for job in batch:
-                _emit(job, Failed(500, f"internal error: {type(e).__name__}: {e}"))
-            return
+            while True:
+                with self.cond:
+                    while not self.inbox and not self.runner.has_work and not self.stopping:
+                        self.cond.wait()
+                    if self.stopping:
+                        break
+                    new = list(self.inbox)
+                    self.inbox.clear()
+                self._admit(new)
+                self._drop_cancelled()
+                if self.runner.has_work:
+                    self._step()
         finally:
-            engine.kv = self.base_kv
-            with self.cond:
-                self.running = []
-        # counted before any client sees its end: a scrape after a response includes that response's batch
-        self.metrics.record_batch(batch_prompts=[len(j.prompt_ids) for j in batch], results=results, stats=stats)
-        for job, res in zip(batch, results, strict=True):
-            if res.finish_reason == "cancelled":
+            self._fail_all()
+
+    def _admit(self, new: list[Job]) -> None:
+        for job in new:
+            if job.cancelled:
+                self.metrics.count_cancelled()
                 continue
-            text = job.text.finish(res.text) if job.stream else res.text
-            self.metrics.e2e.observe(time.perf_counter() - job.arrived)
-            _emit(job, Done(text, res.finish_reason, len(res.token_ids)))
+            req = Request(job.prompt_ids, job.max_tokens, job.sampling, job.stop, kv=job.kv)
+            try:
+                self.jobs[self.runner.add(req)] = job
+            except InfinigenError as e:
+                _emit(job, Failed(400, str(e)))
+
+    def _drop_cancelled(self) -> None:
+        for rid, job in list(self.jobs.items()):
+            if job.cancelled:
+                self.runner.abort(rid)
+                del self.jobs[rid]
+                self.metrics.count_cancelled()
+
+    def _step(self) -> None:
+        st = self.runner.stats
+        steps, rows = st.decode_steps, st.decode_tokens
+        try:
+            outs = self.runner.step()
+        except Exception as e:  # the requests of the failed forward end (the runner freed them); others run on
+            if not isinstance(e, InfinigenError):
+                log.exception("a step of %d requests failed", len(self.runner.running))
+            known = {s.id for s in self.runner.running} | {s.id for s in self.runner.waiting}
+            status = 400 if isinstance(e, InfinigenError) else 500
+            message = str(e) if status == 400 else f"internal error: {type(e).__name__}: {e}"
+            for rid in [r for r in self.jobs if r not in known]:
+                _emit(self.jobs.pop(rid), Failed(status, message))
+            return
+        now, tok = time.perf_counter(), self.engine.tokenizer
+        rate = st.decode_tokens / st.decode_s if st.decode_s else None
+        self.metrics.record_step(st.decode_steps - steps, st.decode_tokens - rows, rate)
+        for out in outs:  # every token of the step counted first: a scrape after an answer includes its step
+            job = self.jobs[out.id]
+            if n := len(out.new_token_ids):
+                first = job.seen == 0
+                self.metrics.record_tokens(n, now - (job.arrived if first else job.last_token), first)
+                job.seen, job.last_token = job.seen + n, now
+                if job.stream and (piece := job.text.update(tok.decode(out.token_ids))):
+                    _emit(job, piece)
+        for out in outs:
+            if out.finished:  # counted before its client sees its end
+                job, gen = self.jobs.pop(out.id), out.generation
+                self.metrics.record_request(len(gen.prompt_token_ids), out.report)
+                self.metrics.e2e.observe(now - job.arrived)
+                text = job.text.finish(gen.text) if job.stream else gen.text
+                _emit(job, Done(text, gen.finish_reason, len(gen.token_ids)))
+
+    def _fail_all(self) -> None:
+        """Shutting down: every request not finished gets its end now (no stream is left hanging)."""
+        with self.cond:
+            self.stopping = True
+            left = list(self.inbox) + list(self.jobs.values())
+            self.inbox.clear()
+        for rid in list(self.jobs):
+            self.runner.abort(rid)
+        self.jobs.clear()
+        for job in left:
+            _emit(job, Failed(503, "the server is shutting down"))
 
 
 def _emit(job: Job, event) -> None:

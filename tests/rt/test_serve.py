@@ -7,24 +7,26 @@ at a time and a queue of one (equality with `generate --json` on a real model, a
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import re
 import subprocess
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from infinigen_rt.cache import KVReport
 from infinigen_rt.policies import KVOptions
-from infinigen_rt.runner import Generation, RunStats
+from infinigen_rt.runner import Generation, Output, RunStats
 from infinigen_rt.sampling import SamplingParams
 from infinigen_rt.serve.metrics import Metrics
-from infinigen_rt.serve.scheduler import Done, Job, QueueFull, Scheduler, TextStream
+from infinigen_rt.serve.scheduler import Done, Failed, Job, QueueFull, Scheduler, ShuttingDown, TextStream
 from tests.conftest import ROOT, TOKENIZER_TEXT, ServerProcess, run_cli
 from tests.test_cli import one_line_error
 
@@ -209,7 +211,8 @@ def test_concurrent_streams_match_single_requests_and_a_killed_client_does_not_s
     assert got == alone  # rows do not leak into each other
     assert time.monotonic() - t0 < 60
     m = tiny.metrics()
-    assert m["infinigen_batches_total"] - before["infinigen_batches_total"] < 17  # requests shared batches
+    rows = m["infinigen_decode_rows_total"] - before.get("infinigen_decode_rows_total", 0)
+    assert rows / (m["infinigen_decode_steps_total"] - before.get("infinigen_decode_steps_total", 0)) > 1  # shared
     deadline = time.monotonic() + 10
     while m["infinigen_requests_cancelled_total"] == before["infinigen_requests_cancelled_total"]:
         assert time.monotonic() < deadline, "the closed stream was not cancelled"
@@ -420,7 +423,7 @@ def test_metrics_time_every_token_and_parse(tiny):
     families = {f.name: f for f in prometheus_parser.text_string_to_metric_families(r.text)}
     assert families["infinigen_time_to_first_token_seconds"].type == "histogram"
     assert families["infinigen_requests"].type == "counter" and families["infinigen_queue_depth"].type == "gauge"
-    assert "infinigen_kv_pool_blocks_used" not in families  # no pool to read yet
+    assert families["infinigen_kv_pool_blocks_used"].type == "gauge"
     after = tiny.metrics()
 
     def grew(name: str) -> float:
@@ -433,6 +436,7 @@ def test_metrics_time_every_token_and_parse(tiny):
     buckets = [s.value for s in families["infinigen_inter_token_latency_seconds"].samples if s.name.endswith("_bucket")]
     assert buckets == sorted(buckets) and buckets[-1] == after["infinigen_inter_token_latency_seconds_count"]
     assert after["infinigen_num_requests_running"] == after["infinigen_num_requests_waiting"] == 0
+    assert after["infinigen_kv_pool_blocks_used"] == 0 and after["infinigen_kv_pool_blocks_free"] > 0  # all back
 
 
 def test_serve_load_open_loop(tiny):
@@ -463,48 +467,105 @@ def test_serve_load_open_loop(tiny):
 # ---- the scheduler and the text stream, without a server ----
 
 
+class FakeRunner:
+    """The runner's interface without a model: every running request gains token i at its step i; admits up to
+    max_batch at each step; `hold` (an Event) keeps the first step waiting after admission; `fail_at`: that step
+    raises, ending the requests running then."""
+
+    def __init__(self, max_batch: int, hold: threading.Event | None = None, fail_at: int | None = None):
+        self.max_batch, self.hold, self.fail_at, self.n = max_batch, hold, fail_at, 0
+        self.waiting, self.running, self.added = deque(), [], []
+        self.ids, self.stats = itertools.count(), RunStats()
+        self.decode = lambda ids: "".join(chr(97 + t % 26) for t in ids)
+
+    @property
+    def has_work(self):
+        return bool(self.waiting or self.running)
+
+    def blocks(self):
+        return len(self.running), 10 - len(self.running)
+
+    def add(self, req):
+        seq = SimpleNamespace(id=next(self.ids), req=req, out=[])
+        self.waiting.append(seq)
+        self.added.append(req)
+        return seq.id
+
+    def abort(self, rid):
+        for q in (self.waiting, self.running):
+            for seq in q:
+                if seq.id == rid:
+                    q.remove(seq)
+                    return Generation(self.decode(seq.out), seq.out, seq.req.prompt_ids, "cancelled")
+        return None
+
+    def step(self):
+        while self.waiting and len(self.running) < self.max_batch:
+            self.running.append(self.waiting.popleft())
+        if self.hold is not None:
+            self.hold.wait(10)
+            self.hold = None
+        self.n += 1
+        if self.n == self.fail_at:
+            self.running.clear()
+            raise RuntimeError("boom")
+        outs = []
+        for seq in list(self.running):
+            seq.out.append(len(seq.out))
+            out = Output(seq.id, [seq.out[-1]], seq.out)
+            if len(seq.out) >= seq.req.max_new_tokens:
+                self.running.remove(seq)
+                out.generation = Generation(self.decode(seq.out), seq.out, seq.req.prompt_ids, "length")
+                out.report = KVReport(bytes_h2d=7)
+            outs.append(out)
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += len(outs)
+        return outs
+
+
 class FakeEngine:
-    """Generates token i at step i for each row; records each batch's size and KV options."""
-
-    def __init__(self):
-        self.kv, self.calls = KVOptions(), []
+    def __init__(self, hold=None, fail_at=None):
+        self.kv, self.hold, self.fail_at = KVOptions(), hold, fail_at
         self.cfg = SimpleNamespace(max_position_embeddings=64)
-        self.tokenizer = SimpleNamespace(decode=lambda ids: "".join(chr(97 + t % 26) for t in ids))
 
-    def generate(self, prompts, max_new_tokens, sampling, stop, on_step):
-        self.calls.append((len(prompts), self.kv))
-        out = [[] for _ in prompts]
-        for step in range(max(max_new_tokens)):
-            for row, limit in zip(out, max_new_tokens, strict=True):
-                if len(row) < limit:
-                    row.append(step)
-            on_step(out)
-        gens = [Generation(self.tokenizer.decode(o), o, p, "length") for o, p in zip(out, prompts, strict=True)]
-        return gens, RunStats()
+    def runner(self, max_batch, prefill_chunk, kv_tokens):
+        self.made = FakeRunner(max_batch, self.hold, self.fail_at)
+        self.tokenizer = SimpleNamespace(decode=self.made.decode)
+        return self.made
 
 
-def test_scheduler_batches_only_compatible_requests():
+def wait_for(cond, what: str):
+    deadline = time.monotonic() + 10
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_requests_with_their_own_kv_options_share_steps_and_each_ends_in_its_own_step():
     engine, events = FakeEngine(), []
-    sched = Scheduler(engine, max_batch=2, max_queue=4, batch_wait_s=0)
+    sched = Scheduler(engine, max_batch=2, max_queue=4)
     other = KVOptions(budget=0.5)
 
     def job(kv, n=3, stream=False):
         return Job([1, 2], n, SamplingParams(), [], kv, emit=lambda ev: events.append((n, ev)), stream=stream)
 
-    jobs = [job(engine.kv, 3, True), job(other, 4), job(engine.kv, 5), job(engine.kv, 6)]
+    jobs = [job(engine.kv, 3, True), job(other, 5), job(engine.kv, 4), job(engine.kv, 6)]
     for j in jobs:
         sched.submit(j)
     with pytest.raises(QueueFull):
         sched.submit(job(engine.kv))
-    sched.cancel(jobs[3])  # a waiting request whose client left frees its place
-    assert sched.queue_depth == 3
-    first = sched._next_batch()
-    assert first == [jobs[0], jobs[2]]  # the oldest and the next with the same KV options; max 2
-    sched._run(first)
-    sched._run(sched._next_batch())
-    assert engine.calls == [(2, engine.kv), (1, other)] and engine.kv is sched.base_kv
+    sched.cancel(jobs[3])  # a waiting request whose client left never runs
+    sched.start()
+    wait_for(lambda: sum(isinstance(ev, Done) for _, ev in events) == 3, "three answers")
+    sched.stop()
+    assert [r.kv for r in engine.made.added] == [engine.kv, other, engine.kv]  # each request's own options
     assert [ev for n, ev in events if n == 3] == ["a", "b", "c", Done("", "length", 3)]  # streamed, then done
+    dones = [n for n, ev in events if isinstance(ev, Done)]
+    assert dones == [3, 5, 4]  # the 3-token one answered at step 3; the third request took its row at step 4
     assert (5, Done("abcde", "length", 5)) in events and (4, Done("abcd", "length", 4)) in events
+    m = scrape(sched.metrics)
+    assert m["infinigen_decode_steps_total"] == 7 and m["infinigen_decode_rows_total"] == 12
+    assert m["infinigen_requests_cancelled_total"] == 1 and m["infinigen_bytes_h2d_total"] == 21
 
 
 def scrape(metrics: Metrics) -> dict[str, float]:
@@ -518,32 +579,22 @@ def scrape(metrics: Metrics) -> dict[str, float]:
 
 
 def test_scheduler_gauges_while_requests_wait_and_token_timings():
-    engine, release, ended = FakeEngine(), threading.Event(), []
-    generate = engine.generate
-
-    def held(*args, **kw):  # the first batch waits for `release`: its row runs, the others wait
-        release.wait(10)
-        return generate(*args, **kw)
-
-    engine.generate = held
-    sched = Scheduler(engine, max_batch=1, max_queue=4, batch_wait_s=0)
+    release, ended = threading.Event(), []
+    engine = FakeEngine(hold=release)  # the first step waits for `release`: one request runs, the others wait
+    sched = Scheduler(engine, max_batch=1, max_queue=4)
     limits = [3, 5, 1]
     for n in limits:
         sched.submit(Job([1, 2], n, SamplingParams(), [], engine.kv, emit=ended.append, stream=n == 3))
     sched.start()
-    deadline = time.monotonic() + 10
-    while sched.batch_size == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for(lambda: sched.batch_size == 1, "a running request")
     m = scrape(sched.metrics)
     assert m["infinigen_num_requests_running"] == m["infinigen_batch_size"] == 1
     assert m["infinigen_num_requests_waiting"] == m["infinigen_queue_depth"] == 2
+    assert m["infinigen_kv_pool_blocks_used"] == 1 and m["infinigen_kv_pool_blocks_free"] == 9
     assert m["infinigen_time_to_first_token_seconds_count"] == 0
     time.sleep(0.05)
     release.set()
-    while sum(isinstance(e, Done) for e in ended) < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for(lambda: sum(isinstance(e, Done) for e in ended) == 3, "three answers")
     sched.stop()
     m = scrape(sched.metrics)
     assert m["infinigen_num_requests_running"] == m["infinigen_num_requests_waiting"] == 0
@@ -552,7 +603,34 @@ def test_scheduler_gauges_while_requests_wait_and_token_timings():
     assert m["infinigen_inter_token_latency_seconds_count"] == sum(n - 1 for n in limits)
     assert m["infinigen_e2e_request_latency_seconds_count"] == 3
     assert m["infinigen_e2e_request_latency_seconds_sum"] >= m["infinigen_time_to_first_token_seconds_sum"] >= 0.15
-    assert m["infinigen_generated_tokens_total"] == sum(limits) and m["infinigen_batches_total"] == 3
+    assert m["infinigen_generated_tokens_total"] == sum(limits) and m["infinigen_decode_steps_total"] == sum(limits)
+
+
+def test_stop_ends_every_stream_at_once_and_a_failed_step_fails_only_its_requests():
+    release, ended = threading.Event(), []
+    engine = FakeEngine(hold=release)
+    sched = Scheduler(engine, max_batch=1, max_queue=4)
+    for n in (3, 4):
+        sched.submit(Job([1], n, SamplingParams(), [], engine.kv, emit=ended.append, stream=True))
+    sched.start()
+    wait_for(lambda: sched.batch_size == 1, "a running request")
+    sched.stop(wait=False)
+    release.set()
+    sched.thread.join(5)
+    assert not sched.thread.is_alive()
+    assert [e.status for e in ended if isinstance(e, Failed)] == [503, 503]  # the running one and the waiting one
+    with pytest.raises(ShuttingDown):
+        sched.submit(Job([1], 2, SamplingParams(), [], engine.kv, emit=ended.append))
+
+    engine, ended = FakeEngine(fail_at=2), []
+    sched = Scheduler(engine, max_batch=1, max_queue=4)
+    for n in (3, 2):
+        sched.submit(Job([1], n, SamplingParams(), [], engine.kv, emit=ended.append))
+    sched.start()
+    wait_for(lambda: any(isinstance(e, Done) for e in ended), "the second request's answer")
+    sched.stop()
+    assert ended[0] == Failed(500, "internal error: RuntimeError: boom") and ended[1] == Done("ab", "length", 2)
+    assert scrape(sched.metrics)["infinigen_generated_tokens_total"] == 3  # the failed one's first token counts
 
 
 def test_kv_pool_gauges_read_the_callable_given():
@@ -591,17 +669,19 @@ def test_serve_help_and_lazy_imports(tmp_path):
     one_line_error(r, "pip install 'infinigen[serve]'")
 
 
-def test_a_batch_is_counted_before_its_clients_see_their_end():
-    """A scrape made as soon as a response ends includes that response's tokens and batch."""
+def test_a_request_is_counted_before_its_client_sees_its_end():
+    """A scrape made as soon as a response ends includes that response's tokens."""
     engine, seen = FakeEngine(), []
-    sched = Scheduler(engine, max_batch=2, max_queue=4, batch_wait_s=0)
+    sched = Scheduler(engine, max_batch=2, max_queue=4)
 
     def emit(ev):
         if isinstance(ev, Done):
             m = scrape(sched.metrics)
-            seen.append((m["infinigen_generated_tokens_total"], m["infinigen_batches_total"]))
+            seen.append((m["infinigen_generated_tokens_total"], m["infinigen_prompt_tokens_total"]))
 
     for n in (2, 3):
         sched.submit(Job([1, 2], n, SamplingParams(), [], engine.kv, emit=emit))
-    sched._run(sched._next_batch())
-    assert seen == [(5.0, 1.0), (5.0, 1.0)]
+    sched.start()
+    wait_for(lambda: len(seen) == 2, "two answers")
+    sched.stop()
+    assert seen == [(4.0, 2.0), (5.0, 4.0)]
