@@ -105,6 +105,14 @@ def server_counts(url: str) -> dict[str, float]:
     return {k: float(v) for k, v in re.findall(r"^(infinigen_\w+) (\S+)$", text, re.M)}
 
 
+def batch_counts(before: dict, after: dict) -> tuple[float, float]:
+    """Steps (or batches) the server ran and their rows: mean batch size = rows / steps. The continuous-batching
+    server counts decode steps; the closed-batch one before it counted batches."""
+    kind = "decode_steps" if "infinigen_decode_steps_total" in after else "batches"
+    rows = "decode_rows" if kind == "decode_steps" else "batch_rows"
+    return tuple(after.get(f"infinigen_{k}_total", 0) - before.get(f"infinigen_{k}_total", 0) for k in (kind, rows))
+
+
 def run_load(url: str, model: str, clients: int, requests: int, max_tokens: int, api_key: str | None) -> dict:
     """`requests` completions from `clients` closed-loop threads; returns the throughput figures."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -148,8 +156,7 @@ def run_load(url: str, model: str, clients: int, requests: int, max_tokens: int,
     for c in conns:
         c.close()
     after = server_counts(url)
-    batches = after["infinigen_batches_total"] - before["infinigen_batches_total"]
-    rows = after["infinigen_batch_rows_total"] - before["infinigen_batch_rows_total"]
+    batches, rows = batch_counts(before, after)
     latencies, tokens = [d[0] for d in done], sum(d[1] for d in done)
     return {
         "clients": clients,
@@ -305,7 +312,7 @@ def run_open_loop(
     def r4(x: float | None) -> float | None:
         return None if x is None else round(x, 4)
 
-    batches, rows = grew("infinigen_batches_total"), grew("infinigen_batch_rows_total")
+    batches, rows = batch_counts(before, after)
     return {
         "rate": rate,
         "requests": len(plan),
