@@ -114,17 +114,14 @@ class Scheduler:
         if kv_tokens is None:  # room for max_batch requests of the model's whole context
             kv_tokens = max_batch * engine.cfg.max_position_embeddings
         self.runner = engine.runner(max_batch=max_batch, prefill_chunk=prefill_chunk, kv_tokens=kv_tokens)
-        self.max_batch, self.max_queue = max_batch, max_queue
+        self.max_queue = max_queue
         self.metrics = metrics or Metrics()
         self.inbox: deque[Job] = deque()  # submitted, not yet handed to the runner
         self.jobs: dict[int, Job] = {}  # the runner's requests (waiting in it or running) by id
         self.cond = threading.Condition()
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="infinigen-scheduler", daemon=True)
-        self.metrics.watch(waiting=lambda: self.queue_depth, running=lambda: self.batch_size, kv_blocks=self._blocks)
-
-    def _blocks(self) -> tuple[int, int]:
-        return self.runner.blocks()
+        self.metrics.watch(waiting=lambda: self.queue_depth, running=lambda: self.batch_size, kv_blocks=self.runner.blocks)
 
     def start(self) -> None:
         self.thread.start()
