@@ -121,7 +121,9 @@ class Scheduler:
         self.cond = threading.Condition()
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="infinigen-scheduler", daemon=True)
-        self.metrics.watch(waiting=lambda: self.queue_depth, running=lambda: self.batch_size, kv_blocks=self.runner.blocks)
+        self.metrics.watch(
+            waiting=lambda: self.queue_depth, running=lambda: self.batch_size, kv_blocks=self.runner.blocks
+        )
 
     def start(self) -> None:
         self.thread.start()
