@@ -55,8 +55,10 @@ class KVCache:
     dense_prefill = True  # a prompt attends over its exact KV (so one prefill may serve several policies)
 
     @classmethod
-    def build(cls, engine, batch: int, max_len: int) -> KVCache:
-        """The cache for a batch of `batch` sequences of up to `max_len` tokens under `engine`'s options."""
+    def build(cls, engine, batch: int, max_len: int, pages=None) -> KVCache:
+        """The cache for a batch of `batch` sequences of up to `max_len` tokens under `engine`'s options. `pages`
+        (blocks.Pages, one sequence): where a host pool keeps its rows in a paged pool's shared buffers (policies
+        whose KV stays on the device ignore it)."""
         raise NotImplementedError
 
     @classmethod
@@ -104,7 +106,7 @@ class DenseCache(KVCache):
     name = "full"
 
     @classmethod
-    def build(cls, engine, batch, max_len):
+    def build(cls, engine, batch, max_len, pages=None):
         return cls(engine.cfg, batch, max_len, engine.device, engine.dtype)
 
     @classmethod

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from infinigen_rt import __version__
-from infinigen_rt.console import add_version_option, console, err_console, print_json, run_app
+from infinigen_rt.console import add_version_option, console, err_console, parse_bytes, print_json, run_app
 
 app = typer.Typer(
     name="infinigen-rt",
@@ -243,8 +243,14 @@ def serve(
     max_batch: Annotated[int, typer.Option("--max-batch", help="Most requests running together (one step).")] = 8,
     kv_tokens: Annotated[
         Optional[int],
-        typer.Option("--kv-tokens", help="KV budget of the running requests, in tokens (each takes prompt + "
-                     "max_tokens); a request waits while it is taken. Default: --max-batch requests of full context."),
+        typer.Option("--kv-tokens", help="Size of the shared, paged KV pool in tokens (a request takes prompt + "
+                     "max_tokens; it waits while the pool is taken). Default: --max-batch requests of full context, "
+                     "for offload/infinigen/int4 at most half the free host memory."),
+    ] = None,
+    kv_memory: Annotated[
+        Optional[str],
+        typer.Option("--kv-memory", help="Size of the KV pool in bytes instead (e.g. 8GiB, 500MB): host memory for "
+                     "offload/infinigen/int4, device memory for full/h2o, at the policy's bytes per token."),
     ] = None,
     max_queue: Annotated[int, typer.Option("--max-queue", help="Most requests waiting; beyond it: 429.")] = 64,
     max_body: Annotated[
@@ -305,6 +311,9 @@ def serve(
         )
     if kv_tokens is not None and kv_tokens < 16:
         raise InfinigenError(f"--kv-tokens must be >= 16 (one block), got {kv_tokens}")
+    if kv_tokens is not None and kv_memory is not None:
+        raise InfinigenError("--kv-tokens and --kv-memory both size the KV pool: give one of them")
+    kv_bytes = None if kv_memory is None else parse_bytes(kv_memory, "--kv-memory")
     if max_body is not None and max_body < 1024:
         raise InfinigenError(f"--max-body must be at least 1024 bytes, got {max_body}")
     path = resolve_bundle(bundle, revision)
@@ -318,13 +327,15 @@ def serve(
     name = model_name or (Path(bundle).name if Path(bundle).exists() else bundle)
     server_app = create_app(
         engine, name, max_batch=max_batch, max_queue=max_queue, api_key=api_key, max_body=max_body,
-        prefill_chunk=prefill_chunk, kv_tokens=kv_tokens,
+        prefill_chunk=prefill_chunk, kv_tokens=kv_tokens, kv_memory=kv_bytes,
     )  # fmt: skip
     port = sock.getsockname()[1]
     shown, dt = f"[{host}]" if ":" in host else host, str(engine.dtype).removeprefix("torch.")
+    pool = server_app.state.scheduler.runner.pool.alloc
     err_console.print(
-        f"serving [bold]{name}[/] ({policy} on {engine.device}, {dt}, up to {max_batch} requests per step) at "
-        f"http://{shown}:{port}/v1" + (" (API key required)" if api_key else ""),
+        f"serving [bold]{name}[/] ({policy} on {engine.device}, {dt}, up to {max_batch} requests per step, KV pool "
+        f"of {pool.n_blocks * pool.block_size} tokens) at http://{shown}:{port}/v1"
+        + (" (API key required)" if api_key else ""),
         soft_wrap=True,
     )
     # on Ctrl+C / SIGTERM the scheduler ends every request at once (their streams get an error event and close),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import warnings
 
@@ -36,6 +37,19 @@ def human_bytes(n: float | None) -> str:
     unit = ("B", "KB", "MB", "GB")[i]
     digits = 0 if unit == "B" or abs(n) >= 99.95 else 1 if abs(n) >= 9.995 else 2
     return f"{n:,.{digits}f} {unit}"
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_bytes(text: str, option: str) -> int:
+    """'8GiB' -> 8589934592, '500MB' -> 500000000, '1.5 GB', '4096': a size in bytes (SI or binary units)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = m and m.group(2).lower()
+    if not m or unit not in _UNITS:
+        raise InfinigenError(f"{option}: cannot read {text!r} as a size; write e.g. 8GiB, 500MB or 4096 (bytes)")
+    return int(float(m.group(1)) * _UNITS[unit])
 
 
 def results_table(title: str, columns: list[str]) -> Table:

@@ -14,7 +14,7 @@ from infinigen_rt.bundle import DTYPES, Bundle, load_infinigen
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.models import load_model
 from infinigen_rt.policies import POLICIES, KVOptions
-from infinigen_rt.runner import Generation, Request, Runner, RunStats, per_row
+from infinigen_rt.runner import BLOCK_TOKENS, Generation, Request, Runner, RunStats, blocks, per_row, pool_tokens
 from infinigen_rt.sampling import SamplingParams
 from infinigen_rt.tokenizer import Tokenizer
 
@@ -148,8 +148,8 @@ class Engine:
             return self._speculation[1]["dense_layers"] if self._speculation else 2
         return (self.bundle.meta.get("infinigen") or {}).get("defaults", {}).get("dense_layers", 2)
 
-    def make_cache(self, batch: int, max_len: int):
-        return POLICIES[self.policy].build(self, batch, max_len)
+    def make_cache(self, batch: int, max_len: int, pages=None):
+        return POLICIES[self.policy].build(self, batch, max_len, pages)
 
     def prefill(self, cache, ids, positions, valid):
         """The prompt through the model, in chunks of --prefill-chunk tokens; logits of the last position."""
@@ -162,6 +162,10 @@ class Engine:
     def runner(self, *, max_batch: int = 8, prefill_chunk: int | None = 512, kv_tokens: int | None = None) -> Runner:
         """A step-level runner over this engine (continuous batching): see runner.py."""
         return Runner(self, max_batch=max_batch, prefill_chunk=prefill_chunk, kv_tokens=kv_tokens)
+
+    def pool_tokens(self, max_batch: int, kv_tokens: int | None = None, kv_memory: int | None = None) -> int:
+        """A paged KV pool's size in tokens for a server of `max_batch` requests: see runner.pool_tokens."""
+        return pool_tokens(self, max_batch, kv_tokens, kv_memory)
 
     def generate(
         self,
@@ -180,7 +184,9 @@ class Engine:
         limits = per_row(max_new_tokens, b, "max_new_tokens")
         params = per_row(sampling or SamplingParams(), b, "sampling")
         stops = per_row(stop or [], b, "stop", nested=True)
-        run = self.runner(max_batch=b, prefill_chunk=self.kv.prefill_chunk)
+        # a paged pool of exactly the blocks these requests take
+        pool = sum(blocks(len(p) + n) for p, n in zip(prompts, limits, strict=True)) * BLOCK_TOKENS
+        run = self.runner(max_batch=b, prefill_chunk=self.kv.prefill_chunk, kv_tokens=pool)
         rids = [run.add(Request(p, n, s, x)) for p, n, s, x in zip(prompts, limits, params, stops, strict=True)]
         row = {rid: i for i, rid in enumerate(rids)}
         results: list[Generation | None] = [None] * b

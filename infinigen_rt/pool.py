@@ -8,7 +8,9 @@ Mechanism only: which slots a layer fetches is the policy's business. Layout and
   pos    [B, Hkv, S] on the compute device: the position a slot holds, -1 when free (padding, or evicted)
   hits, last  [B, Hkv, S] on the compute device: times selected, last step selected (eviction's keys)
 Tokens take slots in arrival order, the same slot for every (sequence, KV head); a freed slot is not reused
-(the pool has a slot for every token the cache will see). The host keeps what every decision needs (`fill`,
+(the pool has a slot for every token the cache will see). A pool of one sequence may live in a paged pool's shared
+buffers (blocks.HostBlocks): its slots are then looked up in its block table, on the host for the copies in and
+on the device for the gather's row numbers. The host keeps what every decision needs (`fill`,
 the held counts, whether a slot was ever freed), so nothing here reads the device during a decode step.
 
 Eviction, per (sequence, KV head), keeps at most `capacity` tokens and never touches the most recent `window`
@@ -32,11 +34,11 @@ EVICTIONS = ("counter", "lru", "fifo")
 _BIG = 1 << 32  # ranks: primary key * _BIG + position (positions < 2**32)
 
 
-def host_buffer(shape, dtype, pinned: list | None) -> torch.Tensor:
-    """Zeroed host memory; with a `pinned` list (a GPU computes): page-locked at its exact size, its address
-    appended to the list (torch's caching host allocator would round each block up to a power of two: a 514 MiB
-    layer would take 1 GiB). `unpin` releases what the list holds."""
-    t = torch.zeros(shape, dtype=dtype)
+def host_buffer(shape, dtype, pinned: list | None, zero: bool = True) -> torch.Tensor:
+    """Host memory (zeroed unless `zero` is False); with a `pinned` list (a GPU computes): page-locked at its exact
+    size, its address appended to the list (torch's caching host allocator would round each block up to a power of
+    two: a 514 MiB layer would take 1 GiB). `unpin` releases what the list holds."""
+    t = torch.zeros(shape, dtype=dtype) if zero else torch.empty(shape, dtype=dtype)
     if pinned is not None and t.numel():
         err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
         if err != 0:
@@ -57,7 +59,9 @@ def unpin(pinned: list, device: torch.device) -> None:
 class KVPool:
     """See the module docstring. `device`: where the compute (and the slot state) lives."""
 
-    def __init__(self, batch, n_kv, head_dim, slots, dtype, device, eviction="counter", window=0):
+    def __init__(self, batch, n_kv, head_dim, slots, dtype, device, eviction="counter", window=0, pages=None, layer=0):
+        """`pages` (blocks.Pages, one sequence): the rows live in a paged pool's shared buffers of layer `layer`, slot
+        i at the pool's physical slot pages.slots[i]; else in buffers of this pool's own."""
         assert eviction in EVICTIONS
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda"
@@ -68,8 +72,14 @@ class KVPool:
         self.registered: list[int] | None = [] if self.pinned else None
         if self.pinned:
             self._unpin = weakref.finalize(self, unpin, self.registered, self.device)
-        self.k = host_buffer((slots, batch, n_kv, head_dim), dtype, self.registered)
-        self.v = host_buffer((slots, batch, n_kv, head_dim), dtype, self.registered)
+        self.pages, self.layer = pages, layer
+        if pages is not None:
+            if batch != 1 or len(pages.slots) < slots:
+                raise ValueError(f"pages hold one sequence of {len(pages.slots)} slots: not {batch} of {slots}")
+            self.phys = pages.slots[:slots]  # host: the copies' runs
+            self.phys_dev = torch.from_numpy(self.phys).to(self.device)  # device: the gather's row numbers
+        self.k = self.buffer("k", (n_kv, head_dim), dtype)
+        self.v = self.buffer("v", (n_kv, head_dim), dtype)
         state = (batch, n_kv, slots)  # int32: 12 bytes of state per (sequence, KV head, slot) on the device
         self.pos = torch.full(state, -1, dtype=torch.int32, device=self.device)
         self.hits = torch.zeros(state, dtype=torch.int32, device=self.device)
@@ -106,11 +116,34 @@ class KVPool:
         self.fill += s
         return f
 
+    def buffer(self, name: str, tail: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor [slots, B, *tail] of this pool's own, or the paged pool's shared one for its layer."""
+        if self.pages is None:
+            return host_buffer((self.slots, self.batch, *tail), dtype, self.registered)
+        return self.pages.store.buffer(name, self.layer, tail, dtype)
+
+    def runs(self, f: int, s: int) -> list[tuple[int, int, int]]:
+        """Slots f..f+s-1 as contiguous runs of the buffers: (first buffer slot, first of the s, length). One run in
+        a pool of its own; in a paged pool, one per block touched."""
+        if self.pages is None:
+            return [(f, 0, s)]
+        if s == 1:  # a decode step's token
+            return [(int(self.phys[f]), 0, 1)]
+        phys = self.phys[f : f + s]
+        cuts = np.flatnonzero(np.diff(phys) != 1) + 1
+        starts, ends = np.concatenate([[0], cuts]), np.concatenate([cuts, [s]])
+        return [(int(phys[a]), int(a), int(b - a)) for a, b in zip(starts, ends, strict=True)]
+
+    def write(self, buf: torch.Tensor, f: int, x: torch.Tensor) -> None:
+        """Slots f.. of `buf` from x [B, Hkv, s, X]: one contiguous copy per run (asynchronous into pinned pages)."""
+        rows = x.permute(2, 0, 1, 3)
+        for d, i, n in self.runs(f, x.shape[2]):
+            buf[d : d + n].copy_(rows[i : i + n], non_blocking=self.pinned)
+
     def store(self, f: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Rows of slots f.. from [B, Hkv, s, X] tensors: one contiguous copy each (asynchronous into pinned pages)."""
-        s = k.shape[2]
-        self.k[f : f + s].copy_(k.permute(2, 0, 1, 3), non_blocking=self.pinned)
-        self.v[f : f + s].copy_(v.permute(2, 0, 1, 3), non_blocking=self.pinned)
+        """Rows of slots f.. from [B, Hkv, s, X] tensors."""
+        self.write(self.k, f, k)
+        self.write(self.v, f, v)
 
     def held_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every slot taken: (slots [B, Hkv, fill], ok [B, Hkv, fill]); ok is False on free slots."""
@@ -118,8 +151,10 @@ class KVPool:
         return slots, self.pos[..., : self.fill] >= 0
 
     def flat_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """[B, Hkv, n] slots -> row numbers into the pool viewed as [S * B * Hkv, D] (on the slots' device)."""
-        return slots * (self.batch * self.n_kv) + self.lane.to(slots.device)
+        """[B, Hkv, n] slots -> row numbers into the buffers viewed as [S * B * Hkv, D] (on the slots' device; in a
+        paged pool the block table's slot numbers are looked up there)."""
+        phys = slots if self.pages is None else self.phys_dev.to(slots.device)[slots]
+        return phys * (self.batch * self.n_kv) + self.lane.to(slots.device)
 
     def gather(self, slots: torch.Tensor, ok: torch.Tensor | None = None, extra: int = 0):
         """The K and V rows of `slots` ([B, Hkv, n], compute device) on the compute device: [B, Hkv, n + extra, D]
@@ -136,10 +171,11 @@ class KVPool:
 
     def block(self, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
         """Every slot taken (0..fill-1) into out_k, out_v [fill, B, Hkv, D] (compute device): one contiguous copy
-        each, asynchronous from pinned pages (the layer copy of `offload`, as FlexGen does it)."""
-        n = self.fill
-        out_k.copy_(self.k[:n], non_blocking=self.pinned)
-        out_v.copy_(self.v[:n], non_blocking=self.pinned)
+        per run (one for a pool of its own, one per block in a paged pool), asynchronous from pinned pages (the layer
+        copy of `offload`, as FlexGen does it)."""
+        for d, i, n in self.runs(0, self.fill):
+            out_k[i : i + n].copy_(self.k[d : d + n], non_blocking=self.pinned)
+            out_v[i : i + n].copy_(self.v[d : d + n], non_blocking=self.pinned)
 
     def mark_selected(self, slots: torch.Tensor, ok: torch.Tensor | None, step: int) -> None:
         """Count a selection of `slots` (where `ok`; None: all of them) for the counter and LRU policies."""

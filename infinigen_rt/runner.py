@@ -7,15 +7,21 @@
             ...                                                # out.finished: out.generation is its result
     runner.abort(rid)                                          # its KV is freed at once
 
-A step admits waiting requests while the batch has a row (`max_batch`) and the KV budget has room for the
-request's prompt and new tokens (`kv_tokens`, counted in blocks of `BLOCK_TOKENS`; a request waits, never fails,
-while the budget is taken), prefills up to `prefill_chunk` prompt tokens (a long prompt takes several steps, so
-the running streams keep getting a token every step), then runs one decode forward over every running request.
+A step admits waiting requests while the batch has a row (`max_batch`) and the KV pool has room for the
+request's prompt and new tokens (`kv_tokens`, in blocks of `BLOCK_TOKENS`; a request waits, never fails, while
+the pool is taken), prefills up to `prefill_chunk` prompt tokens (a long prompt takes several steps, so the
+running streams keep getting a token every step), then runs one decode forward over every running request.
+
+The KV pool (blocks.HostBlocks, with `kv_tokens`) is one set of preallocated host buffers per layer, in blocks,
+that every request shares: an admitted request takes the blocks for its prompt and new tokens (its block table),
+and the host-pool policies (offload, infinigen, int4) keep its rows there; the policies whose KV stays on the
+device (full, h2o) count against the same blocks but keep their rows in device buffers of their own. Without
+`kv_tokens` every request's cache has buffers of its own and nothing limits admission but `max_batch`.
 
 Each request owns its cache, built by its own policy and options (resolved once against the bundle's defaults
-when it is added) and closed the moment it finishes or is aborted. The decode forward is one batched pass
-through the model whose attention each row does through its own cache (cache.Rows), so a request's tokens are
-the same whichever requests share its steps.
+when it is added) and closed, its blocks returned, the moment it finishes or is aborted. The decode forward is
+one batched pass through the model whose attention each row does through its own cache (cache.Rows), so a
+request's tokens are the same whichever requests share its steps.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from infinigen_rt.blocks import HostBlocks
 from infinigen_rt.cache import KVReport, Rows, merge_reports
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.policies import KVOptions
@@ -125,8 +132,7 @@ class Runner:
         if kv_tokens is not None and kv_tokens < BLOCK_TOKENS:
             raise InfinigenError(f"--kv-tokens must be >= {BLOCK_TOKENS} (one block), got {kv_tokens}")
         self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
-        self.total_blocks = None if kv_tokens is None else kv_tokens // BLOCK_TOKENS
-        self.used_blocks = 0
+        self.pool = None if kv_tokens is None else HostBlocks(kv_tokens // BLOCK_TOKENS, BLOCK_TOKENS, engine.device)
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []  # admitted: prefilling (done < prompt) or decoding, in arrival order
         self.ids = itertools.count()
@@ -147,10 +153,10 @@ class Runner:
         policy, kv = req.policy or eng.policy, req.kv or eng.kv
         view = eng if (policy, kv) == (eng.policy, eng.kv) else eng.with_policy(policy, kv)
         need = len(req.prompt_ids) + req.max_new_tokens
-        if self.total_blocks is not None and blocks(need) > self.total_blocks:
+        if self.pool is not None and blocks(need) > self.pool.alloc.n_blocks:
             raise InfinigenError(
-                f"the request needs {need} tokens of KV (prompt + max-new-tokens) but the KV budget holds "
-                f"{self.total_blocks * BLOCK_TOKENS}; raise --kv-tokens or ask for fewer tokens"
+                f"the request needs {need} tokens of KV (prompt + max-new-tokens) but the KV pool holds "
+                f"{self.pool.alloc.n_blocks * BLOCK_TOKENS}; raise --kv-tokens (or --kv-memory) or ask for fewer tokens"
             )
         seed = req.sampling.seed
         gen = torch.Generator(device=eng.device).manual_seed(seed) if seed is not None else None
@@ -178,8 +184,10 @@ class Runner:
         return bool(self.waiting or self.running)
 
     def blocks(self) -> tuple[int, int]:
-        """KV blocks (used, free); free is -1 without a budget."""
-        return self.used_blocks, -1 if self.total_blocks is None else self.total_blocks - self.used_blocks
+        """KV blocks (used, free); without a pool: the blocks the running requests would take, and -1."""
+        if self.pool is None:
+            return sum(blocks(s.need) for s in self.running), -1
+        return self.pool.alloc.used, len(self.pool.alloc.free)
 
     def report(self) -> KVReport:
         """The KV report over the requests that have ended (see cache.merge_reports)."""
@@ -200,11 +208,16 @@ class Runner:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
-            if self.total_blocks is not None and self.used_blocks + blocks(seq.need) > self.total_blocks:
+            if self.pool is not None and not self.pool.alloc.room(seq.id, seq.need):
                 break  # first come, first served: the next one waits for room too
             self.waiting.popleft()
-            seq.cache = seq.view.make_cache(1, seq.need)
-            self.used_blocks += blocks(seq.need)
+            pages = None if self.pool is None else self.pool.pages(seq.id, seq.need)
+            try:
+                seq.cache = seq.view.make_cache(1, seq.need, pages)
+            except Exception:
+                seq.reason = "error"
+                self._free(seq)
+                raise
             self.running.append(seq)
 
     def _prefill(self, outs: dict[int, Output]) -> None:
@@ -287,7 +300,8 @@ class Runner:
             finally:
                 seq.cache.close()
                 seq.cache, seq.pending = None, None
-                self.used_blocks -= blocks(seq.need)
+        if self.pool is not None:
+            self.pool.release(seq.id)
         if seq in self.running:
             self.running.remove(seq)
 
@@ -301,6 +315,31 @@ class Runner:
         tok = self.engine.tokenizer
         text = seq.text if seq.text is not None else (tok.decode(seq.out) if tok is not None else "")
         return Generation(text, seq.out, list(seq.req.prompt_ids), seq.reason or "length")
+
+
+def pool_tokens(engine: Engine, max_batch: int, kv_tokens: int | None = None, kv_memory: int | None = None) -> int:
+    """The paged pool's size in tokens: `kv_tokens`; or `kv_memory` bytes at the engine's policy's bytes per token
+    (host memory for a host-pool policy, device memory for the others); or by default room for `max_batch`
+    requests of the model's whole context, for a host-pool policy at most half the host memory available now."""
+    from infinigen_rt.bench import host_available
+    from infinigen_rt.policies import POLICIES
+
+    if kv_tokens is not None and kv_memory is not None:
+        raise InfinigenError("--kv-tokens and --kv-memory both size the KV pool: give one of them")
+    device, host, _ = POLICIES[engine.policy].kv_bytes(engine, engine.cfg.num_key_value_heads, engine.dtype.itemsize)
+    per_token = host or device
+    if kv_tokens is None and kv_memory is not None:
+        kv_tokens = kv_memory // per_token
+        if kv_tokens < BLOCK_TOKENS:
+            raise InfinigenError(
+                f"--kv-memory {kv_memory} bytes holds {kv_tokens} tokens of KV ({per_token} bytes each under "
+                f"{engine.policy}); give at least {BLOCK_TOKENS * per_token} bytes (one block)"
+            )
+    if kv_tokens is None:
+        kv_tokens = max_batch * engine.cfg.max_position_embeddings
+        if host:
+            kv_tokens = max(BLOCK_TOKENS, min(kv_tokens, host_available() // 2 // per_token))
+    return kv_tokens
 
 
 def blocks(tokens: int) -> int:

@@ -25,7 +25,7 @@ class H2OCache(DenseCache):
     scores = True  # its attention builds the scores over the context
 
     @classmethod
-    def build(cls, engine, batch, max_len):
+    def build(cls, engine, batch, max_len, pages=None):
         return cls(engine.cfg, batch, max_len, engine.device, engine.dtype, engine.kv)
 
     @classmethod

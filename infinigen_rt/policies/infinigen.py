@@ -78,9 +78,11 @@ class InfinigenCache(OffloadCache):
     }  # fmt: skip
 
     @classmethod
-    def build(cls, engine, batch, max_len):
+    def build(cls, engine, batch, max_len, pages=None):
         tensors, defaults = engine.speculation()
-        return cls(engine.cfg, batch, max_len, engine.device, engine.dtype, engine.kv, engine.model, tensors, defaults)
+        return cls(
+            engine.cfg, batch, max_len, engine.device, engine.dtype, engine.kv, engine.model, tensors, defaults, pages
+        )  # fmt: skip
 
     @classmethod
     def kv_bytes(cls, engine, tokens, dtype_bytes):
@@ -90,9 +92,10 @@ class InfinigenCache(OffloadCache):
         partial = tokens * d_prime * dtype_bytes * (engine.cfg.num_hidden_layers - dense)  # read every step
         return device + partial, host, read + partial
 
-    def __init__(self, cfg, batch, max_len, device, dtype, opts, model, tensors: dict, defaults: dict):
+    def __init__(self, cfg, batch, max_len, device, dtype, opts, model, tensors: dict, defaults: dict, pages=None):
         dense = defaults["dense_layers"] if opts.dense_layers is None else opts.dense_layers
-        super().__init__(cfg, batch, max_len, device, dtype, opts, resident=dense)  # dense layers stay on the device
+        # the dense layers stay on the device
+        super().__init__(cfg, batch, max_len, device, dtype, opts, resident=dense, pages=pages)
         self.alpha = defaults["alpha"] if opts.alpha is None else opts.alpha
         self.alphas = layer_alphas(opts, defaults, dense, cfg.num_hidden_layers)
         self.dense_layers = dense

@@ -11,7 +11,7 @@ import torch
 
 from infinigen_rt.cache import KVReport
 from infinigen_rt.policies.offload import OffloadCache
-from infinigen_rt.pool import KVPool, host_buffer, take
+from infinigen_rt.pool import KVPool, take
 
 GROUP = 64
 
@@ -40,14 +40,12 @@ class Int4Pool(KVPool):
     """A KVPool whose rows are packed 4-bit codes, with per-group scale and minimum in slot-major tensors of their
     own ([S, B, Hkv, groups], fp16), moved with the rows."""
 
-    def __init__(self, batch, n_kv, head_dim, slots, dtype, device, eviction="counter", window=0):
-        super().__init__(batch, n_kv, head_dim // 2, slots, torch.uint8, device, eviction, window)
+    def __init__(self, batch, n_kv, head_dim, slots, dtype, device, eviction="counter", window=0, pages=None, layer=0):
+        super().__init__(batch, n_kv, head_dim // 2, slots, torch.uint8, device, eviction, window, pages, layer)
         self.group, self.out_dtype = group_size(head_dim), dtype
         n_groups = head_dim // self.group
-        self.meta = {
-            name: host_buffer((slots, batch, n_kv, n_groups), torch.float16, self.registered)
-            for name in ("k_scale", "k_min", "v_scale", "v_min")
-        }
+        names = ("k_scale", "k_min", "v_scale", "v_min")
+        self.meta = {name: self.buffer(name, (n_kv, n_groups), torch.float16) for name in names}
 
     @property
     def row_bytes(self) -> int:
@@ -57,10 +55,8 @@ class Int4Pool(KVPool):
         kq, ks, kl = quantize(k, self.group)
         vq, vs, vl = quantize(v, self.group)
         super().store(f, kq, vq)
-        s = k.shape[2]
-        for (a, b), (x, y) in ((("k_scale", "k_min"), (ks, kl)), (("v_scale", "v_min"), (vs, vl))):
-            self.meta[a][f : f + s].copy_(x.permute(2, 0, 1, 3), non_blocking=self.pinned)
-            self.meta[b][f : f + s].copy_(y.permute(2, 0, 1, 3), non_blocking=self.pinned)
+        for name, x in (("k_scale", ks), ("k_min", kl), ("v_scale", vs), ("v_min", vl)):
+            self.write(self.meta[name], f, x)
 
     def gather(self, slots, ok=None, extra: int = 0):
         kq, vq = super().gather(slots, ok, extra)

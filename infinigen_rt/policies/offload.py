@@ -54,8 +54,8 @@ class OffloadCache(KVCache):
     pool_class = KVPool  # how the host stores rows (Int4Pool for the int4 policy)
 
     @classmethod
-    def build(cls, engine, batch, max_len):
-        return cls(engine.cfg, batch, max_len, engine.device, engine.dtype, engine.kv)
+    def build(cls, engine, batch, max_len, pages=None):
+        return cls(engine.cfg, batch, max_len, engine.device, engine.dtype, engine.kv, pages=pages)
 
     @classmethod
     def kv_bytes(cls, engine, tokens, dtype_bytes):
@@ -72,14 +72,18 @@ class OffloadCache(KVCache):
         dense = tokens * kv_row * resident
         return 2 * tokens * kv_row + tokens * 12 * pooled + dense, tokens * row * pooled, dense
 
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype, opts: KVOptions, resident: int = 0):
-        """`resident`: the first layers keep their KV on the device (a DenseCache), outside the pool."""
+    def __init__(
+        self, cfg: ModelConfig, batch: int, max_len: int, device, dtype, opts: KVOptions, resident: int = 0, pages=None,
+    ):  # fmt: skip
+        """`resident`: the first layers keep their KV on the device (a DenseCache), outside the pool. `pages`: the
+        pools' rows live in a paged pool's shared buffers (see KVCache.build)."""
         self.cfg, self.device, self.opts, self.dtype = cfg, torch.device(device), opts, dtype
         self.resident = DenseCache(cfg, batch, max_len, self.device, dtype, layers=resident) if resident else None
         self.n_resident = resident
         self.pools = [
             None if i < resident else self.pool_class(
-                batch, cfg.num_key_value_heads, cfg.head_dim, max_len, dtype, self.device, opts.eviction, opts.window
+                batch, cfg.num_key_value_heads, cfg.head_dim, max_len, dtype, self.device, opts.eviction, opts.window,
+                pages, i,
             )
             for i in range(cfg.num_hidden_layers)
         ]  # fmt: skip

@@ -20,7 +20,7 @@ class OracleCache(DenseCache):
     scores = True
 
     @classmethod
-    def build(cls, engine, batch, max_len):
+    def build(cls, engine, batch, max_len, pages=None):
         return cls(engine.cfg, batch, max_len, engine.device, engine.dtype, engine.kv, engine.dense_layers())
 
     def __init__(self, cfg, batch, max_len, device, dtype, opts: KVOptions, dense_layers: int):

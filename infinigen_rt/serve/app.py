@@ -54,7 +54,7 @@ def body_limit(context: int) -> int:
 
 def create_app(
     engine: Engine, model_name: str, *, max_batch: int = 8, max_queue: int = 64, api_key: str | None = None,
-    prefill_chunk: int | None = 512, kv_tokens: int | None = None,
+    prefill_chunk: int | None = 512, kv_tokens: int | None = None, kv_memory: int | None = None,
     max_body: int | None = None,
 ) -> FastAPI:  # fmt: skip
     """An app serving `engine` as `model_name`; its scheduler thread runs while the app does (lifespan).
@@ -63,7 +63,7 @@ def create_app(
     metrics = Metrics()
     scheduler = Scheduler(
         engine, max_batch=max_batch, max_queue=max_queue, metrics=metrics, prefill_chunk=prefill_chunk,
-        kv_tokens=kv_tokens,
+        kv_tokens=kv_tokens, kv_memory=kv_memory,
     )  # fmt: skip
     tok, context, started = engine.tokenizer, engine.cfg.max_position_embeddings, int(time.time())
 

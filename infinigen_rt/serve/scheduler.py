@@ -109,10 +109,10 @@ class Scheduler:
         metrics: Metrics | None = None,
         prefill_chunk: int | None = 512,
         kv_tokens: int | None = None,
+        kv_memory: int | None = None,
     ):
         self.engine, self.base_kv = engine, engine.kv
-        if kv_tokens is None:  # room for max_batch requests of the model's whole context
-            kv_tokens = max_batch * engine.cfg.max_position_embeddings
+        kv_tokens = engine.pool_tokens(max_batch, kv_tokens, kv_memory)
         self.runner = engine.runner(max_batch=max_batch, prefill_chunk=prefill_chunk, kv_tokens=kv_tokens)
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()

@@ -56,6 +56,16 @@ def test_one_host_sync_per_decode_step(policy):
     assert bw["gather_bytes_per_s"] > 0
 
 
+def test_a_paged_pools_buffers_are_pinned_at_their_exact_size_and_released():
+    from infinigen_rt.blocks import HostBlocks
+
+    store = HostBlocks(10, 16, "cuda")
+    k = store.buffer("k", 0, (3, 64), torch.float16)
+    assert k.is_pinned() and k.untyped_storage().nbytes() == 10 * 16 * 3 * 64 * 2 == store.nbytes
+    store._unpin()
+    assert not k.is_pinned()
+
+
 def test_pool_pages_are_pinned_at_their_exact_size_and_released(bundles):
     from infinigen_rt.pool import KVPool
 

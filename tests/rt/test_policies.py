@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from infinigen_rt.blocks import HostBlocks
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.cache import DenseCache
 from infinigen_rt.engine import Engine, pad_batch
@@ -321,11 +322,31 @@ needs_triton = pytest.mark.skipif(
 )
 
 
+def scattered_pages(tokens: int):
+    """Pages for one request whose block table is not one run (blocks 0, 2, 3, ...: another request holds block
+    1), in buffers filled with NaN (255 for bytes) as soon as they are made: a row read before it was written, or
+    another request's, poisons the logits."""
+    store = HostBlocks(n_blocks=tokens // 16 + 2, block_size=16, device="cpu")
+    store.pages(0, 16)
+    store.pages(1, 16)
+    pages = store.pages(0, tokens)
+    assert pages.slots[15] == 15 and pages.slots[16] == 32
+    make = store.buffer
+
+    def poisoned(*args):
+        t = make(*args)
+        return t.fill_(float("nan") if t.is_floating_point() else 255)
+
+    store.buffer = poisoned
+    return pages
+
+
 @needs_triton
-@pytest.mark.parametrize("batch", [1, 2])
-def test_the_gpu_step_chooses_and_computes_what_the_cpu_step_does(batch, bundles):
+@pytest.mark.parametrize("batch, paged", [(1, False), (1, True), (2, False)])
+def test_the_gpu_step_chooses_and_computes_what_the_cpu_step_does(batch, paged, bundles):
     """Same selections (hits), tokens and logits; bytes counted from the rows the kernel read (those that count).
-    Batch 2 has left padding and a capacity that evicts (the masked path)."""
+    Batch 2 has left padding and a capacity that evicts (the masked path); `paged`: the GPU step's rows live in a
+    paged pool's shared buffers, through a scattered block table, the CPU step's in buffers of its own."""
     kv = KVOptions(alpha=1.0, budget=0.3, capacity=0.6 if batch == 2 else None)
     e = engines(bundles["llama31_gqa"], ig=("infinigen", kv))["ig"]
     g = torch.Generator().manual_seed(11)
@@ -333,7 +354,8 @@ def test_the_gpu_step_chooses_and_computes_what_the_cpu_step_does(batch, bundles
     cpu = e.make_cache(batch, 59)
     cpu.prefetch = Inline()
     ref, ref_toks, cpu = greedy_logits(e, prompts, 8, cache=cpu)
-    got, toks, gpu = greedy_logits(e, prompts, 8, cache=gpu_step(e.make_cache(batch, 59)))
+    pages = scattered_pages(59) if paged else None
+    got, toks, gpu = greedy_logits(e, prompts, 8, cache=gpu_step(e.make_cache(batch, 59, pages)))
     assert torch.equal(toks, ref_toks)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     for a, b in zip(cpu.pools[e.dense_layers() :], gpu.pools[e.dense_layers() :], strict=True):
@@ -343,6 +365,19 @@ def test_the_gpu_step_chooses_and_computes_what_the_cpu_step_does(batch, bundles
     row = 2 * e.cfg.head_dim * 4
     assert r.bytes_h2d == fetched * row  # only rows that count crossed
     assert r.kv_fetched_share == cpu.report().kv_fetched_share and (r.evictions > 0) == (batch == 2)
+
+
+@needs_triton
+@pytest.mark.parametrize("policy", ["offload", "int4"])
+def test_a_paged_pool_computes_what_a_pool_of_its_own_does(policy, bundles):
+    """The rows written and read through a scattered block table (offload's block copies run by run on the GPU
+    path, int4's codes and scales) give the same logits as the rows in buffers of the cache's own."""
+    e = engines(bundles["llama31_gqa"], x=(policy, KVOptions()))["x"]
+    prompt = list(range(7, 50))
+    ref, ref_toks, _ = greedy_logits(e, [prompt], 8)
+    cache = e.make_cache(1, 52, scattered_pages(52))
+    got, toks, _ = greedy_logits(e, [prompt], 8, cache=gpu_step(cache) if policy == "offload" else cache)
+    assert torch.equal(toks, ref_toks) and torch.equal(got, ref)
 
 
 @needs_triton

@@ -5,10 +5,12 @@ aborted requests give their KV back at once."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
 from infinigen_rt.bundle import read_bundle
+from infinigen_rt.console import parse_bytes
 from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.policies import KVOptions
@@ -47,10 +49,12 @@ def alone(engine: Engine, n: int = 10, prefill_chunk: int = 8, policy=None, kv=N
 
 def joined(engine: Engine, join_at: int, n: int = 10, prefill_chunk: int = 8, policy=None, kv=None):
     """The target request joins a runner where others start, finish and are cancelled around it; its Output at
-    the end, and the steps it took."""
-    run = engine.runner(max_batch=4, prefill_chunk=prefill_chunk)
+    the end. The paged pool has 7 blocks: the others take 6 (long 2, short 1, cancelled 3), so the target (3
+    blocks) waits for the short and the cancelled ones to give theirs back, and its block table is not one run
+    (the last free block first, then freed ones). The pool's invariants are checked after every step."""
+    run = engine.runner(max_batch=4, prefill_chunk=prefill_chunk, kv_tokens=7 * BLOCK_TOKENS)
     ids = {name: run.add(Request(p, m)) for name, (p, m) in OTHERS.items()}
-    target, step, end = None, 0, None
+    target, step, end, table = None, 0, None, None
     while run.has_work:
         if step == join_at:
             target = run.add(Request(TARGET, n, policy=policy, kv=kv))
@@ -59,9 +63,13 @@ def joined(engine: Engine, join_at: int, n: int = 10, prefill_chunk: int = 8, po
         for out in run.step():
             if out.id == target and out.finished:
                 end = out
+        run.pool.alloc.check()
+        table = run.pool.alloc.tables.get(target, table)
         step += 1
         if step == join_at + 1000:
             raise AssertionError("the runner never finished")
+    assert run.pool.alloc.used == 0  # every block back
+    assert table is not None and sorted(table) != list(range(min(table), min(table) + len(table))), table
     return end
 
 
@@ -125,6 +133,73 @@ def test_the_kv_budget_makes_requests_wait_and_frees_at_once(bundles):
     while run.has_work:
         outs = run.step()
     assert outs[0].finished and run.blocks() == (0, 3)
+
+
+def test_random_traffic_keeps_the_paged_pool_whole(bundles):
+    """Requests of random sizes arrive, finish and are cancelled at random over a small paged pool; after every
+    operation: no block owned twice or lost, a running request holds exactly the blocks of its prompt and new
+    tokens, a waiting one none; once all are done every block is back."""
+    e = engine_for(bundles["llama31_gqa"], "offload", KVOptions())
+    rng = random.Random(0)
+    run = e.runner(max_batch=3, prefill_chunk=16, kv_tokens=10 * BLOCK_TOKENS)
+    live: set[int] = set()
+
+    def check():
+        alloc = run.pool.alloc
+        alloc.check()
+        assert set(alloc.tables) == {s.id for s in run.running}
+        for s in run.running:
+            assert len(alloc.tables[s.id]) == math.ceil(s.need / BLOCK_TOKENS)
+
+    waited = cancelled = 0
+    for _ in range(60):
+        if rng.random() < 0.5:
+            prompt = [rng.randrange(4, 200) for _ in range(rng.randrange(1, 60))]
+            live.add(run.add(Request(prompt, rng.randrange(1, 12))))
+        if live and rng.random() < 0.15:
+            rid = rng.choice(sorted(live))
+            run.abort(rid)
+            live.discard(rid)
+            cancelled += 1
+            check()
+        live -= {o.id for o in run.step() if o.finished}
+        waited += bool(run.waiting) and len(run.running) < run.max_batch  # waiting for blocks, not a row
+        check()
+    while run.has_work:
+        run.step()
+        check()
+    assert run.pool.alloc.used == 0 and waited > 0 and cancelled > 0
+
+
+def test_the_pool_is_sized_in_tokens_or_in_bytes_and_holds_that_much_memory(bundles):
+    e = engine_for(bundles["llama31_gqa"], "offload", KVOptions())
+    cfg = e.cfg
+    per_token = cfg.num_hidden_layers * cfg.num_key_value_heads * 2 * cfg.head_dim * 4  # fp32 K and V
+    assert e.pool_tokens(8, kv_memory=5 * BLOCK_TOKENS * per_token + 7) == 5 * BLOCK_TOKENS
+    assert e.pool_tokens(8, kv_tokens=100) == 100
+    assert e.pool_tokens(2) == 2 * cfg.max_position_embeddings  # the tiny model's fits the free memory
+    with pytest.raises(InfinigenError, match="give one of them"):
+        e.pool_tokens(8, kv_tokens=100, kv_memory=10**6)
+    with pytest.raises(InfinigenError, match="one block"):
+        e.pool_tokens(8, kv_memory=3 * per_token)
+    int4 = engine_for(bundles["llama31_gqa"], "int4", KVOptions())
+    assert int4.pool_tokens(8, kv_memory=10**6) > 3 * e.pool_tokens(8, kv_memory=10**6)  # 4-bit rows
+    # the memory is the pool's: one shared buffer per layer and tensor, made when the first request needs it
+    run = e.runner(kv_tokens=e.pool_tokens(8, kv_memory=5 * BLOCK_TOKENS * per_token))
+    assert run.pool.nbytes == 0
+    run.add(Request(TARGET, 3))
+    run.add(Request(TARGET, 3))
+    run.step()
+    assert run.pool.nbytes == 5 * BLOCK_TOKENS * per_token and len(run.pool.buffers) == 2 * cfg.num_hidden_layers
+    assert run.blocks() == (4, 1)
+
+
+def test_sizes_read_in_si_and_binary_units():
+    assert parse_bytes("8GiB", "--kv-memory") == 8 * 2**30 and parse_bytes("500MB", "--kv-memory") == 5 * 10**8
+    assert parse_bytes(" 1.5 gb", "--kv-memory") == 1_500_000_000 and parse_bytes("4096", "--kv-memory") == 4096
+    for bad in ("lots", "8 GiBs", "-1GB", ""):
+        with pytest.raises(InfinigenError, match="--kv-memory: cannot read"):
+            parse_bytes(bad, "--kv-memory")
 
 
 def test_a_finished_request_closes_its_cache_in_the_step_it_ends(bundles):

@@ -528,6 +528,9 @@ class FakeEngine:
         self.kv, self.hold, self.fail_at = KVOptions(), hold, fail_at
         self.cfg = SimpleNamespace(max_position_embeddings=64)
 
+    def pool_tokens(self, max_batch, kv_tokens, kv_memory):
+        return kv_tokens or max_batch * self.cfg.max_position_embeddings
+
     def runner(self, max_batch, prefill_chunk, kv_tokens):
         self.made = FakeRunner(max_batch, self.hold, self.fail_at)
         self.tokenizer = SimpleNamespace(decode=self.made.decode)
@@ -667,6 +670,10 @@ def test_serve_help_and_lazy_imports(tmp_path):
     code = "import sys; sys.modules['uvicorn'] = None; from infinigen_rt.cli import main; main()"
     r = subprocess.run([sys.executable, "-c", code, "serve", str(tmp_path)], capture_output=True, text=True)
     one_line_error(r, "pip install 'infinigen[serve]'")
+    r = run_cli("rt", "serve", str(tmp_path), "--kv-memory", "lots")
+    one_line_error(r, "--kv-memory", "8GiB")
+    r = run_cli("rt", "serve", str(tmp_path), "--kv-memory", "1GB", "--kv-tokens", "4096")
+    one_line_error(r, "give one of them")
 
 
 def test_a_request_is_counted_before_its_client_sees_its_end():
