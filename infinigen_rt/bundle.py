@@ -133,16 +133,19 @@ def verify_files(path: Path, files: dict, hashes: bool = True) -> None:
             )
 
 
-def load_weights(bundle: Bundle, device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """All tensors of the bundle, cast to `dtype`, on `device` (one shard open at a time)."""
+def load_weights(bundle: Bundle, device, dtype: torch.dtype, tp=None) -> dict[str, torch.Tensor]:
+    """All tensors of the bundle, cast to `dtype`, on `device` (one shard open at a time); `tp` (tp.TP): only this
+    rank's slice of each split tensor is read."""
     from safetensors import SafetensorError, safe_open
+
+    from infinigen_rt.tp import read_slice
 
     out: dict[str, torch.Tensor] = {}
     for shard in sorted(set(bundle.weight_map.values())):
         try:
             with safe_open(bundle.path / shard, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                    out[name] = read_slice(f, name, tp).to(device=device, dtype=dtype)
         except SafetensorError as e:
             raise InfinigenError(f"bundle file {shard} is not readable safetensors ({e}); convert again") from None
     missing = set(bundle.weight_map) - set(out)

@@ -86,15 +86,19 @@ def generate(
       infinigen-rt generate artifacts/bundles/smollm2-135m "Write a haiku" --chat --stream
       infinigen-rt generate user/my-bundle "Hello" --json
       infinigen-rt generate bundles/smol - --policy infinigen --budget 0.1 --capacity 0.5 --json < book.txt
+
+    Tensor parallelism (each rank its share of the heads; rank 0 prints):
+      torchrun --nproc-per-node 2 -m infinigen_rt.cli generate BUNDLE "Hello" --device cpu
     """
     from infinigen_rt.bundle import read_bundle
-    from infinigen_rt.engine import Engine
+    from infinigen_rt.engine import Engine, resolve_device
     from infinigen_rt.errors import InfinigenError, notice
     from infinigen_rt.hub import resolve_bundle
     from infinigen_rt.policies import KVOptions
     from infinigen_rt.runner import check_context
     from infinigen_rt.sampling import SamplingParams
     from infinigen_rt.tokenizer import check_text
+    from infinigen_rt.tp import from_env
 
     if prompt == "-":
         try:
@@ -105,9 +109,12 @@ def generate(
     check_text(prompt, "the prompt")
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     path = resolve_bundle(bundle, revision)
-    with console.status("loading bundle", spinner="dots") if not json_out else nullcontext():
+    tp = from_env(resolve_device(device))  # under torchrun: one rank of a tensor-parallel group
+    follower = tp is not None and tp.rank != 0  # runs every step with rank 0, prints nothing
+    quiet = json_out or follower
+    with console.status("loading bundle", spinner="dots") if not quiet else nullcontext():
         kv = KVOptions(alpha, budget, max_kv, capacity, eviction, window, dense_layers, prefill_chunk, trace_recall)
-        engine = Engine(read_bundle(path, verify=verify), device=device, dtype=dtype, policy=policy, kv=kv)
+        engine = Engine(read_bundle(path, verify=verify), device=device, dtype=dtype, policy=policy, kv=kv, tp=tp)
     tok = engine.tokenizer
     ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
     context = engine.cfg.max_position_embeddings
@@ -117,8 +124,8 @@ def generate(
         max_new_tokens = room
     check_context(len(ids), max_new_tokens, context)
 
-    printer = _StreamPrinter(tok) if stream and not json_out else None
-    if printer is None and not json_out:
+    printer = _StreamPrinter(tok) if stream and not quiet else None
+    if printer is None and not quiet:
         progress = _progress(max_new_tokens)
     else:
         progress = None
@@ -131,6 +138,8 @@ def generate(
         if progress:
             progress.stop()
     res = results[0]
+    if follower:
+        return
     if json_out:
         print_json(
             {

@@ -17,6 +17,7 @@ from infinigen_rt.policies import POLICIES, KVOptions
 from infinigen_rt.runner import BLOCK_TOKENS, Generation, Request, Runner, RunStats, blocks, per_row, pool_tokens
 from infinigen_rt.sampling import SamplingParams
 from infinigen_rt.tokenizer import Tokenizer
+from infinigen_rt.tp import TP, shard_config, shard_speculation, total_report
 
 
 def resolve_device(device: str) -> torch.device:
@@ -86,9 +87,12 @@ class Engine:
 
     def __init__(
         self, bundle: Bundle, device: str = "auto", dtype: str = "auto", policy: str = "full",
-        kv: KVOptions | None = None,
+        kv: KVOptions | None = None, tp: TP | None = None,
     ):  # fmt: skip
-        self.bundle, self.cfg = bundle, bundle.config
+        """`tp`: this process is one rank of a tensor-parallel group (tp.py): its model, caches and speculation
+        hold its share of the heads (`cfg` is that share), and every rank runs the same steps."""
+        self.bundle, self.tp = bundle, tp
+        self.cfg = shard_config(bundle.config, tp)
         self._speculation = None  # (tensors, defaults), loaded once on first use
         self._set_policy(policy, kv)
         self.device = resolve_device(device)
@@ -96,7 +100,7 @@ class Engine:
         if self.device.type == "cpu":
             keep_host_heap()
         self.tokenizer = Tokenizer(bundle)
-        self.model = load_model(bundle, self.device, self.dtype)
+        self.model = load_model(bundle, self.device, self.dtype, tp)
 
     @classmethod
     def from_model(
@@ -108,7 +112,7 @@ class Engine:
         self = cls.__new__(cls)
         if torch.device(device).type == "cpu":
             keep_host_heap()
-        self.bundle, self.cfg, self.device, self.dtype = None, cfg, torch.device(device), dtype
+        self.bundle, self.cfg, self.device, self.dtype, self.tp = None, cfg, torch.device(device), dtype, None
         self.model, self.tokenizer, self._speculation = model, None, speculation
         self._set_policy(policy, kv)
         return self
@@ -116,7 +120,7 @@ class Engine:
     def speculation(self) -> tuple[dict, dict]:
         """The InfiniGen tensors and defaults (a one-line error for a bundle converted without them)."""
         if self._speculation is None:
-            tensors = load_infinigen(self.bundle)
+            tensors = shard_speculation(load_infinigen(self.bundle), self.tp)
             self._speculation = tensors, (self.bundle.meta.get("infinigen") or {}).get("defaults")
         return self._speculation
 
@@ -210,8 +214,9 @@ class Engine:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "batch": b,
+            "tensor_parallel": self.tp.size if self.tp else 1,
             "generated_tokens": sum(len(r.token_ids) for r in results),
-            **run.report().to_dict(),
+            **total_report(run.report(), self.tp).to_dict(),
             **memory_stats(self.device),
         }
         return results, stats

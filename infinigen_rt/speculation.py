@@ -116,7 +116,7 @@ def fetch_width(held_max: int, t: int, opts: KVOptions, bucket: int) -> int:
 
 def select(
     q: torch.Tensor, pkt: torch.Tensor, alpha: float, opts: KVOptions, held: torch.Tensor | None = None,
-    pos: torch.Tensor | None = None, width: int | None = None,
+    pos: torch.Tensor | None = None, width: int | None = None, tp=None,
 ) -> Selection:  # fmt: skip
     """Choose the rows to fetch. q: [B, Hkv, G, d'] (scaled); pkt: the partial keys of the t slots taken,
     transposed [B, Hkv, d', t].
@@ -126,7 +126,11 @@ def select(
     [B, Hkv, t] bool and `pos` [B, Hkv, t] (the positions, -1 when free).
 
     `width` None: the counts are read to the host (one sync; a CPU's way: each row fetches exactly its count).
-    Else every row selects `width` slots (see fetch_width) and `ok` keeps the first n of each: nothing is read."""
+    Else every row selects `width` slots (see fetch_width) and `ok` keeps the first n of each: nothing is read.
+
+    `tp` (tp.TP): q and pkt hold one rank's heads; the per-sequence count is the mean over every rank's query
+    heads (one all-reduce of [B]). Without eviction or with it, every KV head holds as many tokens (eviction keeps
+    the same count per head), so the budget's cap needs nothing from the other ranks."""
     inf = float("inf")
     t = pkt.shape[-1]
     prefix = held is None
@@ -148,7 +152,10 @@ def select(
         if opts.per_head:  # [B, Hkv]: each KV head its group's mean count
             n = within.sum(-1).float().mean(2).ceil().long()
         else:  # [B, 1]: one count per sequence, the mean over every query head
-            n = (within.sum(dim=(1, 2, 3)) / (s.shape[1] * s.shape[2])).ceil().long()[:, None]
+            total, heads = within.sum(dim=(1, 2, 3)).float(), s.shape[1] * s.shape[2]
+            if tp is not None:
+                total, heads = tp.all_reduce(total), heads * tp.size
+            n = (total / heads).ceil().long()[:, None]
         n = n.clamp(1, cap) if prefix else torch.minimum(n, cap).clamp(min=1)
     if opts.group_agg == "sum":  # a token's share of the group's attention
         agg = s.softmax(-1).sum(2)

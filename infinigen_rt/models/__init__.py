@@ -9,6 +9,7 @@ from infinigen_rt.config import ModelConfig
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.models.llama import Llama, rope_inv_freq
 from infinigen_rt.models.opt import OPT
+from infinigen_rt.tp import TP, shard_config
 
 MODELS = {"llama": Llama, "opt": OPT}
 
@@ -19,12 +20,13 @@ def build_model(cfg: ModelConfig, device="cpu", dtype=torch.float32) -> torch.nn
         return MODELS[cfg.arch](cfg).to(dtype)
 
 
-def load_model(bundle: Bundle, device, dtype: torch.dtype) -> torch.nn.Module:
-    """Build on the meta device, then assign the bundle's tensors: no second copy, no random init."""
-    cfg = bundle.config
+def load_model(bundle: Bundle, device, dtype: torch.dtype, tp: TP | None = None) -> torch.nn.Module:
+    """Build on the meta device, then assign the bundle's tensors: no second copy, no random init. `tp`: this
+    rank's slices only, and an all-reduce after each attention output and MLP (tp.py)."""
+    cfg = shard_config(bundle.config, tp)
     with torch.device("meta"):
-        model = MODELS[cfg.arch](cfg)
-    state = load_weights(bundle, device, dtype)
+        model = MODELS[cfg.arch](cfg) if tp is None else MODELS[cfg.arch](cfg, tp.all_reduce)
+    state = load_weights(bundle, device, dtype, tp)
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     expected = set(shapes)
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)

@@ -79,10 +79,15 @@ def apply_rope(x, cos, sin):
     return x * cos + rotated * sin
 
 
+def identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, reduce: Callable = identity):
+        """`reduce`: the all-reduce after the output projection under tensor parallelism (tp.py)."""
         super().__init__()
-        self.layer = layer
+        self.layer, self.reduce = layer, reduce
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         d = cfg.hidden_size
         self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=cfg.attention_bias)
@@ -98,28 +103,29 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = cache.attend(self.layer, q, k, v)
-        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+        return self.reduce(self.o_proj(y.transpose(1, 2).reshape(b, s, -1)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, reduce: Callable = identity):
         super().__init__()
+        self.reduce = reduce
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = ACT[cfg.hidden_act]
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.reduce(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, reduce: Callable = identity):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, reduce)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, reduce)
 
     def forward(self, x, cos, sin, cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
@@ -127,11 +133,12 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, reduce: Callable = identity):
+        """`cfg`: under tensor parallelism, one rank's share of the heads and MLP (tp.shard_config)."""
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, reduce) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

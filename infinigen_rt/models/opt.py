@@ -6,25 +6,27 @@ the `model.decoder.` prefix).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from infinigen_rt.cache import KVCache
 from infinigen_rt.config import ModelConfig
-from infinigen_rt.models.llama import ACT, SpeculationTaps
+from infinigen_rt.models.llama import ACT, SpeculationTaps, identity
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, reduce: Callable = identity):
         super().__init__()
-        self.layer = layer
+        self.layer, self.reduce = layer, reduce
         self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
-        d = cfg.hidden_size
-        self.q_proj = nn.Linear(d, d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(d, d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(d, d, bias=cfg.attention_bias)
-        self.out_proj = nn.Linear(d, d, bias=cfg.attention_out_bias)
+        d, inner = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim  # inner < d: a rank's heads
+        self.q_proj = nn.Linear(d, inner, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(d, inner, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(d, inner, bias=cfg.attention_bias)
+        self.out_proj = nn.Linear(inner, d, bias=cfg.attention_out_bias)
 
     def forward(self, x, cache: KVCache):
         b, s, _ = x.shape
@@ -33,15 +35,16 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         y = cache.attend(self.layer, q, k, v)  # OPT scales q by head_dim**-0.5 after the bias: SDPA's default
-        return self.out_proj(y.transpose(1, 2).reshape(b, s, -1))
+        return self.reduce(self.out_proj(y.transpose(1, 2).reshape(b, s, -1)))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, reduce: Callable = identity):
         super().__init__()
         self.pre_norm = cfg.do_layer_norm_before
+        self.reduce = reduce
         self.self_attn_layer_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, reduce)
         self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
@@ -53,12 +56,12 @@ class Block(nn.Module):
         if not self.pre_norm:
             x = self.self_attn_layer_norm(x)
         h = self.final_layer_norm(x) if self.pre_norm else x
-        x = x + self.fc2(self.act(self.fc1(h)))
+        x = x + self.reduce(self.fc2(self.act(self.fc1(h))))
         return x if self.pre_norm else self.final_layer_norm(x)
 
 
 class OPT(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, reduce: Callable = identity):
         super().__init__()
         self.cfg = cfg
         proj_dim = cfg.word_embed_proj_dim or cfg.hidden_size
@@ -67,7 +70,7 @@ class OPT(nn.Module):
         if proj_dim != cfg.hidden_size:
             self.project_in = nn.Linear(proj_dim, cfg.hidden_size, bias=False)
             self.project_out = nn.Linear(cfg.hidden_size, proj_dim, bias=False)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, reduce) for i in range(cfg.num_hidden_layers))
         if cfg.do_layer_norm_before:
             self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
         if not cfg.tie_word_embeddings:

@@ -81,7 +81,8 @@ class InfinigenCache(OffloadCache):
     def build(cls, engine, batch, max_len, pages=None):
         tensors, defaults = engine.speculation()
         return cls(
-            engine.cfg, batch, max_len, engine.device, engine.dtype, engine.kv, engine.model, tensors, defaults, pages
+            engine.cfg, batch, max_len, engine.device, engine.dtype, engine.kv, engine.model, tensors, defaults, pages,
+            engine.tp,
         )  # fmt: skip
 
     @classmethod
@@ -92,7 +93,11 @@ class InfinigenCache(OffloadCache):
         partial = tokens * d_prime * dtype_bytes * (engine.cfg.num_hidden_layers - dense)  # read every step
         return device + partial, host, read + partial
 
-    def __init__(self, cfg, batch, max_len, device, dtype, opts, model, tensors: dict, defaults: dict, pages=None):
+    def __init__(
+        self, cfg, batch, max_len, device, dtype, opts, model, tensors: dict, defaults: dict, pages=None, tp=None,
+    ):  # fmt: skip
+        """`tp`: one rank of a tensor-parallel group (cfg and tensors: its heads); the fetch count, a mean over every
+        query head, is all-reduced, and on a CPU speculation runs inline (collectives in one order on every rank)."""
         dense = defaults["dense_layers"] if opts.dense_layers is None else opts.dense_layers
         # the dense layers stay on the device
         super().__init__(cfg, batch, max_len, device, dtype, opts, resident=dense, pages=pages)
@@ -104,7 +109,8 @@ class InfinigenCache(OffloadCache):
         # the speculated layers' partial keys, transposed [B, Hkv, d', S], in the pool's slots
         self.pk = {j: torch.zeros(batch, hkv, d_prime, max_len, device=self.device, dtype=dtype)
                    for j in range(dense, cfg.num_hidden_layers)}  # fmt: skip
-        self.prefetch = prefetcher(self.device)  # a side stream, a worker thread, or inline
+        self.tp = tp
+        self.prefetch = prefetcher(self.device, overlap=tp is None or self.device.type == "cuda")
         self.sync_free = self.device.type == "cuda"  # no device read for the fetch size (see the docstring)
         self.layer_opts = layer_options(opts, defaults, dense, cfg.num_hidden_layers)
         self.last_sel: Selection | None = None  # of the layer being computed
@@ -135,7 +141,7 @@ class InfinigenCache(OffloadCache):
             held = pos >= 0
         opts = self.layer_opts[j]
         width = fetch_width(int(pool.n_held.max()), t, opts, BUCKET) if self.sync_free else None
-        sel = select(q, self.pk[j][..., :t], self.alphas[j], opts, held, pos, width)
+        sel = select(q, self.pk[j][..., :t], self.alphas[j], opts, held, pos, width, self.tp)
         k, v = pool.gather(sel.slots, None if sel.every else sel.ok, extra=1)
         return sel, k, v
 

@@ -1,0 +1,113 @@
+"""Tensor parallelism on the CPU: two gloo ranks on loopback give the tokens one process gives, for every policy
+on the tiny MHA, GQA and OPT models; the bytes moved sum to one process's; a size that would split a KV head is a
+one-line error naming the sizes allowed; a rank that dies makes the other fail with a clear error, not hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from infinigen_rt.config import ModelConfig
+from infinigen_rt.errors import InfinigenError
+from infinigen_rt.tp import TP, allowed_sizes, shard_config
+from tests.conftest import run_cli
+from tests.rt import tp_worker
+
+WORKER = Path(tp_worker.__file__)
+MODELS = ("llama2_mha", "llama31_gqa", "opt")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(tmp_path: Path, bundles: dict, *extra: str, size: int = 2, timeout: float = 300):
+    """`size` worker processes as torchrun would start them (its environment variables), their exits and stderr."""
+    spec = tmp_path / "bundles.json"
+    spec.write_text(json.dumps({m: str(bundles[m]) for m in MODELS}))
+    out = tmp_path / "out.json"
+    port = free_port()
+    procs = []
+    for rank in range(size):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(size), "INFINIGEN_TP_TIMEOUT": "30",
+               "OMP_NUM_THREADS": "1"}  # fmt: skip
+        cmd = [sys.executable, str(WORKER), str(out), str(spec), *extra]
+        procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, cwd=WORKER.parents[2]))
+    deadline = time.monotonic() + timeout
+    codes, errs = [], []
+    for p in procs:
+        _, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
+        codes.append(p.returncode)
+        errs.append(err)
+    return codes, errs, out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(bundles, tmp_path_factory):
+    codes, errs, out = launch(tmp_path_factory.mktemp("tp"), bundles)
+    assert codes == [0, 0], "\n".join(errs)
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def one_rank(bundles):
+    return tp_worker.run({m: bundles[m] for m in MODELS}, None)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("case", list(tp_worker.CASES))
+def test_two_ranks_generate_what_one_does_and_move_the_same_bytes(model, case, two_ranks, one_rank):
+    one, two = one_rank[f"{model}/{case}"], two_ranks[f"{model}/{case}"]
+    assert two["tokens"] == one["tokens"] and len(one["tokens"][0]) == 8
+    assert two["bytes_h2d"] == one["bytes_h2d"] and two["bytes_d2h"] == one["bytes_d2h"]
+    assert two["evictions"] == one["evictions"]
+    if case != "infinigen-alpha":  # a share per rank's heads; their mean is the share over all heads
+        assert two["kv_fetched_share"] == pytest.approx(one["kv_fetched_share"], abs=1e-6)
+
+
+def test_a_full_budget_with_two_ranks_equals_full(two_ranks):
+    for model in MODELS:
+        assert two_ranks[f"{model}/infinigen-all"]["tokens"] == two_ranks[f"{model}/full"]["tokens"]
+
+
+def test_a_size_that_splits_kv_heads_names_the_sizes_allowed():
+    cfg = ModelConfig("llama", 100, 576, 1536, 30, 9, 3, 64, 8192)  # SmolLM2-135M's shape
+    assert allowed_sizes(cfg) == [1, 3]
+    with pytest.raises(InfinigenError, match=r"does not divide the model's 3 KV heads.*use one of: 1, 3"):
+        shard_config(cfg, TP(0, 2))
+    assert shard_config(cfg, TP(2, 3)).num_attention_heads == 3
+
+
+def test_a_rank_that_dies_makes_the_other_fail_with_a_clear_error(bundles, tmp_path):
+    t0 = time.monotonic()
+    codes, errs, out = launch(tmp_path, bundles, "die-after-first", timeout=120)
+    assert codes[1] == 3 and codes[0] not in (0, None), errs
+    assert "tensor-parallel rank 0 of 2: a collective failed" in errs[0], errs[0][-2000:]
+    assert time.monotonic() - t0 < 90 and not out.exists()
+
+
+def test_generate_under_torchrun_prints_once_what_one_process_prints(bundles):
+    args = ["generate", str(bundles["llama31_gqa"]), "the king said", "-n", "6", "--device", "cpu", "--json",
+            "--policy", "infinigen", "--budget", "0.3"]  # fmt: skip
+    one = run_cli("rt", *args)
+    assert one.returncode == 0, one.stderr
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([*launcher, "-m", "infinigen_rt.cli", *args], capture_output=True, text=True, env=env,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    printed = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert len(printed) == 1, r.stdout  # rank 0 only
+    solo = json.loads(one.stdout)
+    assert printed[0]["token_ids"] == solo["token_ids"] and printed[0]["stats"]["tensor_parallel"] == 2
+    assert printed[0]["stats"]["bytes_h2d"] == solo["stats"]["bytes_h2d"] > 0
