@@ -44,10 +44,12 @@ class TP:
 
     def reduce_counts(self, *values: float) -> list[float]:
         """Host numbers summed over ranks (one small all-reduce)."""
-        t = torch.tensor(values, dtype=torch.float64)
-        if dist.get_backend() == "nccl":
-            t = t.cuda()
-        return self.all_reduce(t).tolist()
+        return self.all_reduce(_on_backend(torch.tensor(values, dtype=torch.float64))).tolist()
+
+
+def _on_backend(t: torch.Tensor) -> torch.Tensor:
+    """NCCL reduces device tensors only."""
+    return t.cuda() if dist.get_backend() == "nccl" else t
 
 
 def peer_lost(tp: TP, e: Exception) -> InfinigenError:
@@ -165,7 +167,7 @@ def total_report(report, tp: TP | None):
         if v is not None:
             setattr(report, f, round(tp.reduce_counts(v)[0] / tp.size, 6))
     if report.tokens_per_head_max is not None:
-        t = torch.tensor([float(report.tokens_per_head_max)])
+        t = _on_backend(torch.tensor([float(report.tokens_per_head_max)]))
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         report.tokens_per_head_max = t.item()
     if report.per_layer:
