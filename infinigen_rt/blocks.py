@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -95,6 +95,13 @@ class Pages:
 
     store: HostBlocks
     slots: np.ndarray  # int64 [tokens]
+    _on: dict = field(default_factory=dict, repr=False)
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        """The slots as a tensor on `device` (copied once, shared by every layer's pool)."""
+        if device not in self._on:
+            self._on[device] = torch.from_numpy(self.slots).to(device)
+        return self._on[device]
 
 
 class HostBlocks:

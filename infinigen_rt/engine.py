@@ -17,7 +17,7 @@ from infinigen_rt.policies import POLICIES, KVOptions
 from infinigen_rt.runner import BLOCK_TOKENS, Generation, Request, Runner, RunStats, blocks, per_row, pool_tokens
 from infinigen_rt.sampling import SamplingParams
 from infinigen_rt.tokenizer import Tokenizer
-from infinigen_rt.tp import TP, shard_config, shard_speculation, total_report
+from infinigen_rt.tp import TP, shard_config, shard_speculation, total_report, tp_time
 
 
 def resolve_device(device: str) -> torch.device:
@@ -191,6 +191,7 @@ class Engine:
         # a paged pool of exactly the blocks these requests take
         pool = sum(blocks(len(p) + n) for p, n in zip(prompts, limits, strict=True)) * BLOCK_TOKENS
         run = self.runner(max_batch=b, prefill_chunk=self.kv.prefill_chunk, kv_tokens=pool)
+        reduces = (self.tp.reduces, self.tp.reduce_s) if self.tp else None
         rids = [run.add(Request(p, n, s, x)) for p, n, s, x in zip(prompts, limits, params, stops, strict=True)]
         row = {rid: i for i, rid in enumerate(rids)}
         results: list[Generation | None] = [None] * b
@@ -215,6 +216,7 @@ class Engine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "batch": b,
             "tensor_parallel": self.tp.size if self.tp else 1,
+            **(tp_time(self.tp, reduces) if self.tp else {}),
             "generated_tokens": sum(len(r.token_ids) for r in results),
             **total_report(run.report(), self.tp).to_dict(),
             **memory_stats(self.device),

@@ -77,7 +77,7 @@ class KVPool:
             if batch != 1 or len(pages.slots) < slots:
                 raise ValueError(f"pages hold one sequence of {len(pages.slots)} slots: not {batch} of {slots}")
             self.phys = pages.slots[:slots]  # host: the copies' runs
-            self.phys_dev = torch.from_numpy(self.phys).to(self.device)  # device: the gather's row numbers
+            self.phys_dev = pages.on(self.device)[:slots]  # device: the gather's row numbers
         self.k = self.buffer("k", (n_kv, head_dim), dtype)
         self.v = self.buffer("v", (n_kv, head_dim), dtype)
         state = (batch, n_kv, slots)  # int32: 12 bytes of state per (sequence, KV head, slot) on the device

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -29,17 +30,22 @@ from infinigen_rt.errors import InfinigenError
 TIMEOUT_S = 60  # a collective that waits longer than this: a peer died (INFINIGEN_TP_TIMEOUT overrides)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class TP:
     rank: int
     size: int
+    reduces: int = 0  # all-reduces made, and the seconds spent in them (gloo: the whole exchange; NCCL: enqueueing)
+    reduce_s: float = 0.0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, in place (every rank gets the same tensor)."""
+        t0 = time.perf_counter()
         try:
             dist.all_reduce(x)
         except RuntimeError as e:  # gloo and NCCL raise RuntimeError (or a subclass) on a timeout or a lost peer
             raise peer_lost(self, e) from None
+        self.reduces += 1
+        self.reduce_s += time.perf_counter() - t0
         return x
 
     def reduce_counts(self, *values: float) -> list[float]:
@@ -173,3 +179,8 @@ def total_report(report, tp: TP | None):
     if report.per_layer:
         report.per_layer = {"bytes_h2d": [int(x) for x in tp.reduce_counts(*report.per_layer["bytes_h2d"])]}
     return report
+
+
+def tp_time(tp: TP, before: tuple[int, float]) -> dict:
+    """This rank's all-reduces during a run (`before`: the counters at its start): how many, and their seconds."""
+    return {"allreduces": tp.reduces - before[0], "allreduce_s": round(tp.reduce_s - before[1], 6)}

@@ -95,7 +95,9 @@ class OffloadCache(KVCache):
         self.step = 0
         self.padded = False  # some slot holds padding (decode steps bring none: see KVCache.begin)
         self.prefetch = prefetcher(self.device, overlap=False)
-        self.block_copy = isinstance(self.prefetch, SideStream) and type(self).pool_class is KVPool
+        # a pool of its own moves a layer as one block per tensor; a paged pool's layer is a block per 16 tokens, so
+        # there the gather kernel reads its rows (one launch per layer)
+        self.block_copy = isinstance(self.prefetch, SideStream) and type(self).pool_class is KVPool and pages is None
 
     def begin(self, valid, positions) -> None:
         if self.resident is not None:
