@@ -310,9 +310,10 @@ def serve(
     from pathlib import Path
 
     from infinigen_rt.bundle import read_bundle
-    from infinigen_rt.engine import Engine
+    from infinigen_rt.engine import Engine, resolve_device
     from infinigen_rt.hub import resolve_bundle
     from infinigen_rt.policies import KVOptions
+    from infinigen_rt.tp import control_group, follow, from_env
 
     if max_batch < 1 or max_queue < 1 or prefill_chunk < 1:
         raise InfinigenError(
@@ -326,13 +327,18 @@ def serve(
     if max_body is not None and max_body < 1024:
         raise InfinigenError(f"--max-body must be at least 1024 bytes, got {max_body}")
     path = resolve_bundle(bundle, revision)
+    kv = KVOptions(
+        alpha=alpha, budget=budget, max_kv=max_kv, capacity=capacity, eviction=eviction, window=window,
+        dense_layers=dense_layers,
+    )  # fmt: skip
+    tp = from_env(resolve_device(device))  # under torchrun: rank 0 serves, the others replay its steps
+    if tp is not None and tp.rank != 0:
+        engine = Engine(read_bundle(path, verify=verify), device=device, dtype=dtype, policy=policy, kv=kv, tp=tp)
+        follow(engine, tp, control_group())
+        return
     sock = _listen_socket(host, port)  # before loading: a taken port fails fast
     with err_console.status("loading bundle", spinner="dots"):
-        kv = KVOptions(
-            alpha=alpha, budget=budget, max_kv=max_kv, capacity=capacity, eviction=eviction, window=window,
-            dense_layers=dense_layers,
-        )  # fmt: skip
-        engine = Engine(read_bundle(path, verify=verify), device=device, dtype=dtype, policy=policy, kv=kv)
+        engine = Engine(read_bundle(path, verify=verify), device=device, dtype=dtype, policy=policy, kv=kv, tp=tp)
     name = model_name or (Path(bundle).name if Path(bundle).exists() else bundle)
     server_app = create_app(
         engine, name, max_batch=max_batch, max_queue=max_queue, api_key=api_key, max_body=max_body,
@@ -343,7 +349,8 @@ def serve(
     pool = server_app.state.scheduler.runner.pool.alloc
     err_console.print(
         f"serving [bold]{name}[/] ({policy} on {engine.device}, {dt}, up to {max_batch} requests per step, KV pool "
-        f"of {pool.n_blocks * pool.block_size} tokens) at http://{shown}:{port}/v1"
+        f"of {pool.n_blocks * pool.block_size} tokens" + (f", tensor-parallel over {tp.size} ranks" if tp else "")
+        + f") at http://{shown}:{port}/v1"
         + (" (API key required)" if api_key else ""),
         soft_wrap=True,
     )

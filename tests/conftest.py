@@ -269,14 +269,15 @@ class ServerProcess:
     """`python -m infinigen_rt.cli serve ... --port 0` in a subprocess, healthy; its URL read from its log (a file,
     not a pipe: a full pipe would block the server)."""
 
-    def __init__(self, args: list[str], log: Path, cwd=None, env: dict | None = None):
+    def __init__(self, args: list[str], log: Path, cwd=None, env: dict | None = None, launcher: list[str] = ()):
+        """`launcher`: what starts the Python module instead of this interpreter (torchrun's, for several ranks)."""
         import httpx
 
         self.log = log
         full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
         full_env.pop("INFINIGEN_API_KEY", None)
         with open(log, "w") as f:
-            cmd = [sys.executable, "-m", "infinigen_rt.cli", *args, "--port", "0"]
+            cmd = [*(launcher or [sys.executable]), "-m", "infinigen_rt.cli", *args, "--port", "0"]
             self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, env=full_env)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

@@ -113,7 +113,12 @@ class Scheduler:
     ):
         self.engine, self.base_kv = engine, engine.kv
         kv_tokens = engine.pool_tokens(max_batch, kv_tokens, kv_memory)
-        self.runner = engine.runner(max_batch=max_batch, prefill_chunk=prefill_chunk, kv_tokens=kv_tokens)
+        params = {"max_batch": max_batch, "prefill_chunk": prefill_chunk, "kv_tokens": kv_tokens}
+        self.runner = engine.runner(**params)
+        if getattr(engine, "tp", None) is not None:  # rank 0 of a tensor-parallel group: the others replay it
+            from infinigen_rt.tp import Leader, control_group
+
+            self.runner = Leader(self.runner, engine.tp, control_group(), params)
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
         self.inbox: deque[Job] = deque()  # submitted, not yet handed to the runner
@@ -185,6 +190,8 @@ class Scheduler:
                     self._step()
         finally:
             self._fail_all()
+            if hasattr(self.runner, "close"):  # tensor parallelism: the followers stop too
+                self.runner.close()
 
     def _admit(self, new: list[Job]) -> None:
         for job in new:

@@ -111,3 +111,44 @@ def test_generate_under_torchrun_prints_once_what_one_process_prints(bundles):
     solo = json.loads(one.stdout)
     assert printed[0]["token_ids"] == solo["token_ids"] and printed[0]["stats"]["tensor_parallel"] == 2
     assert printed[0]["stats"]["bytes_h2d"] == solo["stats"]["bytes_h2d"] > 0
+
+
+def test_serve_with_two_ranks_answers_what_one_process_generates(bundles, tmp_path):
+    """torchrun starts two ranks: rank 0 serves over HTTP, rank 1 replays its runner's calls; concurrent requests
+    (one streamed) get the text one process generates alone; SIGTERM ends both ranks."""
+    import concurrent.futures
+
+    import httpx
+
+    from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.engine import Engine
+    from infinigen_rt.policies import KVOptions
+    from tests.conftest import ServerProcess
+
+    bundle = bundles["llama31_gqa"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    server = ServerProcess(["serve", str(bundle), "--device", "cpu", "--policy", "infinigen", "--budget", "0.3"],
+                           tmp_path / "tp.log", env={"OMP_NUM_THREADS": "1"}, launcher=launcher)  # fmt: skip
+    prompts = ["the king said", "a horse, a horse", "to be or not to be, that is", "now is the winter"]
+    try:
+        def ask(i: int) -> str:
+            body = {"model": bundle.name, "prompt": prompts[i], "max_tokens": 8, "temperature": 0}
+            if i == 3:  # streamed
+                body["stream"] = True
+                with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+                    chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+                return "".join(c["choices"][0]["text"] for c in chunks)
+            r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(ask, range(4)))
+    finally:
+        server.stop()
+    assert server.proc.returncode is not None
+    assert "tensor-parallel over 2 ranks" in server.log.read_text()
+    e = Engine(read_bundle(bundle), device="cpu", dtype="float32", policy="infinigen", kv=KVOptions(budget=0.3))
+    tok = e.tokenizer
+    want = [e.generate([tok.encode(p)], 8)[0][0].text for p in prompts]
+    assert got == want and all(want)
