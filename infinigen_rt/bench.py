@@ -241,6 +241,9 @@ class Point:
     over_floor: float | None = None  # step time / floor
     syncs_per_step: float | None = None  # CUDA only: synchronising calls counted in one step
     copy_overlap: float | None = None  # CUDA only: share of host-to-device copy time under a kernel
+    tensor_parallel: int | None = None  # ranks (under torchrun); the bytes above are then totals over them
+    h2d_bytes_per_step_per_rank: list | None = None
+    allreduce_ms_per_step: float | None = None  # rank 0's time in all-reduces per step (NCCL: enqueueing only)
     error: str | None = None
 
 
@@ -360,9 +363,17 @@ def run_points(
             pt.error = f"needs ~{dev_gib:.1f} GiB on the compute device and {host_gib:.1f} GiB of host pool"
             if len(points) > 1:
                 pt.error += f" ({len(points)} policies side by side: measure them one at a time)"
+    tp = engine.tp
+    if tp is not None:  # a point runs on every rank or on none (else their collectives would not meet)
+        oks = tp.reduce_counts(*[float(pt.status == "ok") for pt in points])
+        for pt, ok in zip(points, oks, strict=True):
+            if pt.status == "ok" and ok < tp.size:
+                pt.status, pt.predicted = "oom-host", True
+                pt.error = "another tensor-parallel rank predicted it does not fit"
     if all(pt.status != "ok" for pt in points):
         return points
     runs = {}  # index -> (engine, cache, step, times, counters before)
+    reduce_s = [0.0] * len(points)  # time in all-reduces during the timed steps, per point
     try:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
@@ -398,14 +409,18 @@ def run_points(
             order = list(runs)
             for i in order[r % len(order) :] + order[: r % len(order)] if order else []:
                 try:
+                    r0 = tp.reduce_s if tp else 0.0
                     t0 = time.perf_counter()
                     runs[i][2]()
                     runs[i][3].append(time.perf_counter() - t0)
+                    reduce_s[i] += tp.reduce_s - r0 if tp else 0.0
                 except Exception as ex:
                     del runs[i]
                     _out_of_memory(points[i], ex, dev)
         for i, (e, cache, step, times, before) in runs.items():
             _finish(points[i], e, cache, step, times, before, bw, trace)
+            if tp is not None:
+                _per_rank(points[i], tp, reduce_s[i] / len(times))
     finally:
         for run in runs.values():
             run[1].close()
@@ -451,6 +466,17 @@ def _finish(pt: Point, e: Engine, cache, step, times: list[float], before: dict,
             if busy and h2d:  # bytes over the time the copying is busy, not over the step
                 pt.h2d_busy_bytes_per_s = round(h2d / busy, 1)
     pt.host_rss_bytes = host_rss()
+
+
+def _per_rank(pt: Point, tp, reduce_s: float) -> None:
+    """Under tensor parallelism: each rank's bytes per step, their total, and the all-reduce time per step."""
+    mine = [0.0] * tp.size
+    mine[tp.rank] = pt.h2d_bytes_per_step or 0.0
+    per_rank = tp.reduce_counts(*mine, pt.d2h_bytes_per_step or 0.0)
+    pt.tensor_parallel = tp.size
+    pt.h2d_bytes_per_step_per_rank = [round(x, 1) for x in per_rank[:-1]]
+    pt.h2d_bytes_per_step, pt.d2h_bytes_per_step = round(sum(per_rank[:-1]), 1), round(per_rank[-1], 1)
+    pt.allreduce_ms_per_step = round(1000 * reduce_s, 3)
 
 
 def _out_of_memory(pt: Point, ex: BaseException, dev: torch.device) -> None:

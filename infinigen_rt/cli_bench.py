@@ -124,7 +124,14 @@ def bench_cmd(
     check_outputs(out, plot_path)
 
     dev = resolve_device(device)
-    with console.status("building the model", spinner="dots") if not json_out else nullcontext():
+    from infinigen_rt.tp import from_env
+
+    tp = from_env(dev)  # under torchrun: every rank runs every point, rank 0 reports
+    if tp is not None and synthetic is not None:
+        raise InfinigenError("bench under torchrun needs a BUNDLE (each rank reads its slices of it), not --synthetic")
+    follower = tp is not None and tp.rank != 0
+    quiet = json_out or follower
+    with console.status("building the model", spinner="dots") if not quiet else nullcontext():
         if synthetic is not None:
             if dtype == "auto":
                 dt = torch.float16 if dev.type == "cuda" else torch.float32
@@ -141,7 +148,7 @@ def bench_cmd(
             from infinigen_rt.hub import resolve_bundle
 
             path = resolve_bundle(bundle)
-            engine = Engine(read_bundle(path), device=str(dev), dtype=dtype)
+            engine = Engine(read_bundle(path), device=str(dev), dtype=dtype, tp=tp)
             model_name = Path(str(path)).name
         prompt = None
         if text is not None:
@@ -157,7 +164,9 @@ def bench_cmd(
         else alpha, "gen": gen, "warmup": warmup, "interleave": interleave,
         "prompt": str(text) if text else "random tokens", "points": [],
     }  # fmt: skip
-    if not json_out:
+    if tp is not None:
+        meta["tensor_parallel"] = tp.size
+    if not quiet:
         err_console.print(
             f"[dim]{meta['device_name']}: device copy {bw['device_bytes_per_s'] / 1e9:.1f} GB/s, "
             f"host-to-device {bw['h2d_bytes_per_s'] / 1e9:.1f} GB/s (measured)[/]"
@@ -165,7 +174,7 @@ def bench_cmd(
     groups = [names] if interleave else [[p] for p in names]
     todo = [(g, b, c) for c in contexts for b in batches for g in groups]
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   console=err_console, transient=True, disable=json_out)  # fmt: skip
+                   console=err_console, transient=True, disable=quiet)  # fmt: skip
     with bar:
         task = bar.add_task("bench", total=len(todo))
         for g, b, c in todo:
@@ -173,9 +182,11 @@ def bench_cmd(
             pts = run_points(engine, model_name, g, b, c, gen, bw, budget=budget, max_kv=max_kv, alpha=alpha,
                              warmup=warmup, chunk=prefill_chunk, prompt=prompt, seed=seed, trace=trace)  # fmt: skip
             meta["points"] += [point_dict(pt) for pt in pts]
-            if out:
+            if out and not follower:
                 save(out, meta)
             bar.advance(task)
+    if follower:
+        return
     if plot_path:
         plot(meta["points"], plot_path, f"{model_name} on {meta['device_name']} ({meta['dtype']})")
     if json_out:
@@ -198,6 +209,7 @@ COLUMNS = (
     ("ms/step", lambda p: _fmt(p["ms_per_step"], ".1f"), True),
     ("tok/s", lambda p: _fmt(p["tokens_per_s"], ".1f"), True),
     ("H2D/step", lambda p: human_bytes(p["h2d_bytes_per_step"]), True),
+    ("all-reduce ms", lambda p: _fmt(p.get("allreduce_ms_per_step"), ".2f"), False),
     ("H2D GB/s", lambda p: _fmt(p["h2d_achieved_bytes_per_s"], ".2f", 1e9), False),
     ("fetched", lambda p: _fmt(p["kv_fetched_share"], ".1%"), True),
     ("floor ms", lambda p: _fmt(p["floor_ms"], ".2f"), False),

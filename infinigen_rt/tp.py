@@ -84,8 +84,18 @@ def from_env(device: torch.device) -> TP | None:
 
 
 def _close() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """At exit: wait (briefly) until every rank is done, then tear the group down. A rank leaving while another is
+    still in the group's last exchange made gloo abort the process (seen under load)."""
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=10))
+        else:
+            dist.barrier()
+    except Exception:  # a rank that is gone (its error is already printed): nothing left to wait for
+        pass
+    dist.destroy_process_group()
 
 
 def allowed_sizes(cfg: ModelConfig) -> list[int]:

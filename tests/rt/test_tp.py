@@ -152,3 +152,22 @@ def test_serve_with_two_ranks_answers_what_one_process_generates(bundles, tmp_pa
     tok = e.tokenizer
     want = [e.generate([tok.encode(p)], 8)[0][0].text for p in prompts]
     assert got == want and all(want)
+
+
+def test_bench_under_torchrun_reports_per_rank_and_total_bytes(bundles):
+    args = ["bench", str(bundles["llama31_gqa"]), "--device", "cpu", "--batch", "1", "--context", "64", "--gen", "3",
+            "--warmup", "1", "--policies", "offload,infinigen", "--json"]  # fmt: skip
+    one = run_cli("rt", *args, env={"OMP_NUM_THREADS": "1"})
+    assert one.returncode == 0, one.stderr
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    r = subprocess.run([*launcher, "-m", "infinigen_rt.cli", *args], capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    printed = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert len(printed) == 1 and printed[0]["tensor_parallel"] == 2
+    for solo, two in zip(json.loads(one.stdout)["points"], printed[0]["points"], strict=True):
+        assert two["status"] == solo["status"] == "ok" and two["tensor_parallel"] == 2
+        ranks = two["h2d_bytes_per_step_per_rank"]
+        assert len(ranks) == 2 and all(x > 0 for x in ranks) and sum(ranks) == two["h2d_bytes_per_step"]
+        assert two["h2d_bytes_per_step"] == solo["h2d_bytes_per_step"]
+        assert two["allreduce_ms_per_step"] > 0
