@@ -98,7 +98,7 @@ def generate(
     from infinigen_rt.runner import check_context
     from infinigen_rt.sampling import SamplingParams
     from infinigen_rt.tokenizer import check_text
-    from infinigen_rt.tp import from_env
+    from infinigen_rt.tp import follower_env, from_env
 
     if prompt == "-":
         try:
@@ -109,12 +109,13 @@ def generate(
     check_text(prompt, "the prompt")
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     path = resolve_bundle(bundle, revision)
-    tp = from_env(resolve_device(device))  # under torchrun: one rank of a tensor-parallel group
-    follower = tp is not None and tp.rank != 0  # runs every step with rank 0, prints nothing
-    quiet = json_out or follower
+    quiet = json_out or follower_env()
     with console.status("loading bundle", spinner="dots") if not quiet else nullcontext():
+        b = read_bundle(path, verify=verify)
+        tp = from_env(resolve_device(device), b.config)  # under torchrun: one rank of a tensor-parallel group
+        follower = tp is not None and tp.rank != 0  # runs every step with rank 0, prints nothing
         kv = KVOptions(alpha, budget, max_kv, capacity, eviction, window, dense_layers, prefill_chunk, trace_recall)
-        engine = Engine(read_bundle(path, verify=verify), device=device, dtype=dtype, policy=policy, kv=kv, tp=tp)
+        engine = Engine(b, device=device, dtype=dtype, policy=policy, kv=kv, tp=tp)
     tok = engine.tokenizer
     ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
     context = engine.cfg.max_position_embeddings
@@ -331,14 +332,14 @@ def serve(
         alpha=alpha, budget=budget, max_kv=max_kv, capacity=capacity, eviction=eviction, window=window,
         dense_layers=dense_layers,
     )  # fmt: skip
-    tp = from_env(resolve_device(device))  # under torchrun: rank 0 serves, the others replay its steps
+    b = read_bundle(path, verify=verify)
+    tp = from_env(resolve_device(device), b.config)  # under torchrun: rank 0 serves, the others replay its steps
     if tp is not None and tp.rank != 0:
-        engine = Engine(read_bundle(path, verify=verify), device=device, dtype=dtype, policy=policy, kv=kv, tp=tp)
-        follow(engine, tp, control_group())
+        follow(Engine(b, device=device, dtype=dtype, policy=policy, kv=kv, tp=tp), tp, control_group())
         return
     sock = _listen_socket(host, port)  # before loading: a taken port fails fast
     with err_console.status("loading bundle", spinner="dots"):
-        engine = Engine(read_bundle(path, verify=verify), device=device, dtype=dtype, policy=policy, kv=kv, tp=tp)
+        engine = Engine(b, device=device, dtype=dtype, policy=policy, kv=kv, tp=tp)
     name = model_name or (Path(bundle).name if Path(bundle).exists() else bundle)
     server_app = create_app(
         engine, name, max_batch=max_batch, max_queue=max_queue, api_key=api_key, max_body=max_body,

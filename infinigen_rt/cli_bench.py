@@ -124,13 +124,12 @@ def bench_cmd(
     check_outputs(out, plot_path)
 
     dev = resolve_device(device)
-    from infinigen_rt.tp import from_env
+    from infinigen_rt.tp import follower_env, from_env, world_size
 
-    tp = from_env(dev)  # under torchrun: every rank runs every point, rank 0 reports
-    if tp is not None and synthetic is not None:
+    if world_size() > 1 and synthetic is not None:
         raise InfinigenError("bench under torchrun needs a BUNDLE (each rank reads its slices of it), not --synthetic")
-    follower = tp is not None and tp.rank != 0
-    quiet = json_out or follower
+    tp = None  # under torchrun: every rank runs every point, rank 0 reports
+    quiet = json_out or follower_env()
     with console.status("building the model", spinner="dots") if not quiet else nullcontext():
         if synthetic is not None:
             if dtype == "auto":
@@ -148,7 +147,9 @@ def bench_cmd(
             from infinigen_rt.hub import resolve_bundle
 
             path = resolve_bundle(bundle)
-            engine = Engine(read_bundle(path), device=str(dev), dtype=dtype, tp=tp)
+            b = read_bundle(path)
+            tp = from_env(dev, b.config)
+            engine = Engine(b, device=str(dev), dtype=dtype, tp=tp)
             model_name = Path(str(path)).name
         prompt = None
         if text is not None:
@@ -164,6 +165,7 @@ def bench_cmd(
         else alpha, "gen": gen, "warmup": warmup, "interleave": interleave,
         "prompt": str(text) if text else "random tokens", "points": [],
     }  # fmt: skip
+    follower = tp is not None and tp.rank != 0
     if tp is not None:
         meta["tensor_parallel"] = tp.size
     if not quiet:

@@ -66,12 +66,24 @@ def peer_lost(tp: TP, e: Exception) -> InfinigenError:
     )
 
 
-def from_env(device: torch.device) -> TP | None:
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def follower_env() -> bool:
+    """This process is a rank other than 0 of a group torchrun started (it prints nothing)."""
+    return world_size() > 1 and os.environ.get("RANK", "0") != "0"
+
+
+def from_env(device: torch.device, cfg: ModelConfig | None = None) -> TP | None:
     """The process group `torchrun` describes in the environment (WORLD_SIZE, RANK, MASTER_ADDR...), or None
-    when this process runs alone. NCCL for a GPU (each rank on the GPU of its LOCAL_RANK), gloo for a CPU."""
-    size = int(os.environ.get("WORLD_SIZE", "1"))
+    when this process runs alone. NCCL for a GPU (each rank on the GPU of its LOCAL_RANK), gloo for a CPU.
+    `cfg`: the model, whose heads the size must divide (checked before waiting for the other ranks)."""
+    size = world_size()
     if size <= 1:
         return None
+    if cfg is not None:
+        check_size(cfg, size)
     rank = int(os.environ["RANK"])
     if not dist.is_initialized():
         timeout = timedelta(seconds=float(os.environ.get("INFINIGEN_TP_TIMEOUT", TIMEOUT_S)))

@@ -19,6 +19,7 @@ from infinigen_rt.errors import InfinigenError
 from infinigen_rt.tp import TP, allowed_sizes, shard_config
 from tests.conftest import run_cli
 from tests.rt import tp_worker
+from tests.test_cli import one_line_error
 
 WORKER = Path(tp_worker.__file__)
 MODELS = ("llama2_mha", "llama31_gqa", "opt")
@@ -171,3 +172,13 @@ def test_bench_under_torchrun_reports_per_rank_and_total_bytes(bundles):
         assert len(ranks) == 2 and all(x > 0 for x in ranks) and sum(ranks) == two["h2d_bytes_per_step"]
         assert two["h2d_bytes_per_step"] == solo["h2d_bytes_per_step"]
         assert two["allreduce_ms_per_step"] > 0
+
+
+@pytest.mark.slow
+def test_smollm2_over_two_ranks_is_a_one_line_error_naming_the_sizes(smollm2_bundle):
+    """Checked before waiting for the other ranks: one process told it is rank 0 of 2 fails at once."""
+    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for cmd in (["generate", smollm2_bundle, "hi", "--no-verify"], ["serve", smollm2_bundle, "--no-verify"],
+                ["bench", smollm2_bundle, "--device", "cpu", "--context", "64"]):  # fmt: skip
+        r = run_cli("rt", *cmd, env=env, timeout=60)
+        one_line_error(r, "tensor-parallel size 2", "3 KV heads", "use one of: 1, 3")
