@@ -17,7 +17,7 @@ from infinigen_rt.policies import POLICIES, KVOptions
 from infinigen_rt.runner import BLOCK_TOKENS, Generation, Request, Runner, RunStats, blocks, per_row, pool_tokens
 from infinigen_rt.sampling import SamplingParams
 from infinigen_rt.tokenizer import Tokenizer
-from infinigen_rt.tp import TP, shard_config, shard_speculation, total_report, tp_time
+from infinigen_rt.tp import TP, shard_config, shard_speculation, tp_time
 
 
 def resolve_device(device: str) -> torch.device:
@@ -218,7 +218,7 @@ class Engine:
             "tensor_parallel": self.tp.size if self.tp else 1,
             **(tp_time(self.tp, reduces) if self.tp else {}),
             "generated_tokens": sum(len(r.token_ids) for r in results),
-            **total_report(run.report(), self.tp).to_dict(),
+            **run.report().to_dict(),
             **memory_stats(self.device),
         }
         return results, stats

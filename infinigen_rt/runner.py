@@ -40,6 +40,7 @@ from infinigen_rt.cache import KVReport, Rows, merge_reports
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.policies import KVOptions
 from infinigen_rt.sampling import SamplingParams, sample
+from infinigen_rt.tp import total_report
 
 if TYPE_CHECKING:
     from infinigen_rt.engine import Engine
@@ -294,8 +295,8 @@ class Runner:
     def _free(self, seq: _Seq) -> None:
         """Its KV goes back at once (the cache closed, its blocks returned)."""
         if seq.cache is not None:
-            try:
-                seq.report = seq.cache.report()
+            try:  # under tensor parallelism: the totals over every rank (each ends the request in the same step)
+                seq.report = total_report(seq.cache.report(), self.engine.tp)
                 self.reports.append(seq.report)
             finally:
                 seq.cache.close()

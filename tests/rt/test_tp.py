@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -145,14 +146,18 @@ def test_serve_with_two_ranks_answers_what_one_process_generates(bundles, tmp_pa
 
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             got = list(pool.map(ask, range(4)))
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        moved = float(re.search(r"^infinigen_bytes_h2d_total (\S+)$", text, re.M)[1])
     finally:
         server.stop()
     assert server.proc.returncode is not None
     assert "tensor-parallel over 2 ranks" in server.log.read_text()
     e = Engine(read_bundle(bundle), device="cpu", dtype="float32", policy="infinigen", kv=KVOptions(budget=0.3))
     tok = e.tokenizer
-    want = [e.generate([tok.encode(p)], 8)[0][0].text for p in prompts]
+    alone = [e.generate([tok.encode(p)], 8) for p in prompts]
+    want = [gens[0].text for gens, _ in alone]
     assert got == want and all(want)
+    assert moved == sum(stats.extra["bytes_h2d"] for _, stats in alone) > 0  # the ranks' bytes, totalled
 
 
 def test_bench_under_torchrun_reports_per_rank_and_total_bytes(bundles):
