@@ -20,6 +20,7 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -89,7 +90,9 @@ def from_env(device: torch.device, cfg: ModelConfig | None = None) -> TP | None:
         timeout = timedelta(seconds=float(os.environ.get("INFINIGEN_TP_TIMEOUT", TIMEOUT_S)))
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            bind_to_node(gpu_node(local))  # before any host pool is allocated: its pages land on that node
         dist.init_process_group(backend, timeout=timeout)
         atexit.register(_close)  # torch's groups left open at exit abort the process ("terminate called...")
     return TP(rank, size)
@@ -108,6 +111,45 @@ def _close() -> None:
     except Exception:  # a rank that is gone (its error is already printed): nothing left to wait for
         pass
     dist.destroy_process_group()
+
+
+def gpu_node(index: int, sysfs: Path = Path("/sys")) -> int | None:
+    """The NUMA node a GPU hangs off (its PCI device's `numa_node`), or None when the machine does not say."""
+    props = torch.cuda.get_device_properties(index)
+    ids = [getattr(props, f"pci_{k}_id", None) for k in ("domain", "bus", "device")]
+    if None in ids:
+        return None
+    path = sysfs / "bus/pci/devices" / f"{ids[0]:04x}:{ids[1]:02x}:{ids[2]:02x}.0" / "numa_node"
+    try:
+        node = int(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return node if node >= 0 else None
+
+
+def node_cpus(node: int, sysfs: Path = Path("/sys")) -> set[int]:
+    """The CPUs of NUMA node `node` (its `cpulist`, e.g. "0-15,32-47"); empty when there is no such node."""
+    try:
+        text = (sysfs / "devices/system/node" / f"node{node}" / "cpulist").read_text().strip()
+    except OSError:
+        return set()
+    cpus: set[int] = set()
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def bind_to_node(node: int | None, sysfs: Path = Path("/sys")) -> bool:
+    """Run this process on the CPUs of `node` when the machine has several nodes, so the host pool (allocated
+    and page-locked by this process, first touch) sits next to this rank's GPU. Returns whether it bound."""
+    nodes = list((sysfs / "devices/system/node").glob("node[0-9]*"))
+    cpus = node_cpus(node, sysfs) if node is not None and len(nodes) > 1 else set()
+    allowed = os.sched_getaffinity(0) & cpus
+    if not allowed:
+        return False
+    os.sched_setaffinity(0, allowed)
+    return True
 
 
 def allowed_sizes(cfg: ModelConfig) -> list[int]:

@@ -73,3 +73,10 @@ def test_pool_pages_are_pinned_at_their_exact_size_and_released(bundles):
     assert pool.k.is_pinned() and pool.k.untyped_storage().nbytes() == 1000 * 2 * 3 * 64 * 2
     pool.close()
     assert not pool.k.is_pinned()
+
+
+def test_the_gpus_numa_node_is_read_or_unknown():
+    from infinigen_rt.tp import gpu_node
+
+    node = gpu_node(0)
+    assert node is None or node >= 0

@@ -187,3 +187,25 @@ def test_smollm2_over_two_ranks_is_a_one_line_error_naming_the_sizes(smollm2_bun
                 ["bench", smollm2_bundle, "--device", "cpu", "--context", "64"]):  # fmt: skip
         r = run_cli("rt", *cmd, env=env, timeout=60)
         one_line_error(r, "tensor-parallel size 2", "3 KV heads", "use one of: 1, 3")
+
+
+def test_a_rank_binds_to_its_gpus_numa_node_only_where_there_are_several(tmp_path):
+    from infinigen_rt.tp import bind_to_node, node_cpus
+
+    nodes = tmp_path / "devices/system/node"
+    mine = sorted(os.sched_getaffinity(0))
+    for i, cpus in enumerate(([mine[0]], mine[1:] or [mine[0]])):
+        (nodes / f"node{i}").mkdir(parents=True)
+        (nodes / f"node{i}" / "cpulist").write_text(",".join(map(str, cpus)) + "\n")
+    (nodes / "node1" / "cpulist").write_text("0-2,5,7-8\n")
+    assert node_cpus(1, tmp_path) == {0, 1, 2, 5, 7, 8} and node_cpus(4, tmp_path) == set()
+    before = os.sched_getaffinity(0)
+    try:
+        assert bind_to_node(0, tmp_path) and os.sched_getaffinity(0) == {mine[0]}
+    finally:
+        os.sched_setaffinity(0, before)
+    assert not bind_to_node(None, tmp_path) and not bind_to_node(3, tmp_path)
+    (nodes / "node1" / "cpulist").unlink()
+    (nodes / "node1").rmdir()
+    assert not bind_to_node(0, tmp_path)  # one node: nothing to choose
+    assert os.sched_getaffinity(0) == before
