@@ -26,3 +26,15 @@ def gather(
     tl.store(out_a + dst_off, a, mask=live[:, None] & inside)
     b = tl.load(src_b + src_off, mask=use[:, None] & inside, other=0)
     tl.store(out_b + dst_off, b, mask=live[:, None] & inside)
+
+
+@triton.jit
+def scatter(dst, src, rows, total, W: tl.constexpr, BLOCK_W: tl.constexpr, ROWS: tl.constexpr):
+    # program p writes ROWS rows: source row m (of `total`) lands at destination row rows[m]
+    m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = m < total
+    r = tl.load(rows + m, mask=live, other=0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_W)
+    inside = live[:, None] & (cols[None, :] < W)
+    x = tl.load(src + m.to(tl.int64)[:, None] * W + cols[None, :], mask=inside, other=0)
+    tl.store(dst + r[:, None] * W + cols[None, :], x, mask=inside)

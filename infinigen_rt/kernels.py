@@ -55,6 +55,23 @@ def gather_rows(src_a, src_b, rows, ok, out_a, out_b) -> None:
     )  # fmt: skip
 
 
+def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[rows[i]] = src[i]: dst [N, X] (host pinned memory, or device memory), rows [n] int64 and src [n, X]
+    contiguous on the compute device (the new tokens of a step written into freed slots of the pool, each
+    (sequence, KV head) into its own)."""
+    n = rows.numel()
+    if n == 0:
+        return
+    import triton
+
+    from infinigen_rt._gather_kernel import scatter
+
+    d, s = words(dst), words(src.contiguous())
+    w = d.shape[-1]
+    scatter[(triton.cdiv(n, ROWS_PER_PROGRAM),)](d, s, rows.reshape(-1), n, W=w, BLOCK_W=triton.next_power_of_2(w),
+                                                 ROWS=ROWS_PER_PROGRAM)  # fmt: skip
+
+
 def gather_rows_reference(src_a, src_b, rows, ok, out_a, out_b) -> None:
     """The definition of `gather_rows` in torch ops (index_select on the rows, zeros where they do not count)."""
     g, n = rows.shape

@@ -28,7 +28,7 @@ import weakref
 import numpy as np
 import torch
 
-from infinigen_rt.kernels import gather_rows
+from infinigen_rt.kernels import gather_rows, scatter_rows
 
 EVICTIONS = ("counter", "lru", "fifo")
 _BIG = 1 << 32  # ranks: primary key * _BIG + position (positions < 2**32)
@@ -101,12 +101,26 @@ class KVPool:
         """Tokens held per (sequence, KV head): [B, Hkv] (host)."""
         return torch.from_numpy(self.n_held.copy())
 
-    def insert(self, k, v, positions, valid, n_valid: np.ndarray | None = None) -> int:
-        """Write s new tokens into slots fill..fill+s-1; returns the first. k, v: [B, Hkv, s, D] on the compute
-        device; positions, valid: [B, s]. Padding tokens are written, but their slots stay free. `n_valid`: the
-        real tokens per sequence when the host knows them (a decode step: one each); else they are counted."""
+    def insert(self, k, v, positions, valid, n_valid: np.ndarray | None = None) -> int | torch.Tensor:
+        """Write s new tokens; k, v: [B, Hkv, s, D] on the compute device; positions, valid: [B, s]. Padding tokens
+        are written, but their slots stay free. `n_valid`: the real tokens per sequence when the host knows them (a
+        decode step: one each); else they are counted.
+
+        Where: slots fill..fill+s-1 (returns fill), or, once eviction has freed slots and every (sequence, KV head)
+        has s of them free (known on the host: fill less its held count), the s lowest free slots of each
+        (returns them, [B, Hkv, s] on the device): a sequence reuses what it evicted, so its pool stops growing."""
         b, h, s, _ = k.shape
         f = self.fill
+        full = n_valid is not None and bool((np.asarray(n_valid) == s).all())  # no padding among the new tokens
+        if self.holes and full and int((f - self.n_held).min()) >= s:
+            free = (self.pos[..., :f] < 0).to(torch.int8)
+            slots = free.sort(dim=-1, descending=True, stable=True).indices[..., :s]  # lowest free first
+            self.store(slots, k, v)
+            self.pos.scatter_(2, slots, positions.to(torch.int32)[:, None, :].expand(b, h, s).contiguous())
+            self.hits.scatter_(2, slots, 0)
+            self.last.scatter_(2, slots, 0)
+            self.n_held += s
+            return slots
         assert f + s <= self.slots, "pool full"
         self.store(f, k, v)
         self.pos[:, :, f : f + s] = torch.where(valid, positions, -1).to(torch.int32)[:, None, :]
@@ -134,14 +148,23 @@ class KVPool:
         starts, ends = np.concatenate([[0], cuts]), np.concatenate([cuts, [s]])
         return [(int(phys[a]), int(a), int(b - a)) for a, b in zip(starts, ends, strict=True)]
 
-    def write(self, buf: torch.Tensor, f: int, x: torch.Tensor) -> None:
-        """Slots f.. of `buf` from x [B, Hkv, s, X]: one contiguous copy per run (asynchronous into pinned pages)."""
-        rows = x.permute(2, 0, 1, 3)
-        for d, i, n in self.runs(f, x.shape[2]):
-            buf[d : d + n].copy_(rows[i : i + n], non_blocking=self.pinned)
+    def write(self, buf: torch.Tensor, where: int | torch.Tensor, x: torch.Tensor) -> None:
+        """Rows of `buf` from x [B, Hkv, s, X]: slots where.. (an int: one contiguous copy per run, asynchronous
+        into pinned pages), or each (sequence, KV head)'s own slots `where` [B, Hkv, s] (a scatter: the kernel
+        writes straight into the pinned pages, or index_copy on a CPU)."""
+        if isinstance(where, int):
+            rows = x.permute(2, 0, 1, 3)
+            for d, i, n in self.runs(where, x.shape[2]):
+                buf[d : d + n].copy_(rows[i : i + n], non_blocking=self.pinned)
+            return
+        flat, rows, src = buf.view(-1, buf.shape[-1]), self.flat_rows(where).reshape(-1), x.reshape(-1, x.shape[-1])
+        if self.kernel:
+            scatter_rows(flat, rows, src)
+        else:
+            flat.index_copy_(0, rows.to(flat.device), src.to(flat.device, flat.dtype))
 
-    def store(self, f: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Rows of slots f.. from [B, Hkv, s, X] tensors."""
+    def store(self, f: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Rows of slots `f` (see write) from [B, Hkv, s, X] tensors."""
         self.write(self.k, f, k)
         self.write(self.v, f, v)
 

@@ -186,9 +186,12 @@ class InfinigenCache(OffloadCache):
         in_set = torch.gather(chosen, 2, all_slots).repeat_interleave(self.group, 1)
         return float((p[:, :, 0] * in_set).sum(-1).mean())
 
-    def after_insert(self, layer, k, start: int) -> None:
-        s = k.shape[2]
-        self.pk[layer][..., start : start + s] = self.spec.partial_key(layer, k).transpose(-1, -2)
+    def after_insert(self, layer, k, start) -> None:
+        s, part = k.shape[2], self.spec.partial_key(layer, k).transpose(-1, -2)  # [B, Hkv, d', s]
+        if isinstance(start, int):
+            self.pk[layer][..., start : start + s] = part
+        else:  # freed slots, each (sequence, KV head) its own
+            self.pk[layer].scatter_(3, start[:, :, None, :].expand_as(part), part)
 
     def report(self) -> KVReport:
         stats, r = self.stats, super().report()

@@ -181,8 +181,9 @@ class OffloadCache(KVCache):
     def after_fetch(self, layer, q, slots, ok) -> None:
         """Hook for subclasses: the rows of `slots` were just fetched for `layer`."""
 
-    def after_insert(self, layer, k, start: int) -> None:
-        """Hook for subclasses: the new tokens' keys went into slots start..start+s-1."""
+    def after_insert(self, layer, k, start) -> None:
+        """Hook for subclasses: the new tokens' keys went into slots start..start+s-1 (an int), or into each
+        (sequence, KV head)'s slots start [B, Hkv, s] (see KVPool.insert)."""
 
     def end(self) -> None:
         if self.opts.capacity is None:  # the pool holds everything: nothing to evict
