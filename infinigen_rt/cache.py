@@ -62,6 +62,13 @@ class KVCache:
         raise NotImplementedError
 
     @classmethod
+    def pool_slots(cls, engine, prompt: int, new: int, chunk: int) -> int:
+        """The most token slots a request of `prompt` + `new` tokens, prefilled in chunks of at most `chunk`, ever
+        holds per (sequence, KV head) in a paged pool: its reservation. Every token, unless eviction frees slots
+        for reuse (the host-pool policies with a capacity)."""
+        return prompt + new
+
+    @classmethod
     def kv_bytes(cls, engine, tokens: int, dtype_bytes: int) -> tuple[int, int, int]:
         """For `tokens` (sequence, KV head, slot) triples per layer: (device bytes held, host bytes held, device
         bytes read by a decode step) of KV and its bookkeeping (bench's memory model and floor)."""

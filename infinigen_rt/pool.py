@@ -106,20 +106,30 @@ class KVPool:
         are written, but their slots stay free. `n_valid`: the real tokens per sequence when the host knows them (a
         decode step: one each); else they are counted.
 
-        Where: slots fill..fill+s-1 (returns fill), or, once eviction has freed slots and every (sequence, KV head)
-        has s of them free (known on the host: fill less its held count), the s lowest free slots of each
-        (returns them, [B, Hkv, s] on the device): a sequence reuses what it evicted, so its pool stops growing."""
+        Where: slots fill..fill+s-1 (returns fill), or, once eviction has freed slots, first the slots it freed: a
+        sequence reuses what it evicted, so its pool stops growing (returns the slots, [B, Hkv, s] on the device).
+        Every (sequence, KV head) with as many free slots (host-known: fill less its held count; so always for one
+        sequence, whose heads hold as many tokens) takes its r = min(free, s) lowest ones and fill.. for the rest;
+        else each takes s of its own where all have s free, or all append."""
         b, h, s, _ = k.shape
         f = self.fill
         full = n_valid is not None and bool((np.asarray(n_valid) == s).all())  # no padding among the new tokens
-        if self.holes and full and int((f - self.n_held).min()) >= s:
+        free_n = f - self.n_held  # [B, Hkv]
+        same = bool((free_n == free_n.flat[0]).all())
+        r = min(int(free_n.min()), s) if same or int(free_n.min()) >= s else 0
+        if self.holes and full and r > 0:
+            assert f + s - r <= self.slots, "pool full"
             free = (self.pos[..., :f] < 0).to(torch.int8)
-            slots = free.sort(dim=-1, descending=True, stable=True).indices[..., :s]  # lowest free first
+            slots = free.sort(dim=-1, descending=True, stable=True).indices[..., :r]  # lowest free first
+            if r < s:  # the rest at the end, the same slots for every (sequence, KV head)
+                fresh = torch.arange(f, f + s - r, device=slots.device).expand(b, h, -1)
+                slots = torch.cat([slots, fresh], -1)
             self.store(slots, k, v)
             self.pos.scatter_(2, slots, positions.to(torch.int32)[:, None, :].expand(b, h, s).contiguous())
             self.hits.scatter_(2, slots, 0)
             self.last.scatter_(2, slots, 0)
             self.n_held += s
+            self.fill += s - r
             return slots
         assert f + s <= self.slots, "pool full"
         self.store(f, k, v)

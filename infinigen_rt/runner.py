@@ -38,7 +38,7 @@ import torch
 from infinigen_rt.blocks import HostBlocks
 from infinigen_rt.cache import KVReport, Rows, merge_reports
 from infinigen_rt.errors import InfinigenError
-from infinigen_rt.policies import KVOptions
+from infinigen_rt.policies import POLICIES, KVOptions
 from infinigen_rt.sampling import SamplingParams, sample
 from infinigen_rt.tp import total_report
 
@@ -109,7 +109,7 @@ class _Seq:
     id: int
     req: Request
     view: Engine  # the engine with this request's policy and options
-    need: int  # KV tokens its cache is sized for: prompt + new tokens
+    need: int  # KV slots it reserves in the pool: prompt + new tokens, fewer where eviction frees slots for reuse
     gen: torch.Generator | None
     cache: object = None
     done: int = 0  # prompt tokens prefilled
@@ -153,7 +153,8 @@ class Runner:
         check_context(len(req.prompt_ids), req.max_new_tokens, eng.cfg.max_position_embeddings)
         policy, kv = req.policy or eng.policy, req.kv or eng.kv
         view = eng if (policy, kv) == (eng.policy, eng.kv) else eng.with_policy(policy, kv)
-        need = len(req.prompt_ids) + req.max_new_tokens
+        chunk = view.kv.prefill_chunk or self.prefill_chunk or len(req.prompt_ids)  # the largest a pass prefills
+        need = POLICIES[view.policy].pool_slots(view, len(req.prompt_ids), req.max_new_tokens, chunk)
         if self.pool is not None and blocks(need) > self.pool.alloc.n_blocks:
             raise InfinigenError(
                 f"the request needs {need} tokens of KV (prompt + max-new-tokens) but the KV pool holds "
@@ -214,7 +215,7 @@ class Runner:
             self.waiting.popleft()
             pages = None if self.pool is None else self.pool.pages(seq.id, seq.need)
             try:
-                seq.cache = seq.view.make_cache(1, seq.need, pages)
+                seq.cache = seq.view.make_cache(1, len(seq.req.prompt_ids) + seq.req.max_new_tokens, pages)
             except Exception:
                 seq.reason = "error"
                 self._free(seq)

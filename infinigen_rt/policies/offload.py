@@ -61,6 +61,24 @@ class OffloadCache(KVCache):
     def kv_bytes(cls, engine, tokens, dtype_bytes):
         return cls.pool_bytes(engine, tokens, 2 * engine.cfg.head_dim * dtype_bytes, resident=0)
 
+    @classmethod
+    def pool_slots(cls, engine, prompt, new, chunk):
+        """With a capacity, what KVPool.insert and evict do to one sequence, replayed on counts: a pass of s tokens
+        takes min(free, s) freed slots and grows the pool by the rest, then eviction keeps at most the capacity.
+        The largest chunk gives the largest peak (a smaller pass fits inside a larger one's span, and the kept
+        count grows at most one per token), so chunks split by a step's prefill budget never need more."""
+        opts = engine.kv
+        if opts.capacity is None:
+            return prompt + new
+        fill = held = length = peak = 0
+        passes = [min(chunk, prompt - i) for i in range(0, prompt, chunk)] + [1] * (new - 1)
+        for s in passes:
+            fill += s - min(fill - held, s)
+            held, length = held + s, length + s
+            peak = max(peak, fill)
+            held = min(held, max(int(opts.capacity_tokens(np.array([length]))[0]), opts.window))
+        return max(peak, 1)
+
     @staticmethod
     def pool_bytes(engine, tokens: int, row: int, resident: int) -> tuple[int, int, int]:
         """Pooled layers: rows in host memory, 12 bytes of slot state each on the device, and on the device one
@@ -80,9 +98,10 @@ class OffloadCache(KVCache):
         self.cfg, self.device, self.opts, self.dtype = cfg, torch.device(device), opts, dtype
         self.resident = DenseCache(cfg, batch, max_len, self.device, dtype, layers=resident) if resident else None
         self.n_resident = resident
+        slots = max_len if pages is None else min(max_len, len(pages.slots))  # pages: the reservation (pool_slots)
         self.pools = [
             None if i < resident else self.pool_class(
-                batch, cfg.num_key_value_heads, cfg.head_dim, max_len, dtype, self.device, opts.eviction, opts.window,
+                batch, cfg.num_key_value_heads, cfg.head_dim, slots, dtype, self.device, opts.eviction, opts.window,
                 pages, i,
             )
             for i in range(cfg.num_hidden_layers)

@@ -13,6 +13,7 @@ from infinigen_rt.bundle import read_bundle
 from infinigen_rt.console import parse_bytes
 from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
+from infinigen_rt.policies import POLICIES as POLICY_CLASSES
 from infinigen_rt.policies import KVOptions
 from infinigen_rt.runner import BLOCK_TOKENS, Request
 
@@ -47,12 +48,21 @@ def alone(engine: Engine, n: int = 10, prefill_chunk: int = 8, policy=None, kv=N
     return end
 
 
+def reserved(engine: Engine, prompt, n: int, chunk: int, policy=None, kv=None) -> int:
+    """The blocks a request reserves under the engine's policy (or its own)."""
+    view = engine if policy is None and kv is None else engine.with_policy(policy or engine.policy, kv or engine.kv)
+    return math.ceil(POLICY_CLASSES[view.policy].pool_slots(view, len(prompt), n, chunk) / BLOCK_TOKENS)
+
+
 def joined(engine: Engine, join_at: int, n: int = 10, prefill_chunk: int = 8, policy=None, kv=None):
     """The target request joins a runner where others start, finish and are cancelled around it; its Output at
-    the end. The paged pool has 7 blocks: the others take 6 (long 2, short 1, cancelled 3), so the target (3
-    blocks) waits for the short and the cancelled ones to give theirs back, and its block table is not one run
-    (the last free block first, then freed ones). The pool's invariants are checked after every step."""
-    run = engine.runner(max_batch=4, prefill_chunk=prefill_chunk, kv_tokens=7 * BLOCK_TOKENS)
+    the end. The paged pool has one block more than the others take (without eviction: long 2, short 1,
+    cancelled 3), so the target (at least 2) waits for the short and the cancelled ones to give theirs back, and
+    its block table is not one run (the last free block first, then freed ones). The pool's invariants are
+    checked after every step."""
+    others = sum(reserved(engine, p, m, prefill_chunk) for p, m in OTHERS.values())
+    assert reserved(engine, TARGET, n, prefill_chunk, policy, kv) >= 2
+    run = engine.runner(max_batch=4, prefill_chunk=prefill_chunk, kv_tokens=(others + 1) * BLOCK_TOKENS)
     ids = {name: run.add(Request(p, m)) for name, (p, m) in OTHERS.items()}
     target, step, end, table = None, 0, None, None
     while run.has_work:
@@ -169,6 +179,42 @@ def test_random_traffic_keeps_the_paged_pool_whole(bundles):
         run.step()
         check()
     assert run.pool.alloc.used == 0 and waited > 0 and cancelled > 0
+
+
+@pytest.mark.parametrize("capacity, window, chunk", [(24, 4, 8), (0.5, 4, 8), (0.3, 8, 16), (40, 16, 64)])
+def test_a_capacity_reserves_exactly_what_its_pool_reaches(capacity, window, chunk, bundles):
+    """Eviction frees slots the sequence reuses, so a request with a capacity reserves fewer than prompt + new:
+    the reservation equals the peak its pools reach at its own chunk size, and bounds it when a step's prefill
+    budget (shared with another request) cuts its chunks smaller; the tokens stay what private buffers give."""
+    e = engine_for(bundles["llama31_gqa"], "infinigen", KVOptions(budget=0.5, capacity=capacity, window=window))
+    prompt, n = list(range(5, 65)), 30
+
+    def peaks(run, rids):
+        peak = dict.fromkeys(rids, 0)
+        outs = {}
+        while run.has_work:
+            for s in run.running:
+                peak[s.id] = max(peak[s.id], *(p.fill for p in s.cache.pools if p is not None))
+            outs.update({o.id: o.generation.token_ids for o in run.step() if o.finished})
+        return peak, outs
+
+    need = POLICY_CLASSES["infinigen"].pool_slots(e, len(prompt), n, chunk)
+    assert need < len(prompt) + n
+    private = e.runner(prefill_chunk=chunk)
+    rid = private.add(Request(prompt, n))
+    peak, outs = peaks(private, [rid])
+    solo = outs[rid]
+    assert peak[rid] == need and len(solo) == n
+    exact = e.runner(prefill_chunk=chunk, kv_tokens=math.ceil(need / BLOCK_TOKENS) * BLOCK_TOKENS)  # just enough
+    rid = exact.add(Request(prompt, n))
+    peak, outs = peaks(exact, [rid])
+    assert outs[rid] == solo and peak[rid] == need
+    paged = e.runner(max_batch=2, prefill_chunk=chunk, kv_tokens=64 * BLOCK_TOKENS)
+    first = paged.add(Request(prompt[:-3], n))  # its last chunk leaves the second a smaller one
+    second = paged.add(Request(prompt, n))
+    assert [s.need for s in paged.waiting] == [POLICY_CLASSES["infinigen"].pool_slots(e, 57, n, chunk), need]
+    peak, outs = peaks(paged, [first, second])
+    assert peak[second] <= need and len(outs[second]) == n
 
 
 def test_the_pool_is_sized_in_tokens_or_in_bytes_and_holds_that_much_memory(bundles):
