@@ -7,8 +7,9 @@ Mechanism only: which slots a layer fetches is the policy's business. Layout and
          the held prefix of a layer is one contiguous block (what `offload` copies)
   pos    [B, Hkv, S] on the compute device: the position a slot holds, -1 when free (padding, or evicted)
   hits, last  [B, Hkv, S] on the compute device: times selected, last step selected (eviction's keys)
-Tokens take slots in arrival order, the same slot for every (sequence, KV head); a freed slot is not reused
-(the pool has a slot for every token the cache will see). A pool of one sequence may live in a paged pool's shared
+Tokens take slots in arrival order, the same slot for every (sequence, KV head), until eviction frees some: then
+a sequence's new tokens go first into the slots it freed, each (sequence, KV head) into its own (see `insert`),
+so under a capacity the pool stops growing (policies' `pool_slots` says how far it gets). A pool of one sequence may live in a paged pool's shared
 buffers (blocks.HostBlocks): its slots are then looked up in its block table, on the host for the copies in and
 on the device for the gather's row numbers. The host keeps what every decision needs (`fill`,
 the held counts, whether a slot was ever freed), so nothing here reads the device during a decode step.
@@ -18,7 +19,8 @@ positions:
   counter  fewest times selected first (the paper's choice), then oldest
   lru      least recently selected first, then oldest
   fifo     oldest first
-An evicted slot is freed (pos = -1), so its token can never be selected again.
+An evicted slot is freed (pos = -1), so its token can never be selected again; a token written there later is a
+new one, with fresh counters.
 """
 
 from __future__ import annotations
