@@ -9,10 +9,11 @@ Mechanism only: which slots a layer fetches is the policy's business. Layout and
   hits, last  [B, Hkv, S] on the compute device: times selected, last step selected (eviction's keys)
 Tokens take slots in arrival order, the same slot for every (sequence, KV head), until eviction frees some: then
 a sequence's new tokens go first into the slots it freed, each (sequence, KV head) into its own (see `insert`),
-so under a capacity the pool stops growing (policies' `pool_slots` says how far it gets). A pool of one sequence may live in a paged pool's shared
-buffers (blocks.HostBlocks): its slots are then looked up in its block table, on the host for the copies in and
-on the device for the gather's row numbers. The host keeps what every decision needs (`fill`,
-the held counts, whether a slot was ever freed), so nothing here reads the device during a decode step.
+so under a capacity the pool stops growing (policies' `pool_slots` says how far it gets). A pool of one sequence
+may live in a paged pool's shared buffers (blocks.HostBlocks): its slots are then looked up in its block table,
+on the host for the copies in and on the device for the gather's row numbers. The host keeps what every decision
+needs (`fill`, the held counts, whether a slot was ever freed), so nothing here reads the device during a decode
+step.
 
 Eviction, per (sequence, KV head), keeps at most `capacity` tokens and never touches the most recent `window`
 positions:

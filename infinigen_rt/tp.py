@@ -273,8 +273,8 @@ class Leader:
     def _send(self, op: tuple) -> None:
         try:
             dist.broadcast_object_list([op], src=0, group=self.group)
-        except RuntimeError as e:
-            raise peer_lost(self.tp, e) from None
+        except RuntimeError as e:  # a server fault, not the request's (the scheduler answers 500 and logs it)
+            raise RuntimeError(str(peer_lost(self.tp, e))) from None
 
     def add(self, req) -> int:
         rid = self.runner.add(req)  # its checks first: a refused request never reaches the followers
