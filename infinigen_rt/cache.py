@@ -35,6 +35,7 @@ class KVReport:
     tokens_per_head_mean: float | None = None
     tokens_per_head_max: float | None = None
     per_layer: dict | None = None
+    share_rows: int | None = None  # the rows the shares are a fraction of (held over the measured steps)
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -203,7 +204,8 @@ class Rows(KVCache):
 
 def merge_reports(reports: list[KVReport]) -> KVReport:
     """Several requests' reports as one: bytes and evictions summed, shares and recall their mean over the
-    requests that report them, the largest per-head count."""
+    requests that report them, weighted by the rows each share is over (`share_rows`) where every one says (so
+    a long request counts for what it held), else one each; the largest per-head count."""
     if len(reports) == 1:
         return reports[0]
     out = KVReport()
@@ -212,8 +214,12 @@ def merge_reports(reports: list[KVReport]) -> KVReport:
     for f in ("bytes_h2d", "bytes_d2h", "evictions"):
         setattr(out, f, sum(getattr(r, f) for r in reports))
     for f in ("kv_fetched_share", "kv_attended_share", "attention_recall", "tokens_per_head_mean"):
-        vals = [getattr(r, f) for r in reports if getattr(r, f) is not None]
-        setattr(out, f, round(sum(vals) / len(vals), 6) if vals else None)
+        got = [r for r in reports if getattr(r, f) is not None]
+        weighted = bool(got) and all(r.share_rows for r in got)
+        w = [r.share_rows if weighted else 1 for r in got]
+        setattr(out, f, round(sum(getattr(r, f) * x for r, x in zip(got, w, strict=True)) / sum(w), 6) if got else None)
+    rows = [r.share_rows for r in reports if r.share_rows is not None]
+    out.share_rows = sum(rows) if rows else None
     top = [r.tokens_per_head_max for r in reports if r.tokens_per_head_max is not None]
     out.tokens_per_head_max = max(top) if top else None
     layers = [r.per_layer for r in reports if r.per_layer]

@@ -230,8 +230,9 @@ def total_report(report, tp: TP | None):
     many heads, so the mean of the ranks' shares is the share over all heads), the largest per-head count."""
     if tp is None:
         return report
-    sums = tp.reduce_counts(report.bytes_h2d, report.bytes_d2h, report.evictions)
-    report.bytes_h2d, report.bytes_d2h, report.evictions = (int(x) for x in sums)
+    sums = tp.reduce_counts(report.bytes_h2d, report.bytes_d2h, report.evictions, report.share_rows or 0)
+    report.bytes_h2d, report.bytes_d2h, report.evictions = (int(x) for x in sums[:3])
+    report.share_rows = int(sums[3]) if report.share_rows is not None else None
     for f in ("kv_fetched_share", "kv_attended_share", "attention_recall", "tokens_per_head_mean"):
         v = getattr(report, f)
         if v is not None:

@@ -76,4 +76,6 @@ class H2OCache(DenseCache):
 
     def report(self) -> KVReport:
         share = round(self.attended / self.possible, 6) if self.possible else None
-        return KVReport(kv_fetched_share=share, kv_attended_share=share, evictions=self.evictions)
+        return KVReport(
+            kv_fetched_share=share, kv_attended_share=share, evictions=self.evictions, share_rows=self.possible or None
+        )  # fmt: skip

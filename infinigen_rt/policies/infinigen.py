@@ -200,6 +200,7 @@ class InfinigenCache(OffloadCache):
         per_row = torch.cat(stats.per_row) if stats.per_row else None
         dense = self.dense_layers / self.cfg.num_hidden_layers
         r.kv_fetched_share = None if share is None else round(share, 6)
+        r.share_rows = sum(stats.held.values()) if stats.held else None
         r.kv_attended_share = None if share is None else round(dense + (1 - dense) * share, 6)
         r.tokens_per_head_mean = None if per_row is None else round(float(per_row.mean()), 3)
         r.tokens_per_head_max = None if per_row is None else float(per_row.max())

@@ -60,4 +60,5 @@ class OracleCache(DenseCache):
             kv_fetched_share=share,
             kv_attended_share=None if share is None else round(dense + (1 - dense) * share, 6),
             attention_recall=round(sum(self.recall) / len(self.recall), 6) if self.recall else None,
+            share_rows=self.possible or None,
         )

@@ -10,6 +10,7 @@ import random
 import pytest
 
 from infinigen_rt.bundle import read_bundle
+from infinigen_rt.cache import KVReport, merge_reports
 from infinigen_rt.console import parse_bytes
 from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
@@ -238,6 +239,22 @@ def test_the_pool_is_sized_in_tokens_or_in_bytes_and_holds_that_much_memory(bund
     run.step()
     assert run.pool.nbytes == 5 * BLOCK_TOKENS * per_token and len(run.pool.buffers) == 2 * cfg.num_hidden_layers
     assert run.blocks() == (4, 1)
+
+
+def test_a_batchs_shares_weigh_each_request_by_the_rows_it_held(bundles):
+    """generate over two prompts of different lengths reports the fetched share over all their held rows, not the
+    mean of the two requests' shares."""
+    e = engine_for(bundles["llama31_gqa"], "infinigen", KVOptions(budget=0.3))
+    short, long = list(range(5, 20)), list(range(30, 90))
+    alone = [e.generate([p], 6)[1].extra for p in (short, long)]
+    both = e.generate([short, long], 6)[1].extra
+    rows = [a["share_rows"] for a in alone]
+    assert rows[1] > 2 * rows[0] and both["share_rows"] == sum(rows)
+    want = sum(a["kv_fetched_share"] * r for a, r in zip(alone, rows, strict=True)) / sum(rows)
+    assert both["kv_fetched_share"] == pytest.approx(want, abs=2e-6)
+    assert abs(both["kv_fetched_share"] - want) < abs(sum(a["kv_fetched_share"] for a in alone) / 2 - want)
+    plain = merge_reports([KVReport(kv_fetched_share=0.1), KVReport(kv_fetched_share=0.5, share_rows=300)])
+    assert plain.kv_fetched_share == 0.3  # a report without rows: one each
 
 
 def test_sizes_read_in_si_and_binary_units():

@@ -42,7 +42,7 @@ def launch(tmp_path: Path, bundles: dict, *extra: str, size: int = 2, timeout: f
     for rank in range(size):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                "LOCAL_RANK": str(rank), "WORLD_SIZE": str(size), "INFINIGEN_TP_TIMEOUT": "30",
-               "OMP_NUM_THREADS": "1"}  # fmt: skip
+               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[2])}  # this checkout's package  # fmt: skip
         cmd = [sys.executable, str(WORKER), str(out), str(spec), *extra]
         procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, cwd=WORKER.parents[2]))
     deadline = time.monotonic() + timeout
