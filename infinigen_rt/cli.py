@@ -28,6 +28,9 @@ add_version_option(app, "infinigen-rt", __version__)
 
 # engine and KV options shared by generate and serve
 Device = Annotated[str, typer.Option(help="auto (cuda when present), cpu, cuda, cuda:N.")]
+TPSize = Annotated[
+    int, typer.Option("--tp", help="Tensor-parallel ranks: starts this many processes (torchrun) on this machine.")
+]
 Dtype = Annotated[str, typer.Option(help="auto (bundle dtype on GPU, float32 on CPU), float32, float16, bfloat16.")]
 Policy = Annotated[str, typer.Option(help="KV policy: full, offload, infinigen, h2o, int4.")]
 Alpha = Annotated[Optional[float], typer.Option(help="infinigen: logit margin below each head's max (bundle default).")]
@@ -78,6 +81,7 @@ def generate(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     revision: Revision = None,
     verify: Annotated[bool, typer.Option(help="Check every bundle file's sha256 before loading.")] = True,
+    tp: TPSize = 1,
 ):
     """Generate text from PROMPT with a bundle.
 
@@ -98,7 +102,12 @@ def generate(
     from infinigen_rt.runner import check_context
     from infinigen_rt.sampling import SamplingParams
     from infinigen_rt.tokenizer import check_text
-    from infinigen_rt.tp import follower_env, from_env
+    from infinigen_rt.tp import check_tp_option, follower_env, from_env, launch
+
+    if check_tp_option(tp):
+        if prompt == "-":
+            raise InfinigenError("--tp with the prompt on standard input: give it as an argument, or run torchrun")
+        raise typer.Exit(launch(tp, sys.argv[1:]))
 
     if prompt == "-":
         try:
@@ -286,6 +295,7 @@ def serve(
     ] = 512,
     revision: Revision = None,
     verify: Annotated[bool, typer.Option(help="Check every bundle file's sha256 before loading.")] = True,
+    tp: TPSize = 1,
 ):
     """Serve a bundle over an OpenAI-compatible HTTP API (needs: pip install 'infinigen\\[serve]').
 
@@ -314,7 +324,10 @@ def serve(
     from infinigen_rt.engine import Engine, resolve_device
     from infinigen_rt.hub import resolve_bundle
     from infinigen_rt.policies import KVOptions
-    from infinigen_rt.tp import control_group, follow, from_env
+    from infinigen_rt.tp import check_tp_option, control_group, follow, from_env, launch
+
+    if check_tp_option(tp):
+        raise typer.Exit(launch(tp, sys.argv[1:]))
 
     if max_batch < 1 or max_queue < 1 or prefill_chunk < 1:
         raise InfinigenError(

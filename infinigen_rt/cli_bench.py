@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Annotated, Optional
@@ -86,6 +87,9 @@ def bench_cmd(
             "width, even past the terminal's.",
         ),
     ] = False,
+    tp: Annotated[
+        int, typer.Option("--tp", help="Tensor-parallel ranks: starts this many processes (torchrun); needs a BUNDLE.")
+    ] = 1,
 ):
     """Decode speed of each KV policy for every batch x context, with bytes moved, memory and the floor.
 
@@ -104,7 +108,12 @@ def bench_cmd(
     from infinigen_rt.engine import DTYPES, resolve_device
     from infinigen_rt.errors import InfinigenError
     from infinigen_rt.policies import RUNTIME_POLICIES
+    from infinigen_rt.tp import check_tp_option, launch
 
+    if tp > 1 and synthetic is not None:
+        raise InfinigenError("bench --tp needs a BUNDLE (each rank reads its slices of it), not --synthetic")
+    if check_tp_option(tp):
+        raise typer.Exit(launch(tp, sys.argv[1:]))
     if (bundle is None) == (synthetic is None):
         raise InfinigenError("give a BUNDLE or --synthetic PRESET (one of them)")
     names = [p.strip() for p in policies.split(",") if p.strip()]

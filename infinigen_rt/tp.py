@@ -319,3 +319,44 @@ def follow(engine, tp: TP, group) -> int:
             except Exception:  # the leader's step failed the same way: its scheduler answers for it
                 pass
             steps += 1
+
+
+def strip_tp(argv: list[str]) -> list[str]:
+    """The command line without its `--tp N` (or `--tp=N`)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--tp":
+            skip = True
+        elif not a.startswith("--tp="):
+            out.append(a)
+    return out
+
+
+def launch(n: int, argv: list[str]) -> int:
+    """`--tp N` outside torchrun: run this command line (less --tp) as N ranks under torchrun on this machine; the
+    exit code of the group."""
+    import signal
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+           "-m", "infinigen_rt.cli", *strip_tp(argv)]  # fmt: skip
+    proc = subprocess.Popen(cmd)
+    # a signal to this process (a service manager's SIGTERM) goes on to torchrun, which ends every rank
+    forward = {s: signal.signal(s, lambda sig, _: proc.send_signal(sig)) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return proc.wait()
+    finally:
+        for s, old in forward.items():
+            signal.signal(s, old)
+
+
+def check_tp_option(n: int) -> bool:
+    """Validate `--tp`; True when this process should start the ranks itself (N > 1, not under torchrun)."""
+    if n < 1:
+        raise InfinigenError(f"--tp must be >= 1, got {n}")
+    if world_size() > 1 and n not in (1, world_size()):
+        raise InfinigenError(f"--tp {n} under torchrun with WORLD_SIZE {world_size()}: drop --tp or make them agree")
+    return n > 1 and world_size() == 1

@@ -98,15 +98,18 @@ def test_a_rank_that_dies_makes_the_other_fail_with_a_clear_error(bundles, tmp_p
     assert time.monotonic() - t0 < 90 and not out.exists()
 
 
-def test_generate_under_torchrun_prints_once_what_one_process_prints(bundles):
+@pytest.mark.parametrize("how", ["torchrun", "--tp"])
+def test_generate_under_torchrun_prints_once_what_one_process_prints(how, bundles):
+    """Launched by torchrun, or by `--tp 2` (which starts torchrun itself)."""
     args = ["generate", str(bundles["llama31_gqa"]), "the king said", "-n", "6", "--device", "cpu", "--json",
             "--policy", "infinigen", "--budget", "0.3"]  # fmt: skip
     one = run_cli("rt", *args)
     assert one.returncode == 0, one.stderr
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([*launcher, "-m", "infinigen_rt.cli", *args], capture_output=True, text=True, env=env,
-                       timeout=300)  # fmt: skip
+    cmd = [*launcher, "-m", "infinigen_rt.cli", *args] if how == "torchrun" else [
+        sys.executable, "-m", "infinigen_rt.cli", *args[:2], "--tp", "2", *args[2:]]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     printed = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert len(printed) == 1, r.stdout  # rank 0 only
@@ -177,6 +180,18 @@ def test_bench_under_torchrun_reports_per_rank_and_total_bytes(bundles):
         assert len(ranks) == 2 and all(x > 0 for x in ranks) and sum(ranks) == two["h2d_bytes_per_step"]
         assert two["h2d_bytes_per_step"] == solo["h2d_bytes_per_step"]
         assert two["allreduce_ms_per_step"] > 0
+
+
+def test_bad_tp_options_are_one_line_errors(bundles):
+    from infinigen_rt.tp import strip_tp
+
+    assert strip_tp(["generate", "b", "--tp", "2", "x", "--tp=3", "-n", "4"]) == ["generate", "b", "x", "-n", "4"]
+    b = str(bundles["llama31_gqa"])
+    one_line_error(run_cli("rt", "generate", b, "hi", "--tp", "0"), "--tp must be >= 1")
+    one_line_error(run_cli("rt", "generate", b, "-", "--tp", "2", input="hi"), "standard input")
+    one_line_error(run_cli("rt", "bench", "--synthetic", "smollm2-135m", "--tp", "2"), "needs a BUNDLE")
+    env = {"WORLD_SIZE": "2", "RANK": "0"}
+    one_line_error(run_cli("rt", "generate", b, "hi", "--tp", "4", env=env), "--tp 4 under torchrun with WORLD_SIZE 2")
 
 
 @pytest.mark.slow
