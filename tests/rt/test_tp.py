@@ -118,9 +118,11 @@ def test_generate_under_torchrun_prints_once_what_one_process_prints(how, bundle
     assert printed[0]["stats"]["bytes_h2d"] == solo["stats"]["bytes_h2d"] > 0
 
 
-def test_serve_with_two_ranks_answers_what_one_process_generates(bundles, tmp_path):
-    """torchrun starts two ranks: rank 0 serves over HTTP, rank 1 replays its runner's calls; concurrent requests
-    (one streamed) get the text one process generates alone; SIGTERM ends both ranks."""
+@pytest.mark.parametrize("how", ["torchrun", "--tp"])
+def test_serve_with_two_ranks_answers_what_one_process_generates(how, bundles, tmp_path):
+    """torchrun (or `--tp 2`, which starts it) runs two ranks: rank 0 serves over HTTP, rank 1 replays its
+    runner's calls; concurrent requests (one streamed) get the text one process generates alone; SIGTERM (to
+    torchrun, or to the process that started it) ends every rank."""
     import concurrent.futures
 
     import httpx
@@ -132,8 +134,10 @@ def test_serve_with_two_ranks_answers_what_one_process_generates(bundles, tmp_pa
 
     bundle = bundles["llama31_gqa"]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    server = ServerProcess(["serve", str(bundle), "--device", "cpu", "--policy", "infinigen", "--budget", "0.3"],
-                           tmp_path / "tp.log", env={"OMP_NUM_THREADS": "1"}, launcher=launcher)  # fmt: skip
+    args = ["serve", str(bundle), "--device", "cpu", "--policy", "infinigen", "--budget", "0.3"]
+    if how == "--tp":
+        launcher, args = [sys.executable], [*args, "--tp", "2"]
+    server = ServerProcess(args, tmp_path / "tp.log", env={"OMP_NUM_THREADS": "1"}, launcher=launcher)
     prompts = ["the king said", "a horse, a horse", "to be or not to be, that is", "now is the winter"]
     try:
         def ask(i: int) -> str:
