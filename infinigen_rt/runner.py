@@ -13,8 +13,9 @@ the pool is taken), prefills up to `prefill_chunk` prompt tokens (a long prompt 
 running streams keep getting a token every step), then runs one decode forward over every running request.
 
 The KV pool (blocks.HostBlocks, with `kv_tokens`) is one set of preallocated host buffers per layer, in blocks,
-that every request shares: an admitted request takes the blocks for its prompt and new tokens (its block table),
-and the host-pool policies (offload, infinigen, int4) keep its rows there; the policies whose KV stays on the
+that every request shares: an admitted request takes the blocks for its prompt and new tokens, or under a
+capacity for what its pools reach (its policy's `pool_slots`: eviction frees slots it reuses), its block table;
+the host-pool policies (offload, infinigen, int4) keep its rows there; the policies whose KV stays on the
 device (full, h2o) count against the same blocks but keep their rows in device buffers of their own. Without
 `kv_tokens` every request's cache has buffers of its own and nothing limits admission but `max_batch`.
 
