@@ -72,6 +72,11 @@ def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> No
                                                  ROWS=ROWS_PER_PROGRAM)  # fmt: skip
 
 
+def scatter_rows_reference(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+    """The definition of `scatter_rows` in torch ops (index_copy)."""
+    dst.index_copy_(0, rows.reshape(-1).to(dst.device), src.reshape(-1, dst.shape[-1]).to(dst.device, dst.dtype))
+
+
 def gather_rows_reference(src_a, src_b, rows, ok, out_a, out_b) -> None:
     """The definition of `gather_rows` in torch ops (index_select on the rows, zeros where they do not count)."""
     g, n = rows.shape

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infinigen_rt.kernels import available, gather_rows, gather_rows_reference
+from infinigen_rt.kernels import available, gather_rows, gather_rows_reference, scatter_rows, scatter_rows_reference
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs triton (pip install triton)")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -49,3 +49,26 @@ def test_gather_equals_its_definition(dtype, groups, n, extra, width):
         if mask is not None:
             assert bool((ka[:, :n][~mask] == 0).all())  # a row that does not count is zeros, not pool bytes
         assert torch.equal(ka[0, :n], src_a[rows[0].cpu()].to(DEVICE))
+
+
+@pytest.mark.parametrize(
+    "dtype, n, width",
+    [(torch.float16, 13, 64), (torch.bfloat16, 1, 128), (torch.float32, 37, 24), (torch.uint8, 9, 32),
+     (torch.float16, 7, 1)],
+)  # fmt: skip
+def test_scatter_equals_its_definition(dtype, n, width):
+    """New tokens into freed slots: distinct rows of the pool, the others untouched."""
+    gen = torch.Generator().manual_seed(n * 10 + width)
+    n_rows = 50
+    base = pool_tensor((n_rows, width), dtype, gen)
+    src = pool_tensor((n, width), dtype, gen).to(DEVICE)
+    rows = torch.randperm(n_rows, generator=gen)[:n].to(DEVICE)
+    got, want = base.clone(), base.clone()
+    if DEVICE.type == "cuda":
+        got = got.pin_memory()
+    scatter_rows(got, rows, src)
+    scatter_rows_reference(want, rows, src)
+    assert torch.equal(got.cpu(), want.cpu())
+    untouched = torch.ones(n_rows, dtype=torch.bool)
+    untouched[rows.cpu()] = False
+    assert torch.equal(got.cpu()[untouched], base.cpu()[untouched]) and torch.equal(got.cpu()[rows.cpu()], src.cpu())
