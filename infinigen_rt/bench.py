@@ -31,6 +31,7 @@ from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.files import pyplot, save_figure
 from infinigen_rt.policies import POLICIES, KVOptions
+from infinigen_rt.runner import sync
 
 # Hugging Face config.json fields of the real models (the peer script builds transformers models from these)
 PRESETS: dict[str, dict] = {
@@ -112,19 +113,14 @@ def synthetic_engine(name: str, device: torch.device, dtype: torch.dtype, seed: 
 
 
 # ---------------------------------------------------------------------------------------------- bandwidth
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _median_seconds(fn, device, reps: int = 5) -> float:
     fn()
-    _sync(device)
+    sync(device)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -393,7 +389,7 @@ def run_points(
                 continue
             try:
                 cache = e.make_cache(batch, context + warmup + gen + 3)
-                _sync(dev)
+                sync(dev)
                 t0 = time.perf_counter()
                 tok = e.prefill(cache, ids, pos, valid).argmax(-1)
                 tok.tolist()

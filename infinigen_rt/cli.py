@@ -324,6 +324,7 @@ def serve(
     from infinigen_rt.engine import Engine, resolve_device
     from infinigen_rt.hub import resolve_bundle
     from infinigen_rt.policies import KVOptions
+    from infinigen_rt.runner import check_pool_options
     from infinigen_rt.tp import check_tp_option, control_group, follow, from_env, launch
 
     if check_tp_option(tp):
@@ -333,10 +334,7 @@ def serve(
         raise InfinigenError(
             f"--max-batch, --max-queue and --prefill-chunk must be >= 1, got {max_batch}, {max_queue}, {prefill_chunk}"
         )
-    if kv_tokens is not None and kv_tokens < 16:
-        raise InfinigenError(f"--kv-tokens must be >= 16 (one block), got {kv_tokens}")
-    if kv_tokens is not None and kv_memory is not None:
-        raise InfinigenError("--kv-tokens and --kv-memory both size the KV pool: give one of them")
+    check_pool_options(kv_tokens, kv_memory)  # before loading: a bad size fails fast
     kv_bytes = None if kv_memory is None else parse_bytes(kv_memory, "--kv-memory")
     if max_body is not None and max_body < 1024:
         raise InfinigenError(f"--max-body must be at least 1024 bytes, got {max_body}")

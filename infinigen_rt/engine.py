@@ -14,7 +14,17 @@ from infinigen_rt.bundle import DTYPES, Bundle, load_infinigen
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.models import load_model
 from infinigen_rt.policies import POLICIES, KVOptions
-from infinigen_rt.runner import BLOCK_TOKENS, Generation, Request, Runner, RunStats, blocks, per_row, pool_tokens
+from infinigen_rt.runner import (
+    BLOCK_TOKENS,
+    Generation,
+    Request,
+    Runner,
+    RunStats,
+    blocks,
+    per_row,
+    pool_tokens,
+    reserved,
+)
 from infinigen_rt.sampling import SamplingParams
 from infinigen_rt.tokenizer import Tokenizer
 from infinigen_rt.tp import TP, shard_config, shard_speculation, tp_time
@@ -189,7 +199,8 @@ class Engine:
         params = per_row(sampling or SamplingParams(), b, "sampling")
         stops = per_row(stop or [], b, "stop", nested=True)
         # a paged pool of exactly the blocks these requests take
-        pool = sum(blocks(len(p) + n) for p, n in zip(prompts, limits, strict=True)) * BLOCK_TOKENS
+        need = [reserved(self, len(p), n, self.kv.prefill_chunk) for p, n in zip(prompts, limits, strict=True)]
+        pool = sum(blocks(x) for x in need) * BLOCK_TOKENS
         run = self.runner(max_batch=b, prefill_chunk=self.kv.prefill_chunk, kv_tokens=pool)
         reduces = (self.tp.reduces, self.tp.reduce_s) if self.tp else None
         rids = [run.add(Request(p, n, s, x)) for p, n, s, x in zip(prompts, limits, params, stops, strict=True)]

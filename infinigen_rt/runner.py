@@ -131,8 +131,7 @@ class Runner:
             raise InfinigenError(f"--max-batch must be >= 1, got {max_batch}")
         if prefill_chunk is not None and prefill_chunk < 1:
             raise InfinigenError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
-        if kv_tokens is not None and kv_tokens < BLOCK_TOKENS:
-            raise InfinigenError(f"--kv-tokens must be >= {BLOCK_TOKENS} (one block), got {kv_tokens}")
+        check_pool_options(kv_tokens)
         self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
         self.pool = None if kv_tokens is None else HostBlocks(kv_tokens // BLOCK_TOKENS, BLOCK_TOKENS, engine.device)
         self.waiting: deque[_Seq] = deque()
@@ -154,8 +153,7 @@ class Runner:
         check_context(len(req.prompt_ids), req.max_new_tokens, eng.cfg.max_position_embeddings)
         policy, kv = req.policy or eng.policy, req.kv or eng.kv
         view = eng if (policy, kv) == (eng.policy, eng.kv) else eng.with_policy(policy, kv)
-        chunk = view.kv.prefill_chunk or self.prefill_chunk or len(req.prompt_ids)  # the largest a pass prefills
-        need = POLICIES[view.policy].pool_slots(view, len(req.prompt_ids), req.max_new_tokens, chunk)
+        need = reserved(view, len(req.prompt_ids), req.max_new_tokens, self.prefill_chunk)
         if self.pool is not None and blocks(need) > self.pool.alloc.n_blocks:
             raise InfinigenError(
                 f"the request needs {need} tokens of KV (prompt + max-new-tokens) but the KV pool holds "
@@ -320,15 +318,27 @@ class Runner:
         return Generation(text, seq.out, list(seq.req.prompt_ids), seq.reason or "length")
 
 
+def check_pool_options(kv_tokens: int | None, kv_memory: int | None = None) -> None:
+    if kv_tokens is not None and kv_tokens < BLOCK_TOKENS:
+        raise InfinigenError(f"--kv-tokens must be >= {BLOCK_TOKENS} (one block), got {kv_tokens}")
+    if kv_tokens is not None and kv_memory is not None:
+        raise InfinigenError("--kv-tokens and --kv-memory both size the KV pool: give one of them")
+
+
+def reserved(view: Engine, prompt: int, new: int, step_chunk: int | None) -> int:
+    """The KV slots a request of `prompt` + `new` tokens reserves under `view`'s policy, prefilled in chunks of at
+    most its own prefill chunk, else the step's (`step_chunk`), else the whole prompt."""
+    chunk = view.kv.prefill_chunk or step_chunk or max(prompt, 1)
+    return POLICIES[view.policy].pool_slots(view, prompt, new, chunk)
+
+
 def pool_tokens(engine: Engine, max_batch: int, kv_tokens: int | None = None, kv_memory: int | None = None) -> int:
     """The paged pool's size in tokens: `kv_tokens`; or `kv_memory` bytes at the engine's policy's bytes per token
     (host memory for a host-pool policy, device memory for the others); or by default room for `max_batch`
     requests of the model's whole context, for a host-pool policy at most half the host memory available now."""
     from infinigen_rt.bench import host_available
-    from infinigen_rt.policies import POLICIES
 
-    if kv_tokens is not None and kv_memory is not None:
-        raise InfinigenError("--kv-tokens and --kv-memory both size the KV pool: give one of them")
+    check_pool_options(kv_tokens, kv_memory)
     device, host, _ = POLICIES[engine.policy].kv_bytes(engine, engine.cfg.num_key_value_heads, engine.dtype.itemsize)
     per_token = host or device
     if kv_tokens is None and kv_memory is not None:
@@ -350,6 +360,7 @@ def blocks(tokens: int) -> int:
 
 
 def sync(device: torch.device) -> None:
+    """Wait for the device (timings)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -201,16 +201,12 @@ def read_slice(f, name: str, tp: TP | None) -> torch.Tensor:
         return f.get_tensor(name)
     sl = f.get_slice(name)
     shape = sl.get_shape()
-    if how == "rank0":
-        return sl[:] if tp.rank == 0 else torch.zeros(shape, dtype=_dtype(sl.get_dtype()))
+    if how == "rank0":  # a bias (small): read, and zero on every other rank
+        return sl[:] if tp.rank == 0 else torch.zeros_like(sl[:])
     dim = 0 if how == "rows" else 1
     n = shape[dim] // tp.size
     a, b = tp.rank * n, (tp.rank + 1) * n
     return sl[a:b] if dim == 0 else sl[:, a:b]
-
-
-def _dtype(name: str) -> torch.dtype:
-    return {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}[name]
 
 
 def shard_speculation(tensors: dict[str, torch.Tensor], tp: TP | None) -> dict[str, torch.Tensor]:
