@@ -83,7 +83,7 @@ def add_infinigen(folder: Path, text: CalibText, opts: PrepOptions, progress=Non
     Writes infinigen.safetensors and, for OPT, rewrites the shards holding q/k projections (folded)."""
     from safetensors.torch import save_file
 
-    from infinigen_rt.engine import resolve_device
+    from infinigen_rt.system import resolve_device
     from infinigen_rt.tokenizer import Tokenizer
 
     opts.check()
@@ -124,11 +124,11 @@ def add_infinigen(folder: Path, text: CalibText, opts: PrepOptions, progress=Non
         recall.update(keep=RECALL_KEEP, tokens=len(eval_ids), held_out=not in_sample)
     del model
 
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}  # on the CPU, to be written
     for i in range(n_layers):
-        tensors[partial_idx_name(i)] = candidates[choice][i].to(torch.int64).contiguous()
+        tensors[partial_idx_name(i)] = candidates[choice][i].to("cpu", torch.int64).contiguous()
         if cfg.arch == "llama":
-            tensors[skew_name(i)] = skews[i].float().contiguous()
+            tensors[skew_name(i)] = skews[i].to("cpu", torch.float32).contiguous()
     if cfg.arch == "opt":
         tensors.update(fold_opt(folder, bundle, skews, candidates[choice]))
     save_file(tensors, str(folder / INFINIGEN_FILE), metadata={"format": "pt"})
@@ -204,10 +204,10 @@ def fold_opt(folder: Path, bundle, skews, idx) -> dict[str, torch.Tensor]:
     for shard in sorted(by_shard):
         with safe_open(folder / shard, framework="pt") as f:
             state = {name: f.get_tensor(name) for name in f.keys()}
-        for name in by_shard[shard]:
+        for name in by_shard[shard]:  # on the CPU, where the shard is (the skews may come from a GPU)
             i, proj, part = targets[name]
-            state[name] = fold_heads(state[name], skews[i], h)
+            state[name] = fold_heads(state[name], skews[i].cpu(), h)
             if proj == "q_proj":
-                partial[partial_q_name(i, part)] = partial_rows(state[name], idx[i], h)
+                partial[partial_q_name(i, part)] = partial_rows(state[name], idx[i].cpu(), h)
         save_file(state, str(folder / shard), metadata={"format": "pt"})
     return partial

@@ -26,7 +26,7 @@ def skew_matrix(gram_q: torch.Tensor, skew: bool = True) -> torch.Tensor:
     """gram_q: [Hkv, D, D] float64 -> A: [Hkv, D, D] float64, orthogonal; identity when not `skew`."""
     hkv, d, _ = gram_q.shape
     if not skew:
-        return torch.eye(d, dtype=torch.float64).expand(hkv, d, d).clone()
+        return torch.eye(d, dtype=torch.float64, device=gram_q.device).expand(hkv, d, d).clone()
     _, vecs = torch.linalg.eigh(gram_q)  # ascending eigenvalues
     a = vecs.flip(-1)
     # fix each column's sign (largest-magnitude entry positive) so the result is deterministic
@@ -70,7 +70,8 @@ def fold_heads(t: torch.Tensor, a: torch.Tensor, n_heads: int) -> torch.Tensor:
 def partial_rows(t: torch.Tensor, idx: torch.Tensor, n_heads: int) -> torch.Tensor:
     """The d' rows per head of a (skewed) projection tensor: [H*D, ...] -> [H*d', ...]."""
     d = t.shape[0] // n_heads
-    rows = (idx + d * torch.arange(n_heads)[:, None]).reshape(-1)
+    idx = idx.to(t.device)
+    rows = (idx + d * torch.arange(n_heads, device=t.device)[:, None]).reshape(-1)
     return t[rows].contiguous()
 
 
@@ -86,11 +87,11 @@ def attention_recall(q, k, a, idx, keep: float, from_pos: int) -> float:
     hkv, g, t, d = q.shape
     a_part = partial_skew(a, idx)
     qp, kp = q @ a_part[:, None], k @ a_part  # [Hkv, G, T, d'], [Hkv, T, d']
-    causal = torch.ones(t, t, dtype=torch.bool).tril()[from_pos:]
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()[from_pos:]
     true = (q[:, :, from_pos:] @ k.transpose(-1, -2)[:, None]) / math.sqrt(d)
     true = true.masked_fill(~causal, float("-inf")).softmax(-1)  # [Hkv, G, S, T]
     part = (qp[:, :, from_pos:] @ kp.transpose(-1, -2)[:, None]).masked_fill(~causal, float("-inf"))
-    n_keep = torch.ceil(keep * (torch.arange(from_pos, t) + 1)).long()  # [S]
+    n_keep = torch.ceil(keep * (torch.arange(from_pos, t, device=q.device) + 1)).long()  # [S]
     thresh = torch.gather(
         part.sort(-1, descending=True).values, -1, (n_keep - 1)[None, None, :, None].expand(hkv, g, -1, 1)
     )
@@ -108,9 +109,10 @@ def calibrated_alpha(q, k, a, idx, from_pos: int, recall: float, top: float = 40
     gaps below each row's best, weighted by the true probabilities (resolution top/bins); `top` at most."""
     hkv, g, t, d = q.shape
     a_part = partial_skew(a, idx)
-    pos = torch.arange(from_pos, t)
-    future = torch.arange(t)[None, :] > pos[:, None]  # [S, T]
-    hist = torch.zeros(bins + 1, dtype=torch.float64)
+    dev = q.device
+    pos = torch.arange(from_pos, t, device=dev)
+    future = torch.arange(t, device=dev)[None, :] > pos[:, None]  # [S, T]
+    hist = torch.zeros(bins + 1, dtype=torch.float64, device=dev)
     for h in range(hkv):  # a KV head at a time bounds the memory: [G, S, T]
         true = (q[h, :, from_pos:].float() @ k[h].float().T) / math.sqrt(d)
         p = true.masked_fill(future, float("-inf")).softmax(-1)
@@ -118,7 +120,7 @@ def calibrated_alpha(q, k, a, idx, from_pos: int, recall: float, top: float = 40
         part = part.masked_fill(future, float("-inf"))
         gap = part.amax(-1, keepdim=True) - part  # [G, S, T], inf for future keys (probability 0)
         b = (gap / top * bins).clamp(max=bins).long()  # gaps of `top` or more land in the last bin
-        hist += torch.bincount(b.reshape(-1), weights=p.reshape(-1).double(), minlength=bins + 1)
+        hist.index_add_(0, b.reshape(-1), p.reshape(-1).double())  # a histogram of fixed size (no device read)
     within = hist[:bins].cumsum(0) / (hkv * g * len(pos))  # within[i]: mean mass of gaps < (i + 1) * top / bins
-    i = int(torch.searchsorted(within, torch.tensor([recall], dtype=torch.float64)))
+    i = int(torch.searchsorted(within, torch.tensor([recall], dtype=torch.float64, device=dev)))
     return top if i >= bins else round((i + 1) * top / bins, 4)

@@ -1,11 +1,15 @@
-"""The row-gather Triton kernel (see kernels.py, which imports this module only when a GPU gathers)."""
+"""The row kernels (see kernels.py, which imports this module only when a GPU gathers or scatters).
+
+The integer arguments that change from step to step (how many rows, where they land) are not specialised: Triton
+would otherwise compile a variant for each value's divisibility by 16 (and for the value 1), about a second each,
+inside a timed decode step whenever a growing count crosses one of those lines."""
 
 import triton
 import triton.language as tl
 
 
-@triton.jit
-def gather(
+@triton.jit(do_not_specialize=["n_sel", "n_out", "total"])
+def gather_rows_kernel(
     src_a, src_b, out_a, out_b, rows, ok, n_sel, n_out, total,
     W: tl.constexpr, BLOCK_W: tl.constexpr, ROWS: tl.constexpr, HAS_OK: tl.constexpr,
 ):  # fmt: skip
@@ -28,8 +32,8 @@ def gather(
     tl.store(out_b + dst_off, b, mask=live[:, None] & inside)
 
 
-@triton.jit
-def scatter(dst, src, rows, total, W: tl.constexpr, BLOCK_W: tl.constexpr, ROWS: tl.constexpr):
+@triton.jit(do_not_specialize=["total"])
+def scatter_rows_kernel(dst, src, rows, total, W: tl.constexpr, BLOCK_W: tl.constexpr, ROWS: tl.constexpr):
     # program p writes ROWS rows: source row m (of `total`) lands at destination row rows[m]
     m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = m < total

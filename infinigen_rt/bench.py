@@ -30,8 +30,9 @@ from infinigen_rt.config import ModelConfig
 from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.files import pyplot, save_figure
+from infinigen_rt.kernels import GATHER_KERNEL
 from infinigen_rt.policies import POLICIES, KVOptions
-from infinigen_rt.runner import sync
+from infinigen_rt.system import host_available, host_rss, sync
 
 # Hugging Face config.json fields of the real models (the peer script builds transformers models from these)
 PRESETS: dict[str, dict] = {
@@ -60,6 +61,7 @@ PRESETS: dict[str, dict] = {
 }  # fmt: skip
 PARTIAL_RATIO = 0.3  # synthetic partial columns per head, as in converted bundles
 OOM_STATUS = ("oom-device", "oom-host")
+GATHER_ROW_BYTES = 256  # the zero-copy gather rate is measured on Llama's K or V rows: 128 fp16 values
 
 
 def preset_config(name: str) -> ModelConfig:
@@ -128,7 +130,7 @@ def _median_seconds(fn, device, reps: int = 5) -> float:
 def measure_bandwidths(device: torch.device, n_bytes: int | None = None) -> dict:
     """The three rates a step's floor is made of: device memory (a large device copy: bytes read + written per
     second), host to device by DMA (a large pinned copy; on a CPU a host memory copy), and the zero-copy gather
-    of 256-byte rows (Llama's K or V row in fp16) from pinned host memory by the row kernel, at random rows (on
+    of GATHER_ROW_BYTES rows (Llama's K or V row in fp16) from pinned host memory by the row kernel, at random rows (on
     a CPU: index_select, as the CPU path gathers)."""
     n = n_bytes or (1 << 30 if device.type == "cuda" else 1 << 28)
     a = torch.empty(n, dtype=torch.uint8, device=device)
@@ -140,7 +142,7 @@ def measure_bandwidths(device: torch.device, n_bytes: int | None = None) -> dict
         t_h2d = _median_seconds(lambda: b.copy_(host, non_blocking=True), device)
     else:
         host, t_h2d = a, t_dev
-    gather = gather_rate(host.view(-1, 128).view(torch.float16), device)  # rows of 256 bytes
+    gather = gather_rate(host.view(torch.float16).view(-1, GATHER_ROW_BYTES // 2), device)
     return {"device_bytes_per_s": 2 * n / t_dev, "h2d_bytes_per_s": n / t_h2d, "gather_bytes_per_s": gather,
             "probe_bytes": n}  # fmt: skip
 
@@ -189,25 +191,6 @@ def memory_needs(engine: Engine, policy: str, batch: int, context: int, gen: int
     act = batch * step * (cfg.intermediate_size * 3 + cfg.hidden_size * 8) * esz + scores
     kv_device, kv_host, _ = cls.kv_bytes(engine, tokens, esz)
     return {"device": weights + act + kv_device, "host": kv_host}
-
-
-def _proc_bytes(path: str, key: str, default: int) -> int:
-    """A `KEY: N kB` line of a /proc file, in bytes (default where there is no /proc)."""
-    try:
-        for line in open(path):
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return default
-
-
-def host_available() -> int:
-    return _proc_bytes("/proc/meminfo", "MemAvailable", 1 << 62)
-
-
-def host_rss() -> int:
-    return _proc_bytes("/proc/self/status", "VmRSS", 0)
 
 
 # -------------------------------------------------------------------------------------------- the points
@@ -300,22 +283,29 @@ def interval_overlap(copies: list[tuple[float, float]], kernels: list[tuple[floa
     return covered / total
 
 
+def profile_spans(events) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """(host-to-device copying, compute) spans of a profile's CUDA events, each (start, end): DMA copies from the
+    host and the row-gather kernel (it reads pinned host memory) are copying; every other kernel is compute."""
+    copies, kernels = [], []
+    for ev in events:
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        span = (ev.time_range.start, ev.time_range.end)
+        if "HtoD" in ev.name or ev.name.split("(")[0] == GATHER_KERNEL:
+            copies.append(span)
+        elif "Memcpy" not in ev.name and "Memset" not in ev.name:
+            kernels.append(span)
+    return copies, kernels
+
+
 def copy_profile(step) -> tuple[float | None, float | None]:
     """Run one decode step under the profiler: (the share of its host-to-device copying that overlaps compute,
-    the seconds the copying is busy). Copies are DMA transfers and the row-gather kernel (it reads host memory)."""
+    the seconds the copying is busy). See profile_spans."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
-    copies, kernels = [], []
-    for ev in prof.events():
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        span = (ev.time_range.start, ev.time_range.end)
-        if "HtoD" in ev.name or "gather_kernel" in ev.name:
-            copies.append(span)
-        elif "Memcpy" not in ev.name and "Memset" not in ev.name:
-            kernels.append(span)
+    copies, kernels = profile_spans(prof.events())
     if not copies:
         return None, None
     busy = sum(e - s for s, e in merged(copies))  # the union of the copies' spans
@@ -382,7 +372,6 @@ def run_points(
             ids = torch.randint(3, engine.cfg.vocab_size, (batch, context), generator=g)
         ids = ids.to(dev)
         pos = torch.arange(context, device=dev).expand(batch, -1)
-        valid = torch.ones(batch, context, dtype=torch.bool, device=dev)
         one = torch.ones(batch, 1, dtype=torch.bool, device=dev)
         for i, (pt, e) in enumerate(zip(points, engines, strict=True)):
             if pt.status != "ok":
@@ -391,7 +380,7 @@ def run_points(
                 cache = e.make_cache(batch, context + warmup + gen + 3)
                 sync(dev)
                 t0 = time.perf_counter()
-                tok = e.prefill(cache, ids, pos, valid).argmax(-1)
+                tok = e.prefill(cache, ids, pos, None).argmax(-1)  # no padding
                 tok.tolist()
                 pt.prefill_s = round(time.perf_counter() - t0, 4)
                 step = _stepper(e, cache, tok, context, one)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from infinigen_rt.errors import InfinigenError
-from infinigen_rt.pool import host_buffer, unpin
+from infinigen_rt.system import host_buffer, to_device, unpin
 
 
 class PoolFull(InfinigenError):
@@ -100,7 +100,7 @@ class Pages:
     def on(self, device: torch.device) -> torch.Tensor:
         """The slots as a tensor on `device` (copied once, shared by every layer's pool)."""
         if device not in self._on:
-            self._on[device] = torch.from_numpy(self.slots).to(device)
+            self._on[device] = to_device(torch.from_numpy(self.slots), device)
         return self._on[device]
 
 

@@ -78,9 +78,10 @@ class KVCache:
     def report(self) -> KVReport:
         return KVReport()
 
-    def begin(self, valid: torch.Tensor, positions: torch.Tensor) -> None:
-        """Start a forward pass over S new tokens; valid: [B, S] bool (False = left padding); positions: [B, S].
-        A decode step (S == 1) passes valid all True: padding only ever comes with a prompt."""
+    def begin(self, valid: torch.Tensor | None, positions: torch.Tensor) -> None:
+        """Start a forward pass over S new tokens; positions: [B, S]; valid: [B, S] bool (False = left padding), or
+        None when the caller knows there is none (so nothing about it is read from the device). A decode step
+        (S == 1) brings no padding: padding only ever comes with a prompt."""
         raise NotImplementedError
 
     def observe(self, layer: int, x: torch.Tensor) -> None:
@@ -138,14 +139,14 @@ class DenseCache(KVCache):
         self.padded = False  # some slot holds padding (then attention needs a mask)
         self._mask = None
 
-    def begin(self, valid: torch.Tensor, positions: torch.Tensor) -> None:
-        s = valid.shape[1]
+    def begin(self, valid: torch.Tensor | None, positions: torch.Tensor) -> None:
+        s = positions.shape[1]
         if self.length + s > self.max_len:
             raise ValueError(f"cache holds {self.max_len} tokens, asked for {self.length + s}")
         self.start, self.length = self.length, self.length + s
-        self.valid[:, self.start : self.length] = valid
+        self.valid[:, self.start : self.length] = True if valid is None else valid
         self._mask = None
-        if s > 1:  # a decode step brings no padding (see KVCache.begin): no host sync then
+        if s > 1 and valid is not None:  # a decode step brings no padding (see KVCache.begin): no host sync then
             self.padded = self.padded or not bool(valid.all())
         # no mask at all: a first prefill without padding (causal) or a decode step over padding-free slots
         self.unmasked = not self.padded and (s == 1 or self.start == 0)
@@ -188,7 +189,7 @@ class Rows(KVCache):
 
     def begin(self, valid, positions) -> None:
         for i, c in enumerate(self.caches):
-            c.begin(valid[i : i + 1], positions[i : i + 1])
+            c.begin(None if valid is None else valid[i : i + 1], positions[i : i + 1])
 
     def observe(self, layer, x) -> None:
         for i, c in enumerate(self.caches):

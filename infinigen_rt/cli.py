@@ -95,12 +95,13 @@ def generate(
       torchrun --nproc-per-node 2 -m infinigen_rt.cli generate BUNDLE "Hello" --device cpu
     """
     from infinigen_rt.bundle import read_bundle
-    from infinigen_rt.engine import Engine, resolve_device
+    from infinigen_rt.engine import Engine
     from infinigen_rt.errors import InfinigenError, notice
     from infinigen_rt.hub import resolve_bundle
     from infinigen_rt.policies import KVOptions
     from infinigen_rt.runner import check_context
     from infinigen_rt.sampling import SamplingParams
+    from infinigen_rt.system import resolve_device
     from infinigen_rt.tokenizer import check_text
     from infinigen_rt.tp import check_tp_option, follower_env, from_env, launch
 
@@ -321,10 +322,11 @@ def serve(
     from pathlib import Path
 
     from infinigen_rt.bundle import read_bundle
-    from infinigen_rt.engine import Engine, resolve_device
+    from infinigen_rt.engine import Engine
     from infinigen_rt.hub import resolve_bundle
     from infinigen_rt.policies import KVOptions
     from infinigen_rt.runner import check_pool_options
+    from infinigen_rt.system import resolve_device
     from infinigen_rt.tp import check_tp_option, control_group, follow, from_env, launch
 
     if check_tp_option(tp):

@@ -105,9 +105,10 @@ def bench_cmd(
 
     from infinigen_rt import __version__
     from infinigen_rt.bench import PRESETS, measure_bandwidths, plot, point_dict, run_points, synthetic_engine
-    from infinigen_rt.engine import DTYPES, resolve_device
+    from infinigen_rt.engine import DTYPES
     from infinigen_rt.errors import InfinigenError
     from infinigen_rt.policies import RUNTIME_POLICIES
+    from infinigen_rt.system import resolve_device
     from infinigen_rt.tp import check_tp_option, launch
 
     if tp > 1 and synthetic is not None:

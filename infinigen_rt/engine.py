@@ -26,20 +26,9 @@ from infinigen_rt.runner import (
     reserved,
 )
 from infinigen_rt.sampling import SamplingParams
+from infinigen_rt.system import memory_stats, resolve_device
 from infinigen_rt.tokenizer import Tokenizer
 from infinigen_rt.tp import TP, shard_config, shard_speculation, tp_time
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise InfinigenError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InfinigenError("--device cuda asked for, but torch sees no CUDA GPU; use --device cpu")
-    return dev
 
 
 def resolve_dtype(dtype: str, bundle_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -63,16 +52,6 @@ def pad_batch(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tens
     return ids.to(device), positions.to(device), valid.to(device)
 
 
-def memory_stats(device: torch.device) -> dict:
-    """Peak device memory (CUDA) and peak host resident memory of this process, in bytes."""
-    import resource
-
-    out = {"peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    if device.type == "cuda":
-        out["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
-    return out
-
-
 def keep_host_heap() -> None:
     """Keep freed mid-sized host blocks in the heap (glibc only; an explicit MALLOC_* setting wins).
 
@@ -92,6 +71,11 @@ def keep_host_heap() -> None:
     libc.mallopt(m_trim_threshold, 1 << 30)
 
 
+def _on(speculation: tuple[dict, dict], device: torch.device) -> tuple[dict, dict]:
+    tensors, defaults = speculation
+    return {k: t.to(device) for k, t in tensors.items()}, defaults
+
+
 class Engine:
     """Loads a bundle once; `generate` runs batches of prompts through one KV policy."""
 
@@ -103,10 +87,10 @@ class Engine:
         hold its share of the heads (`cfg` is that share), and every rank runs the same steps."""
         self.bundle, self.tp = bundle, tp
         self.cfg = shard_config(bundle.config, tp)
-        self._speculation = None  # (tensors, defaults), loaded once on first use
-        self._set_policy(policy, kv)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, bundle.dtype, self.device)
+        self._speculation = {}  # "v": (tensors on the device, defaults), loaded once, shared by with_policy's views
+        self._set_policy(policy, kv)
         if self.device.type == "cpu":
             keep_host_heap()
         self.tokenizer = Tokenizer(bundle)
@@ -123,16 +107,19 @@ class Engine:
         if torch.device(device).type == "cpu":
             keep_host_heap()
         self.bundle, self.cfg, self.device, self.dtype, self.tp = None, cfg, torch.device(device), dtype, None
-        self.model, self.tokenizer, self._speculation = model, None, speculation
+        self.model, self.tokenizer = model, None
+        self._speculation = {} if speculation is None else {"v": _on(speculation, self.device)}
         self._set_policy(policy, kv)
         return self
 
     def speculation(self) -> tuple[dict, dict]:
-        """The InfiniGen tensors and defaults (a one-line error for a bundle converted without them)."""
-        if self._speculation is None:
+        """The InfiniGen tensors, on the compute device, and defaults (a one-line error for a bundle converted
+        without them). Read and copied to the device once: every request's cache uses the same tensors."""
+        if "v" not in self._speculation:
             tensors = shard_speculation(load_infinigen(self.bundle), self.tp)
-            self._speculation = tensors, (self.bundle.meta.get("infinigen") or {}).get("defaults")
-        return self._speculation
+            defaults = (self.bundle.meta.get("infinigen") or {}).get("defaults")
+            self._speculation["v"] = _on((tensors, defaults), self.device)
+        return self._speculation["v"]
 
     def _set_policy(self, policy: str, kv: KVOptions | None = None) -> None:
         """The run's KV policy and its options, checked once (a request may bring its own: `with_policy`)."""
@@ -159,18 +146,20 @@ class Engine:
         if self.kv.dense_layers is not None:
             return self.kv.dense_layers
         if self.bundle is None:
-            return self._speculation[1]["dense_layers"] if self._speculation else 2
+            return self._speculation["v"][1]["dense_layers"] if self._speculation else 2
         return (self.bundle.meta.get("infinigen") or {}).get("defaults", {}).get("dense_layers", 2)
 
     def make_cache(self, batch: int, max_len: int, pages=None):
         return POLICIES[self.policy].build(self, batch, max_len, pages)
 
     def prefill(self, cache, ids, positions, valid):
-        """The prompt through the model, in chunks of --prefill-chunk tokens; logits of the last position."""
+        """The prompt through the model, in chunks of --prefill-chunk tokens; logits of the last position. `valid`
+        None: no padding."""
         chunk = self.kv.prefill_chunk or ids.shape[1]
         for start in range(0, ids.shape[1], chunk):
             sl = slice(start, start + chunk)
-            logits = self.model(ids[:, sl], positions[:, sl], cache, valid[:, sl], last_only=True)
+            logits = self.model(ids[:, sl], positions[:, sl], cache, None if valid is None else valid[:, sl],
+                                last_only=True)  # fmt: skip
         return logits[:, -1]
 
     def runner(self, *, max_batch: int = 8, prefill_chunk: int | None = 512, kv_tokens: int | None = None) -> Runner:

@@ -13,6 +13,8 @@ import importlib.util
 import torch
 
 ROWS_PER_PROGRAM = 16
+# the kernels' names, as a CUDA profiler shows them (bench counts the gather as host-to-device copying)
+GATHER_KERNEL, SCATTER_KERNEL = "gather_rows_kernel", "scatter_rows_kernel"
 
 
 def words(t: torch.Tensor) -> torch.Tensor:
@@ -31,6 +33,20 @@ def available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
+    """kernel[grid](*args, **meta) on the device of its tensors: Triton launches on torch's current device and
+    stream, so with `--device cuda:1` a launch from a thread whose current device is 0 would run on device 0 with
+    pointers into device 1. Every tensor argument is contiguous (the kernels index flat rows)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    assert all(t.is_contiguous() for t in tensors), "the row kernels index flat rows: contiguous tensors"
+    dev = next((t.device for t in tensors if t.device.type == "cuda"), None)
+    if dev is None:  # the interpreter, on CPU tensors
+        kernel[grid](*args, **meta)
+        return
+    with torch.cuda.device(dev):
+        kernel[grid](*args, **meta)
+
+
 def gather_rows(src_a, src_b, rows, ok, out_a, out_b) -> None:
     """out_x[g, i] = src_x[rows[g, i]] where ok[g, i] (else zeros), for the pair x = a, b (keys and values).
 
@@ -46,11 +62,12 @@ def gather_rows(src_a, src_b, rows, ok, out_a, out_b) -> None:
         return
     import triton  # here, not at import: a CPU never needs it
 
-    from infinigen_rt._gather_kernel import gather
+    from infinigen_rt._gather_kernel import gather_rows_kernel
 
-    grid = (triton.cdiv(total, ROWS_PER_PROGRAM),)
-    gather[grid](
-        sa, sb, oa, ob, rows.reshape(-1), ok.reshape(-1) if ok is not None else rows, n, n_out, total,
+    rows = rows.reshape(-1).contiguous()
+    launch(
+        gather_rows_kernel, (triton.cdiv(total, ROWS_PER_PROGRAM),),
+        sa, sb, oa, ob, rows, ok.reshape(-1).contiguous() if ok is not None else rows, n, n_out, total,
         W=w, BLOCK_W=triton.next_power_of_2(w), ROWS=ROWS_PER_PROGRAM, HAS_OK=ok is not None,
     )  # fmt: skip
 
@@ -64,12 +81,12 @@ def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> No
         return
     import triton
 
-    from infinigen_rt._gather_kernel import scatter
+    from infinigen_rt._gather_kernel import scatter_rows_kernel
 
     d, s = words(dst), words(src.contiguous())
     w = d.shape[-1]
-    scatter[(triton.cdiv(n, ROWS_PER_PROGRAM),)](d, s, rows.reshape(-1), n, W=w, BLOCK_W=triton.next_power_of_2(w),
-                                                 ROWS=ROWS_PER_PROGRAM)  # fmt: skip
+    launch(scatter_rows_kernel, (triton.cdiv(n, ROWS_PER_PROGRAM),), d, s, rows.reshape(-1).contiguous(), n,
+           W=w, BLOCK_W=triton.next_power_of_2(w), ROWS=ROWS_PER_PROGRAM)  # fmt: skip
 
 
 def scatter_rows_reference(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:

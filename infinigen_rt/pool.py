@@ -32,31 +32,10 @@ import numpy as np
 import torch
 
 from infinigen_rt.kernels import gather_rows, scatter_rows
+from infinigen_rt.system import host_buffer, unpin
 
 EVICTIONS = ("counter", "lru", "fifo")
 _BIG = 1 << 32  # ranks: primary key * _BIG + position (positions < 2**32)
-
-
-def host_buffer(shape, dtype, pinned: list | None, zero: bool = True) -> torch.Tensor:
-    """Host memory (zeroed unless `zero` is False); with a `pinned` list (a GPU computes): page-locked at its exact
-    size, its address appended to the list (torch's caching host allocator would round each block up to a power of
-    two: a 514 MiB layer would take 1 GiB). `unpin` releases what the list holds."""
-    t = torch.zeros(shape, dtype=dtype) if zero else torch.empty(shape, dtype=dtype)
-    if pinned is not None and t.numel():
-        err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
-        if err != 0:
-            raise RuntimeError(f"cudaHostRegister failed with CUDA error {err} (is host memory exhausted?)")
-        pinned.append(t.data_ptr())
-    return t
-
-
-def unpin(pinned: list, device: torch.device) -> None:
-    """Unregister the pages whose addresses `pinned` lists, once the device is done with them."""
-    if pinned:
-        torch.cuda.synchronize(device)
-        for ptr in pinned:
-            torch.cuda.cudart().cudaHostUnregister(ptr)
-        pinned.clear()
 
 
 class KVPool:
@@ -192,18 +171,24 @@ class KVPool:
         phys = slots if self.pages is None else self.phys_dev.to(slots.device)[slots]
         return phys * (self.batch * self.n_kv) + self.lane.to(slots.device)
 
-    def gather(self, slots: torch.Tensor, ok: torch.Tensor | None = None, extra: int = 0):
+    def gather(self, slots: torch.Tensor, ok: torch.Tensor | None = None, extra: int = 0, out=None):
         """The K and V rows of `slots` ([B, Hkv, n], compute device) on the compute device: [B, Hkv, n + extra, D]
-        each; the `extra` last rows per (b, h) are room for the new tokens (so no concatenation follows).
+        each; the `extra` last rows per (b, h) are room for the new tokens (so no concatenation follows). `out`:
+        (keys, values) device buffers [B, Hkv, N, D], N >= n + extra, whose first n + extra rows per (b, h) are
+        used (and returned, as views) instead of new tensors (the kernel only).
 
         On a GPU a kernel reads the rows straight from the pinned pool (rows where `ok` is False are not read:
         zeros); on a CPU, index_select copies every row."""
         b, h, n = slots.shape
         d = self.k.shape[-1]
-        out_k = torch.empty(b, h, n + extra, d, dtype=self.k.dtype, device=self.device)
-        out_v = torch.empty_like(out_k)
+        if out is None:
+            out_k = torch.empty(b, h, n + extra, d, dtype=self.k.dtype, device=self.device)
+            out_v = torch.empty_like(out_k)
+        else:
+            out_k, out_v = out
+            assert self.kernel and out_k.shape[2] >= n + extra, "a buffer of rows: the kernel's, large enough"
         take(self.k, self.v, self.flat_rows(slots), ok, out_k, out_v, self.kernel)
-        return out_k, out_v
+        return out_k[:, :, : n + extra], out_v[:, :, : n + extra]
 
     def block(self, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
         """Every slot taken (0..fill-1) into out_k, out_v [fill, B, Hkv, D] (compute device): one contiguous copy
@@ -265,7 +250,8 @@ def take(src_k, src_v, rows, ok, out_k, out_v, kernel: bool) -> None:
     x = src_k.shape[-1]
     src_k, src_v = src_k.view(-1, x), src_v.view(-1, x)
     if kernel:
-        gather_rows(src_k, src_v, rows.view(b * h, n), None if ok is None else ok.view(b * h, n),
+        # reshape, not view: a selection's `ok` may be an expanded view (one count per sequence, strides of 0)
+        gather_rows(src_k, src_v, rows.reshape(b * h, n), None if ok is None else ok.reshape(b * h, n),
                     out_k.view(b * h, -1, x), out_v.view(b * h, -1, x))  # fmt: skip
         return
     extra = out_k.shape[2] - n

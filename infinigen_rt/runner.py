@@ -41,6 +41,7 @@ from infinigen_rt.cache import KVReport, Rows, merge_reports
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.policies import POLICIES, KVOptions
 from infinigen_rt.sampling import SamplingParams, sample
+from infinigen_rt.system import Clock, host_available, to_device
 from infinigen_rt.tp import total_report
 
 if TYPE_CHECKING:
@@ -116,6 +117,7 @@ class _Seq:
     done: int = 0  # prompt tokens prefilled
     out: list[int] = field(default_factory=list)
     pending: torch.Tensor | None = None  # the sampled token not yet fed to the model: [1] on the device
+    pos: torch.Tensor | None = None  # its position: [1, 1] on the device (advanced there, never read)
     reason: str | None = None
     text: str | None = None
     report: KVReport | None = None
@@ -137,9 +139,17 @@ class Runner:
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []  # admitted: prefilling (done < prompt) or decoding, in arrival order
         self.ids = itertools.count()
-        self.stats = RunStats()
+        self._stats = RunStats()
+        self.prefill_clock = Clock(engine.device)  # prefill time without waiting for the device
         self.reports: list[KVReport] = []  # of the requests that finished or were aborted
         self.eos = engine.tokenizer.eos_ids if engine.tokenizer is not None else set()
+
+    @property
+    def stats(self) -> RunStats:
+        """The run's counters. Prefill time is the device's (events, read once done); it is complete once the runner
+        has no work left (reading it then may wait for the device), else it counts the prefills finished so far."""
+        self._stats.prefill_s = self.prefill_clock.seconds(wait=not self.has_work)
+        return self._stats
 
     # ---- requests in and out
 
@@ -230,48 +240,49 @@ class Runner:
             prompt = seq.req.prompt_ids
             chunk = seq.view.kv.prefill_chunk or budget or len(prompt)
             n = min(len(prompt) - seq.done, chunk, budget or chunk)
-            ids = torch.tensor([prompt[seq.done : seq.done + n]], device=dev)
+            ids = to_device(torch.tensor([prompt[seq.done : seq.done + n]]), dev)
             pos = torch.arange(seq.done, seq.done + n, device=dev)[None]
-            sync(dev)
-            t0 = time.perf_counter()
             try:
-                logits = self.engine.model(ids, pos, seq.cache, torch.ones_like(ids, dtype=torch.bool), last_only=True)
+                with self.prefill_clock.span():
+                    logits = self.engine.model(ids, pos, seq.cache, None, last_only=True)
+                    if seq.done + n == len(prompt):
+                        seq.pending = sample(logits[:, -1], seq.req.sampling, seq.gen)
+                        seq.pos = torch.full((1, 1), len(prompt), device=dev)  # the pending token's position
             except Exception:
                 self._fail([seq])
                 raise
             seq.done += n
-            self.stats.prefill_tokens += n
+            self._stats.prefill_tokens += n
             if budget is not None:
                 budget -= n
             if seq.done == len(prompt):
-                seq.pending = sample(logits[:, -1], seq.req.sampling, seq.gen)
-                self._take(seq, int(seq.pending), outs)  # the request's first token
-            sync(dev)
-            self.stats.prefill_s += time.perf_counter() - t0
+                self._take(seq, int(seq.pending), outs)  # the request's first token (a read, as any token)
 
     def _decode(self, outs: dict[int, Output]) -> None:
+        """One token for every request with a pending one. The step's one host sync is the read of the sampled
+        tokens: positions live on the device and advance there, and the wall time of the step ends at that read
+        (a step that also prefilled counts the prefill work still running on the device as decode time)."""
         rows = [s for s in self.running if s.pending is not None]
         if not rows:
             return
-        dev = self.engine.device
         t0 = time.perf_counter()
         ids = torch.cat([s.pending for s in rows])[:, None]
-        pos = torch.tensor([[len(s.req.prompt_ids) + len(s.out) - 1] for s in rows], device=dev)
+        pos = torch.cat([s.pos for s in rows])  # [B, 1]
         cache = rows[0].cache if len(rows) == 1 else Rows([s.cache for s in rows])
         try:
-            logits = self.engine.model(ids, pos, cache, torch.ones_like(ids, dtype=torch.bool), last_only=True)[:, -1]
+            logits = self.engine.model(ids, pos, cache, None, last_only=True)[:, -1]
             toks = sample_rows(logits, [s.req.sampling for s in rows], [s.gen for s in rows])
+            nxt = pos + 1
             got = toks.tolist()  # the one host sync a step: the sampled tokens
         except Exception:
             self._fail(rows)
             raise
         for i, (seq, t) in enumerate(zip(rows, got, strict=True)):
-            seq.pending = toks[i : i + 1]
+            seq.pending, seq.pos = toks[i : i + 1], nxt[i : i + 1]
             self._take(seq, t, outs)
-        self.stats.decode_steps += 1
-        self.stats.decode_tokens += len(rows)
-        sync(dev)
-        self.stats.decode_s += time.perf_counter() - t0
+        self._stats.decode_steps += 1
+        self._stats.decode_tokens += len(rows)
+        self._stats.decode_s += time.perf_counter() - t0
 
     def _take(self, seq: _Seq, t: int, outs: dict[int, Output]) -> None:
         """A sampled token: the end (eos), or one more token, then maybe a stop string or the limit."""
@@ -300,7 +311,7 @@ class Runner:
                 self.reports.append(seq.report)
             finally:
                 seq.cache.close()
-                seq.cache, seq.pending = None, None
+                seq.cache, seq.pending, seq.pos = None, None, None
         if self.pool is not None:
             self.pool.release(seq.id)
         if seq in self.running:
@@ -336,8 +347,6 @@ def pool_tokens(engine: Engine, max_batch: int, kv_tokens: int | None = None, kv
     """The paged pool's size in tokens: `kv_tokens`; or `kv_memory` bytes at the engine's policy's bytes per token
     (host memory for a host-pool policy, device memory for the others); or by default room for `max_batch`
     requests of the model's whole context, for a host-pool policy at most half the host memory available now."""
-    from infinigen_rt.bench import host_available
-
     check_pool_options(kv_tokens, kv_memory)
     device, host, _ = POLICIES[engine.policy].kv_bytes(engine, engine.cfg.num_key_value_heads, engine.dtype.itemsize)
     per_token = host or device
@@ -357,12 +366,6 @@ def pool_tokens(engine: Engine, max_batch: int, kv_tokens: int | None = None, kv
 
 def blocks(tokens: int) -> int:
     return math.ceil(tokens / BLOCK_TOKENS)
-
-
-def sync(device: torch.device) -> None:
-    """Wait for the device (timings)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def check_context(prompt_tokens: int, new_tokens: int, context: int) -> None:

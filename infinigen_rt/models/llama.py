@@ -156,7 +156,7 @@ class Llama(nn.Module):
         )
 
     def forward(self, input_ids, positions, cache: KVCache, valid, last_only: bool = False):
-        """input_ids, positions: [B, S]; valid: [B, S] bool. Returns logits [B, S or 1, V]."""
+        """input_ids, positions: [B, S]; valid: [B, S] bool, or None: no padding. Returns logits [B, S or 1, V]."""
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         cache.begin(valid, positions)

@@ -89,7 +89,7 @@ class OPT(nn.Module):
         )
 
     def forward(self, input_ids, positions, cache: KVCache, valid, last_only: bool = False):
-        """input_ids, positions: [B, S]; valid: [B, S] bool. Returns logits [B, S or 1, V]."""
+        """input_ids, positions: [B, S]; valid: [B, S] bool, or None: no padding. Returns logits [B, S or 1, V]."""
         x = self.embed_tokens(input_ids)
         if hasattr(self, "project_in"):
             x = self.project_in(x)

@@ -41,7 +41,8 @@ class H2OCache(DenseCache):
         self.score = [torch.zeros(shape, dtype=torch.float32, device=device) for _ in range(cfg.num_hidden_layers)]
         self.group = cfg.num_attention_heads // cfg.num_key_value_heads
         self.opts = opts
-        self.attended = self.possible = self.evictions = 0
+        # counted on the device, read by `report` (a decode step reads nothing)
+        self.attended = self.possible = self.evictions = torch.zeros((), dtype=torch.int64, device=device)
 
     def update(self, layer, q, k, v):
         keys, values, _ = super().update(layer, q, k, v)
@@ -50,13 +51,14 @@ class H2OCache(DenseCache):
         self.alive[layer][:, :, self.start : t] = self.valid[:, None, self.start : t]  # new tokens join
         alive = self.alive[layer][:, :, :t]  # [B, Hkv, T]
         head_mask = mask & alive.repeat_interleave(self.group, dim=1)[:, :, None, :]  # [B, H, s, T]
-        head_mask[:, :, torch.arange(s), torch.arange(self.start, t)] = True  # a query always sees itself
+        dev = q.device  # index tensors on the host would be copied over with a wait, every layer
+        head_mask[:, :, torch.arange(s, device=dev), torch.arange(self.start, t, device=dev)] = True  # sees itself
         p = (q @ keys.repeat_interleave(self.group, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])).float()
         p = p.masked_fill(~head_mask, float("-inf")).softmax(-1)  # [B, H, s, T]
         self.score[layer][:, :, :t] += p.sum(2).unflatten(1, (-1, self.group)).sum(2)
         if q.shape[2] == 1:
-            self.attended += int(alive.sum())
-            self.possible += int(self.valid[:, None, :t].expand_as(alive).sum())
+            self.attended = self.attended + alive.sum()
+            self.possible = self.possible + self.valid[:, None, :t].sum() * alive.shape[1]
         return keys, values, head_mask
 
     def end(self) -> None:
@@ -71,11 +73,12 @@ class H2OCache(DenseCache):
             order = rank.argsort(-1, descending=True)
             nth = torch.empty_like(order).scatter_(2, order, torch.arange(t, device=order.device).expand_as(order))
             survive = (alive & recent) | (alive & ~recent & (nth < n_heavy[..., None]))
-            self.evictions += int((alive & ~survive).sum())
+            self.evictions = self.evictions + (alive & ~survive).sum()
             self.alive[layer][:, :, :t] = survive
 
     def report(self) -> KVReport:
-        share = round(self.attended / self.possible, 6) if self.possible else None
+        attended, possible, evictions = torch.stack([self.attended, self.possible, self.evictions]).tolist()
+        share = round(attended / possible, 6) if possible else None
         return KVReport(
-            kv_fetched_share=share, kv_attended_share=share, evictions=self.evictions, share_rows=self.possible or None
+            kv_fetched_share=share, kv_attended_share=share, evictions=evictions, share_rows=possible or None
         )  # fmt: skip

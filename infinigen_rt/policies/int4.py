@@ -58,7 +58,8 @@ class Int4Pool(KVPool):
         for name, x in (("k_scale", ks), ("k_min", kl), ("v_scale", vs), ("v_min", vl)):
             self.write(self.meta[name], f, x)
 
-    def gather(self, slots, ok=None, extra: int = 0):
+    def gather(self, slots, ok=None, extra: int = 0, out=None):
+        assert out is None, "int4 rows are dequantized into new tensors"
         kq, vq = super().gather(slots, ok, extra)
         b, h, n = slots.shape
         flat = self.flat_rows(slots)

@@ -22,36 +22,53 @@ POOL_KNOBS = frozenset({"capacity", "eviction", "window", "prefill_chunk"})
 
 class KVStats:
     """Counters of one cache. What the host knows is kept in ints; what only the device knows (rows a selection
-    fetched, its per-row counts) stays in device tensors until `report` reads them, once."""
+    fetched, its per-row counts) stays in device tensors until `settle` reads all of them at once (`report`)."""
 
     def __init__(self, n_layers: int):
         self.h2d = [0] * n_layers  # bytes known on the host, per layer
-        self.h2d_rows: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]  # device row counts, per layer
+        self.h2d_rows: list[list] = [[] for _ in range(n_layers)]  # device row counts (or settled ints), per layer
         self.row_bytes = [0] * n_layers
         self.d2h = 0
         self.fetched: dict[int, list] = {}  # speculated layer -> rows fetched (ints or device counts)
         self.held: dict[int, int] = {}  # speculated layer -> rows it could have fetched
         self.per_row: list[torch.Tensor] = []  # each speculation's mean fetch count per KV head, per sequence
+        self.per_row_sum, self.per_row_n, self.per_row_max = 0.0, 0, None  # what settled of them
         self.recall: list[float] = []
 
+    def settle(self) -> None:
+        """Every device count to the host in one read (a sync: not inside a decode step), summed into ints."""
+        groups = self.h2d_rows + [self.fetched[j] for j in sorted(self.fetched)]
+        pending = [(g, [c for c in g if not isinstance(c, int)]) for g in groups]
+        pending = [(g, t) for g, t in pending if t]
+        parts = [torch.stack(t).sum().double()[None] for _, t in pending]
+        rows = torch.cat(self.per_row).double() if self.per_row else None
+        if rows is not None:
+            parts += [rows.sum()[None], rows.amax()[None]]
+        if not parts:
+            return
+        got = torch.cat(parts).tolist()
+        for (g, _), value in zip(pending, got, strict=False):
+            g[:] = [sum(c for c in g if isinstance(c, int)) + round(value)]
+        if rows is not None:
+            self.per_row_sum += got[-2]
+            self.per_row_n += rows.numel()
+            self.per_row_max = got[-1] if self.per_row_max is None else max(self.per_row_max, got[-1])
+            self.per_row = []
+
     def layer_h2d(self) -> list[int]:
-        return [h + total(rows) * rb for h, rows, rb in zip(self.h2d, self.h2d_rows, self.row_bytes, strict=True)]
+        self.settle()
+        return [h + sum(rows) * rb for h, rows, rb in zip(self.h2d, self.h2d_rows, self.row_bytes, strict=True)]
 
     def fetched_rows(self, layer: int) -> int:
-        return total(self.fetched.get(layer, []))
-
-
-def total(counts: list) -> int:
-    """The sum of host ints and device counts (one device read for all of them)."""
-    ints = sum(c for c in counts if isinstance(c, int))
-    tensors = [c for c in counts if not isinstance(c, int)]
-    return ints + (int(torch.stack(tensors).sum()) if tensors else 0)
+        self.settle()
+        return sum(self.fetched.get(layer, []))
 
 
 class OffloadCache(KVCache):
     name = "offload"
     knobs = POOL_KNOBS
     pool_class = KVPool  # how the host stores rows (Int4Pool for the int4 policy)
+    layer_copy = True  # a decode step fetches whole layers (on a GPU: one block per tensor, one layer ahead)
 
     @classmethod
     def build(cls, engine, batch, max_len, pages=None):
@@ -116,16 +133,25 @@ class OffloadCache(KVCache):
         self.prefetch = prefetcher(self.device, overlap=False)
         # a pool of its own moves a layer as one block per tensor; a paged pool's layer is a block per 16 tokens, so
         # there the gather kernel reads its rows (one launch per layer)
-        self.block_copy = isinstance(self.prefetch, SideStream) and type(self).pool_class is KVPool and pages is None
+        side = isinstance(self.prefetch, SideStream)
+        self.block_copy = self.layer_copy and side and type(self).pool_class is KVPool and pages is None
+        # the blocks land in two device buffers used in turn (layer i reads one while layer i+1's copy fills the
+        # other): device memory is fixed before the first step. A fresh block per layer, freed on the compute stream
+        # while the host runs ahead of the copy engine, could not be reused before the copies caught up: up to a
+        # step's worth of blocks (Llama-2-7B at 4 x 32k: 32 of 2 GiB)
+        self.blocks = self.layer_blocks() if self.block_copy else None
 
     def begin(self, valid, positions) -> None:
         if self.resident is not None:
             self.resident.begin(valid, positions)
+        s = positions.shape[1]
+        known = valid is None or s == 1  # no padding (a decode step brings none: see KVCache.begin)
+        if valid is None:
+            valid = torch.ones_like(positions, dtype=torch.bool)
         self.valid, self.positions = valid, positions
-        s = valid.shape[1]
         self.new_mask = causal_mask(valid, 0) if s > 1 else None  # [B, 1, s, s] among the new tokens
-        if s == 1:  # a decode step: one real token per sequence (see KVCache.begin), known on the host
-            self.n_new = np.ones(len(self.lengths), dtype=np.int64)
+        if known:  # every new token is real, known on the host
+            self.n_new = np.full(len(self.lengths), s, dtype=np.int64)
         else:  # a prompt: one read of its padding
             self.n_new = valid.sum(-1).cpu().numpy()
             self.padded = self.padded or bool((self.n_new < s).any())
@@ -142,14 +168,20 @@ class OffloadCache(KVCache):
         if self.block_copy and self.valid.shape[1] == 1 and j < len(self.pools) and self.pools[j] is not None:
             self.prefetch.start(j, self.copy_block, j)
 
+    def layer_blocks(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The two (keys, values) device buffers of whole-layer copies: [slots + 1, B, Hkv, D] each."""
+        pool = next(p for p in self.pools if p is not None)
+        shape = (pool.slots + 1, pool.batch, pool.n_kv, pool.k.shape[-1])
+        return [tuple(torch.empty(shape, dtype=pool.k.dtype, device=self.device) for _ in "kv") for _ in range(2)]
+
     def copy_block(self, j: int):
-        """Layer j's held KV as one contiguous block per tensor, with a row for the new token:
-        [B, Hkv, fill + 1, D] views of [fill + 1, B, Hkv, D] buffers."""
+        """Layer j's held KV as one contiguous block per tensor, with a row for the new token: [B, Hkv, fill + 1, D]
+        views of the first fill + 1 slots of buffer j % 2 ([slots + 1, B, Hkv, D] each)."""
         pool = self.pools[j]
         n = pool.fill
-        shape = (n + 1, pool.batch, pool.n_kv, pool.k.shape[-1])
-        k = torch.empty(shape, dtype=pool.k.dtype, device=self.device)
-        v = torch.empty_like(k)
+        if self.blocks is None:  # a cache told to copy blocks after it was built (tests)
+            self.blocks = self.layer_blocks()
+        k, v = (buf[: n + 1] for buf in self.blocks[j % 2])
         pool.block(k[:n], v[:n])
         return k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
 

@@ -1,0 +1,1144 @@
+"""Fake CUDA: the runtime's GPU code path, run by the normal test suite on a machine without a GPU.
+
+    with FakeCuda() as gpu:                      # tensors on cuda:N are CPU tensors in disguise: real values
+        engine = Engine(bundle, device="cuda", dtype="float32", policy="infinigen")
+        with gpu.region("decode") as step:
+            runner.step()
+        assert len(step.syncs) == 1 and not gpu.races
+
+    with FakeCuda(values=False) as gpu:          # every tensor a meta tensor in disguise: real shapes for free
+        engine = synthetic_engine("llama-2-7b", torch.device("cuda"), torch.float16)
+
+The stand-in runs every operator of the code under test through a dispatch mode that keeps each tensor's device
+as the code sees it and computes on CPU tensors (`values=True`: tiny shapes, real tokens, Triton kernels through
+its interpreter) or on meta tensors (`values=False`: Llama-2-7B at 4 x 32k in a second, nothing ever known of a
+value). It checks what a GPU would refuse, and what a GPU user needs of the code:
+
+- devices: an operator mixing devices raises as CUDA does (CPU scalars, and CPU index tensors, which CUDA copies
+  over with a wait, excepted);
+- host syncs, each with where it happened: a read of a device value (`.item()`, `.tolist()`, `int()`, a
+  data-dependent shape), a copy between host and pageable memory that is not asynchronous, `synchronize`;
+- kernel launches (`infinigen_rt.kernels.launch`): on the current device, every pointer on it or in page-locked
+  host memory, every tensor contiguous; Triton's specialisation key of each launch is kept (`kernel_keys`);
+- streams: each access to memory is checked against other streams' accesses with vector clocks (events, waits,
+  host syncs); memory freed while another stream may still use it (no `record_stream`) is a race too;
+- memory, as the caching allocator keeps it: live and peak bytes per device, blocks freed with uses recorded on
+  other streams held until the host knows those streams passed them, capacity (then torch.OutOfMemoryError);
+  page-locked host memory, whose registration fails past `host_limit` with CUDA error 2 and leaves the runtime's
+  last error set, as the real runtime does: the next operator on the device raises it unless it was cleared.
+
+Only for a CPU-only build of torch (a small C++ device guard is compiled and loaded: tests/fakecuda_guard.cpp).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import subprocess
+import tempfile
+import threading
+import traceback
+import types
+import warnings
+import weakref
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+GUARD_SRC = Path(__file__).with_name("fakecuda_guard.cpp")
+GiB = 1 << 30
+CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_MEMORY_ALLOCATION, CUDA_ERROR_NOT_REGISTERED = 1, 2, 713
+aten = torch.ops.aten
+
+# operators whose output shape depends on values: a GPU waits for them (a sync), the meta stand-in cannot run them
+DATA_DEPENDENT = {
+    "nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim", "bincount",
+    "equal", "is_nonzero", "argwhere", "histc", "_local_scalar_dense", "item", "allclose",
+}  # fmt: skip
+INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}  # CUDA accepts host index tensors (and waits)
+
+
+def available() -> str | None:
+    """None when fake CUDA can run here; else why not (a reason to skip)."""
+    if torch.backends.cuda.is_built():
+        return "torch is built with CUDA: tests/rt/test_gpu.py runs the real thing"
+    if not _compiler():
+        return "no C++ compiler to build the fake CUDA device guard"
+    return None
+
+
+def _compiler() -> str | None:
+    from shutil import which
+
+    return next((c for c in (os.environ.get("CXX"), "c++", "g++") if c and which(c)), None)
+
+
+_guard_loaded = False
+
+
+def load_guard() -> None:
+    """Build (once per torch version, cached) and load the C++ device guard."""
+    global _guard_loaded
+    if _guard_loaded:
+        return
+    tdir = Path(torch.__file__).parent
+    key = hashlib.sha256(GUARD_SRC.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "infinigen-tests"
+    lib = cache / f"fakecuda-guard-{key}.so"
+    if not lib.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            out = Path(tmp) / lib.name
+            cmd = [_compiler(), "-std=c++17", "-O1", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+                   f"-I{tdir / 'include'}", str(GUARD_SRC), "-o", str(out), f"-L{tdir / 'lib'}",
+                   f"-Wl,-rpath,{tdir / 'lib'}", "-lc10"]  # fmt: skip
+            subprocess.run(cmd, check=True, capture_output=True)
+            os.replace(out, lib)
+    ctypes.CDLL(str(lib))
+    _guard_loaded = True
+
+
+# ------------------------------------------------------------------------------------------------ findings
+class HostReadUnknown(RuntimeError):
+    """A value was read from a tensor whose values the shapes-only stand-in does not know."""
+
+
+@dataclass
+class Sync:
+    kind: str  # what waited: "read" (a device value to the host), "copy", "synchronize", "data-dependent", ...
+    what: str
+    where: str  # the innermost frames of the project's code
+
+    def __str__(self):
+        return f"{self.kind} {self.what} at {self.where}"
+
+
+@dataclass
+class Region:
+    name: str
+    syncs: list[Sync] = field(default_factory=list)
+    launches: list[str] = field(default_factory=list)
+    allocated: int = 0  # bytes allocated on the devices inside the region
+    peak: int = 0  # the most device bytes live inside it
+
+
+def where(skip_harness: bool = True) -> str:
+    """The innermost frames in the project's packages (infinigen_rt, infinigen_prep, benchmarks)."""
+    frames = [f for f in traceback.extract_stack() if re.search(r"infinigen_(rt|prep)/|benchmarks/", f.filename)]
+    return " <- ".join(f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}"
+                       for f in reversed(frames[-3:])) or "(outside the project)"  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------- tensors in disguise
+class VTensor(torch.Tensor):
+    """A tensor whose device is what the code sees (`device`) and whose data is `inner`, a CPU or meta tensor."""
+
+    inner: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor, device: torch.device):
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, inner.size(), strides=inner.stride(), storage_offset=inner.storage_offset(), dtype=inner.dtype,
+            device=device, requires_grad=False,
+        )  # fmt: skip
+        r.inner = inner
+        return r
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"fake CUDA: {func} on a disguised tensor outside FakeCuda")
+
+    def __repr__(self):
+        return f"VTensor({self.device}, {tuple(self.shape)}, {self.dtype})"
+
+    # reads to the host: through the harness (counted; the shapes-only stand-in asks its value provider)
+    def tolist(self):
+        host = _HARNESS.read(self, "tolist")
+        with _paused():
+            return host.tolist()
+
+    def numpy(self, *a, **kw):
+        host = _HARNESS.read(self, "numpy")
+        with _paused():
+            return host.numpy().copy()
+
+    def data_ptr(self):
+        return _HARNESS.address(self)
+
+
+def inner_of(t):
+    return t.inner if isinstance(t, VTensor) else t
+
+
+def vdev(t: torch.Tensor) -> torch.device:
+    return t.device
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return inner_of(t).untyped_storage()._cdata
+
+
+def span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage that a view can reach: [lo, hi)."""
+    x = inner_of(t)
+    esz = x.element_size()
+    if x.numel() == 0:
+        return 0, 0
+    last = x.storage_offset() + sum((n - 1) * st for n, st in zip(x.shape, x.stride(), strict=True) if n > 1)
+    return x.storage_offset() * esz, (last + 1) * esz
+
+
+# the row kernels' pointer arguments that are indexed by a row-number argument: with values, only those rows count
+INDEXED = {"gather_rows_kernel": {"src_a": "rows", "src_b": "rows"}, "scatter_rows_kernel": {"dst": "rows"}}
+
+
+def _indexed_ranges(kernel: str, param: str, t: torch.Tensor, params: list, args: tuple):
+    """The byte ranges of t a row kernel touches, from its row numbers (values only); None: its whole span."""
+    by = INDEXED.get(kernel, {}).get(param)
+    if by is None:
+        return None
+    rows = inner_of(args[params.index(by)])
+    x = inner_of(t)
+    if rows.device.type != "cpu":  # shapes only: which rows is unknown, so no race on them can be told
+        return []
+    if x.dim() != 2:
+        return None
+    row = x.stride(0) * x.element_size()
+    base = x.storage_offset() * x.element_size()
+    with _paused():  # the harness's own look at the values: not the code's
+        r = torch.unique(rows.reshape(-1)).tolist()
+    out = []
+    for i in r:  # runs of consecutive rows as one range
+        if out and out[-1][1] == base + i * row:
+            out[-1] = (out[-1][0], base + (i + 1) * row)
+        else:
+            out.append((base + i * row, base + (i + 1) * row))
+    return out
+
+
+@dataclass(eq=False)
+class Block:
+    """One allocation: a device tensor's storage, or page-locked host memory (the pool's pages)."""
+
+    device: str
+    nbytes: int
+    actor: str  # the stream it was allocated on ("host" for host memory)
+    addr: int = 0
+    refs: int = 0
+    accesses: dict = field(default_factory=dict)  # actor -> [(lo, hi, tick, write)] not yet known done by the host
+    uses: dict = field(default_factory=dict)  # stream -> tick of its last use (streams other than `actor`)
+    recorded: set = field(default_factory=set)  # streams given by record_stream
+    what: str = ""
+
+
+# ---------------------------------------------------------------------------------------------- torch.cuda
+class Stream:
+    """torch.cuda.Stream on the fake: an actor with a vector clock."""
+
+    def __init__(self, device=None, priority=0, _name=None):
+        h = _HARNESS
+        self.device = h.normalize(torch.device("cuda") if device is None else torch.device(device))
+        self.name = _name or f"stream{next(h.counter)}@{self.device}"
+        h.vc.setdefault(self.name, defaultdict(int))
+        self.cuda_stream = abs(hash(self.name)) % (1 << 40)
+
+    def __eq__(self, other):
+        return isinstance(other, Stream) and other.name == self.name
+
+    def __hash__(self):
+        return hash(self.name)
+
+    def __repr__(self):
+        return f"<fake {self.name}>"
+
+    def wait_event(self, event) -> None:
+        if event.vc is not None:
+            _merge(_HARNESS.vc[self.name], event.vc)
+
+    def wait_stream(self, stream) -> None:
+        self.wait_event(Event().record(stream))
+
+    def record_event(self, event=None):
+        return (event or Event()).record(self)
+
+    def synchronize(self) -> None:
+        _HARNESS.host_waits([self.name], "Stream.synchronize")
+
+    def query(self) -> bool:
+        return True
+
+
+class Event:
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+        self.vc, self.stream = None, None
+
+    def record(self, stream=None):
+        h = _HARNESS
+        stream = stream or h.current_stream()
+        _merge(h.vc[stream.name], h.vc["host"])
+        self.vc, self.stream = dict(h.vc[stream.name]), stream
+        return self
+
+    def wait(self, stream=None) -> None:
+        (stream or _HARNESS.current_stream()).wait_event(self)
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            _HARNESS.host_waits([self.stream.name], "Event.synchronize", vc=self.vc)
+
+    def elapsed_time(self, end) -> float:
+        return 0.0
+
+
+def _merge(into: dict, other: dict) -> None:
+    for k, v in other.items():
+        if into.get(k, 0) < v:
+            into[k] = v
+
+
+class _DeviceContext:
+    """torch.cuda.device(...)"""
+
+    def __init__(self, device):
+        self.index = None if device is None else _HARNESS.index_of(device)
+
+    def __enter__(self):
+        self.prev = _HARNESS.current_index()
+        if self.index is not None and self.index >= 0:
+            _HARNESS.tls.device = self.index
+        return self
+
+    def __exit__(self, *exc):
+        _HARNESS.tls.device = self.prev
+        return False
+
+
+class _StreamContext:
+    """torch.cuda.stream(s): s becomes its device's current stream, and its device the current device."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __enter__(self):
+        h = _HARNESS
+        self.prev_device = h.current_index()
+        if self.stream is None:
+            return self
+        idx = self.stream.device.index
+        self.prev = h.streams_tls().get(idx)
+        h.streams_tls()[idx] = self.stream
+        h.tls.device = idx
+        return self
+
+    def __exit__(self, *exc):
+        h = _HARNESS
+        if self.stream is not None:
+            h.streams_tls()[self.stream.device.index] = self.prev
+        h.tls.device = self.prev_device
+        return False
+
+
+class _Cudart:
+    """torch.cuda.cudart() on the fake: page-locking against `host_limit`, with CUDA's sticky last error."""
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        h = _HARNESS
+        if h.pinned_bytes + size > h.host_limit:
+            h.last_error = CUDA_ERROR_MEMORY_ALLOCATION
+            return CUDA_ERROR_MEMORY_ALLOCATION
+        h.registered[ptr] = size
+        h.pinned_bytes += size
+        h.pinned_peak = max(h.pinned_peak, h.pinned_bytes)
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        h = _HARNESS
+        if ptr not in h.registered:
+            h.last_error = CUDA_ERROR_NOT_REGISTERED
+            return CUDA_ERROR_NOT_REGISTERED
+        h.pinned_bytes -= h.registered.pop(ptr)
+        return 0
+
+    def cudaGetErrorString(self, err: int) -> str:
+        return {0: "no error", 2: "out of memory", 713: "host memory not registered"}.get(int(err), "error")
+
+    def cudaMemGetInfo(self, device: int):
+        return _HARNESS.mem_get_info(device)
+
+
+class _LoadedCudart:
+    """What ctypes.CDLL returns for the fake runtime library's path (infinigen_rt.system.clear_cuda_error)."""
+
+    def cudaGetLastError(self) -> int:
+        h = _HARNESS
+        err, h.last_error = h.last_error, 0
+        return err
+
+
+FAKE_CUDART_PATH = "/fakecuda/libcudart.so.13"
+
+
+# ------------------------------------------------------------------------------------------------ the harness
+_HARNESS: FakeCuda | None = None
+
+
+class FakeCuda:
+    """See the module docstring. One at a time; everything it patches is restored on exit."""
+
+    def __init__(self, values: bool = True, devices: int = 2, capacity: int = 80 * GiB, host_memory: int = 128 * GiB,
+                 host_limit: int | None = None, provider=None, strict: bool = True):  # fmt: skip
+        """`values`: CPU tensors inside (real values) or meta tensors (shapes only). `capacity`: bytes per device.
+        `host_memory`: what the host reports available (the lent H100 machine's 128 GiB by default); `host_limit`:
+        page-locked bytes it grants (default: all of it). `provider(t)` -> a CPU tensor of t's shape: the values the
+        shapes-only stand-in reads (default zeros). `strict`: a race raises at once (else it is only recorded)."""
+        self.values, self.n_devices, self.capacity = values, devices, capacity
+        self.host_memory, self.host_limit = host_memory, host_memory if host_limit is None else host_limit
+        self.provider, self.strict = provider, strict
+        self.inner_device = torch.device("cpu" if values else "meta")
+        self.tls = threading.local()
+        self.counter = iter(range(1, 1 << 62))
+        self.vc: dict[str, dict] = {"host": defaultdict(int)}
+        self.default_streams: dict[int, Stream] = {}
+        self.registered: dict[int, int] = {}  # page-locked host ranges: address -> bytes
+        self.pinned_bytes = self.pinned_peak = 0
+        self.pinned_storages: set[int] = set()  # storages made page-locked by pin_memory()
+        self.last_error = 0
+        self.blocks: dict[int, Block] = {}  # storage key -> block (device memory, and host memory we watch)
+        self.live = defaultdict(int)  # device -> bytes (pending frees included)
+        self.peak = defaultdict(int)
+        self.pending: list[tuple[Block, dict]] = []  # freed blocks still held for other streams' uses
+        self.syncs: list[Sync] = []
+        self.races: list[str] = []
+        self.launches: list[tuple] = []  # (kernel name, device, stream)
+        self.kernel_keys: dict[str, set] = defaultdict(set)
+        self.regions: list[Region] = []
+        self.sync_debug = "default"
+        self.next_addr = 1 << 44
+        self.profile: list | None = None  # events while a fake profiler runs
+        self.ticks = defaultdict(float)  # per actor: a fake timeline for the profiler
+
+    # ---- thread state
+    def streams_tls(self) -> dict:
+        if not hasattr(self.tls, "streams"):
+            self.tls.streams = {}
+        return self.tls.streams
+
+    def current_index(self) -> int:
+        return getattr(self.tls, "device", 0)
+
+    def index_of(self, device) -> int:
+        if isinstance(device, int):
+            return device
+        d = torch.device(device)
+        return self.current_index() if d.index is None else d.index
+
+    def normalize(self, device: torch.device) -> torch.device:
+        if device.type == "cuda":
+            idx = self.current_index() if device.index is None else device.index
+            if idx >= self.n_devices:
+                raise RuntimeError(f"CUDA error: invalid device ordinal (fake CUDA has {self.n_devices} devices)")
+            return torch.device("cuda", idx)
+        return device
+
+    def current_stream(self, device=None) -> Stream:
+        idx = self.current_index() if device is None else self.index_of(device)
+        s = self.streams_tls().get(idx)
+        if s is None:
+            if idx not in self.default_streams:
+                self.default_streams[idx] = Stream(torch.device("cuda", idx), _name=f"default@cuda:{idx}")
+            s = self.default_streams[idx]
+        return s
+
+    # ---- clocks
+    def tick(self, actor: str) -> int:
+        vc = self.vc.setdefault(actor, defaultdict(int))
+        if actor != "host":
+            _merge(vc, self.vc["host"])
+        vc[actor] += 1
+        return vc[actor]
+
+    def host_waits(self, actors, what: str, kind: str = "synchronize", vc: dict | None = None) -> None:
+        """The host waited for `actors` (streams): everything they did is done, as far as the host knows."""
+        for a in actors:
+            _merge(self.vc["host"], vc if vc is not None else self.vc.get(a, {}))
+        self.note_sync(kind, what)
+        self.release_pending()
+
+    def note_sync(self, kind: str, what: str) -> None:
+        s = Sync(kind, what, where())
+        self.syncs.append(s)
+        for r in self.regions:
+            r.syncs.append(s)
+        if self.sync_debug in ("warn", 1):
+            warnings.warn(f"called a synchronizing CUDA operation (fake CUDA: {s})", stacklevel=3)
+        elif self.sync_debug in ("error", 2):
+            raise RuntimeError(f"called a synchronizing CUDA operation (fake CUDA: {s})")
+
+    def device_sync(self, device=None, what="torch.cuda.synchronize") -> None:
+        idx = self.current_index() if device is None else self.index_of(device)
+        actors = [a for a in self.vc if a.endswith(f"@cuda:{idx}")]
+        self.host_waits(actors, what)
+
+    # ---- memory
+    def address(self, t: torch.Tensor) -> int:
+        """A device-independent address for a tensor's data: real for CPU data, made up for meta data."""
+        inner = inner_of(t)
+        if inner.device.type == "cpu":
+            return inner.data_ptr()
+        b = self.blocks.get(storage_key(t))
+        base = b.addr if b is not None else 0
+        return base + inner.storage_offset() * inner.element_size()
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        if storage_key(t) in self.pinned_storages:
+            return True
+        if vdev(t).type != "cpu":
+            return False
+        ptr = self.address(t)
+        return any(a <= ptr < a + n for a, n in self.registered.items())
+
+    def track(self, t: torch.Tensor, actor: str, what: str) -> Block | None:
+        """The block of t's storage, made on first sight (device tensors always; host ones when page-locked or
+        disguised). Each disguised tensor holds a reference until it is collected."""
+        key = storage_key(t)
+        b = self.blocks.get(key)
+        dev = vdev(t)
+        if b is None:
+            if dev.type == "cpu" and not isinstance(t, VTensor) and not self.is_pinned(t):
+                return None
+            inner = inner_of(t)
+            nbytes = inner.untyped_storage().nbytes()
+            b = Block(str(dev), nbytes, actor if dev.type == "cuda" else "host", what=what)
+            b.addr, self.next_addr = self.next_addr, self.next_addr + ((nbytes + 511) // 512 + 1) * 512
+            self.blocks[key] = b
+            if dev.type == "cuda":
+                self.allocate(b)
+        if isinstance(t, VTensor) and not getattr(t, "_tracked", False):
+            t._tracked = True
+            b.refs += 1
+            weakref.finalize(t, self.release, key, b)
+        return b
+
+    def allocate(self, b: Block) -> None:
+        dev = b.device
+        if self.live[dev] + b.nbytes > self.capacity and self.pending:
+            # the caching allocator waits for the events of blocks freed with pending uses before it gives up
+            self.host_waits([], f"the allocator waited for freed blocks to allocate {b.nbytes / GiB:.2f} GiB",
+                            kind="allocator", vc=self._pending_vc())  # fmt: skip
+        if self.live[dev] + b.nbytes > self.capacity:
+            free = (self.capacity - self.live[dev]) / GiB
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {b.nbytes / GiB:.2f} GiB. GPU has a total capacity of "
+                f"{self.capacity / GiB:.2f} GiB of which {free:.2f} GiB is free (fake CUDA, {b.what})"
+            )
+        self.live[dev] += b.nbytes
+        self.peak[dev] = max(self.peak[dev], self.live[dev])
+        for r in self.regions:
+            r.allocated += b.nbytes
+            r.peak = max(r.peak, sum(self.live.values()))
+
+    def _pending_vc(self) -> dict:
+        vc: dict = {}
+        for _, at in self.pending:
+            _merge(vc, at)
+        return vc
+
+    def release(self, key: int, b: Block) -> None:
+        b.refs -= 1
+        if b.refs > 0 or self.blocks.get(key) is not b:
+            return
+        del self.blocks[key]
+        if not b.device.startswith("cuda"):
+            return
+        home = self.vc.get(b.actor, {})
+        for s, t in b.uses.items():  # a stream used it and the allocating stream does not know that use is done
+            if s not in b.recorded and home.get(s, 0) < t:
+                self.race(f"{b.what} ({b.nbytes} bytes, allocated on {b.actor}) freed while {s} may still use it "
+                          "(record_stream was not called)")  # fmt: skip
+        if b.recorded:
+            self.pending.append((b, {s: self.vc.get(s, {}).get(s, 0) for s in b.recorded}))
+            self.release_pending()
+        else:
+            self.live[b.device] -= b.nbytes
+
+    def release_pending(self) -> None:
+        host, keep = self.vc["host"], []
+        for b, at in self.pending:
+            if all(host.get(s, 0) >= t for s, t in at.items()):
+                self.live[b.device] -= b.nbytes
+            else:
+                keep.append((b, at))
+        self.pending = keep
+
+    def mem_get_info(self, device=None):
+        idx = self.current_index() if device is None else self.index_of(device)
+        dev = str(self.normalize(torch.device("cuda", idx)))
+        return self.capacity - self.live[dev], self.capacity
+
+    # ---- accesses and races
+    def touch(self, t: torch.Tensor, actor: str, tick: int, write: bool, what: str, ranges=None) -> None:
+        """An access to t's bytes (`ranges`: (lo, hi) byte ranges of its storage; default: the span of its view) by
+        `actor` at `tick`, checked against the other actors' accesses to the same bytes that it has not waited for."""
+        b = self.track(t, actor, what)
+        if b is None:
+            return
+        ranges = ranges if ranges is not None else [span(t)]
+        vc, host = self.vc[actor], self.vc["host"]
+        for a, acc in list(b.accesses.items()):
+            if not acc or host.get(a, 0) >= max(x[2] for x in acc):  # the host knows it done: it orders all later
+                del b.accesses[a]
+                continue
+            if a == actor:
+                continue
+            for lo, hi, at, w in acc:
+                if (write or w) and vc.get(a, 0) < at and any(lo < rhi and rlo < hi for rlo, rhi in ranges):
+                    kind = ("write after write" if w else "write after read") if write else "read after write"
+                    self.race(f"{kind}: {what} on {actor} and {b.what} on {a}, not waited for")
+        mine = b.accesses.setdefault(actor, [])
+        if len(ranges) == 1:  # an older access of the same actor inside this one says nothing more
+            rlo, rhi = ranges[0]
+            mine[:] = [x for x in mine if not (rlo <= x[0] and x[1] <= rhi and (write or not x[3]))]
+        mine += [(lo, hi, tick, write) for lo, hi in ranges]
+        if actor != b.actor and actor != "host":
+            b.uses[actor] = tick
+
+    def race(self, text: str) -> None:
+        text = f"{text} at {where()}"
+        self.races.append(text)
+        if self.strict:
+            raise AssertionError(f"fake CUDA found a race: {text}")
+
+    def record_stream(self, t: torch.Tensor, stream) -> None:
+        b = self.track(t, self.current_stream(vdev(t)).name, "record_stream")
+        if b is not None:
+            b.recorded.add(stream.name)
+
+    # ---- reads to the host
+    def read(self, t: torch.Tensor, how: str) -> torch.Tensor:
+        """t's values on the host (a plain CPU tensor): counted as a sync when t is on a device."""
+        dev = vdev(t)
+        if dev.type == "cuda":
+            s = self.current_stream(dev)
+            self.touch(t, s.name, self.tick(s.name), False, how)
+            self.host_waits([s.name], f"{how} of {tuple(t.shape)} {t.dtype}", kind="read")
+        inner = inner_of(t)
+        if inner.device.type == "cpu":
+            return inner
+        with _paused():
+            return torch.zeros(inner.shape, dtype=inner.dtype) if self.provider is None else self.provider(t)
+
+    @contextmanager
+    def region(self, name: str):
+        """What happens inside the block: its syncs, launches, allocations and peak (Region)."""
+        r = Region(name, peak=sum(self.live.values()))
+        self.regions.append(r)
+        try:
+            yield r
+        finally:
+            self.regions.remove(r)
+
+    # ---- launches (infinigen_rt.kernels.launch)
+    def launch(self, kernel, grid, *args, **meta) -> None:
+        self.raise_last_error()
+        fn = getattr(kernel, "fn", kernel)
+        name = fn.__name__
+        params = list(kernel.arg_names)
+        idx = self.current_index()
+        stream = self.current_stream(idx)
+        dns = set((getattr(kernel, "kwargs", None) or {}).get("do_not_specialize") or
+                  getattr(kernel, "do_not_specialize", ()) or ())  # fmt: skip
+        written = set(re.findall(r"tl\.store\(\s*(\w+)", _source(fn)))
+        key = []
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+
+        for i, (pname, a) in enumerate(zip(params, args, strict=False)):
+            if isinstance(a, torch.Tensor):
+                d = vdev(a)
+                if d.type == "cuda" and d.index != idx:
+                    raise RuntimeError(f"CUDA error: an illegal memory access was encountered (fake CUDA: {name} "
+                                       f"launched on cuda:{idx} with argument {pname} on {d})")  # fmt: skip
+                if d.type == "cpu" and not self.is_pinned(a):
+                    raise ValueError(f"Pointer argument (at {i}) cannot be accessed from Triton (cpu tensor?)")
+                if not a.is_contiguous():
+                    raise AssertionError(f"fake CUDA: {name} argument {pname} is not contiguous")
+                self.touch(a, stream.name, self.tick(stream.name), pname in written, f"{name}({pname})",
+                           _indexed_ranges(name, pname, a, params, args))
+                key.append(native_specialize_impl(BaseBackend, inner_of(a), False, True, True))
+            else:
+                key.append(native_specialize_impl(BaseBackend, a, False, pname not in dns, True))
+        key += sorted(meta.items())
+        self.kernel_keys[name].add(tuple(key))
+        self.launches.append((name, f"cuda:{idx}", stream.name))
+        for r in self.regions:
+            r.launches.append(name)
+        self.profile_event(stream.name, name)
+        if self.values:
+            with _paused():
+                kernel[grid](*[inner_of(a) for a in args], **meta)
+
+    def raise_last_error(self) -> None:
+        if self.last_error:
+            err = self.last_error
+            what = _Cudart().cudaGetErrorString(err)
+            raise RuntimeError(f"CUDA error: {what} (error {err}, left set by an earlier call: fake CUDA raises it at "
+                               "the next launch, as torch's launch check does)")  # fmt: skip
+
+    def profile_event(self, actor: str, name: str) -> None:
+        if self.profile is not None:
+            start = self.ticks[actor]
+            self.ticks[actor] = start + 1.0
+            self.profile.append(types.SimpleNamespace(
+                device_type=torch.autograd.DeviceType.CUDA, name=name,
+                time_range=types.SimpleNamespace(start=start, end=start + 1.0),
+            ))  # fmt: skip
+
+    # ---- entering and leaving
+    def __enter__(self):
+        global _HARNESS
+        why = available()
+        if why:
+            raise RuntimeError(f"fake CUDA cannot run here: {why}")
+        assert _HARNESS is None, "one FakeCuda at a time"
+        load_guard()
+        import torch._dynamo  # noqa: F401  (imported by the modes on first use: before anything is patched)
+        _HARNESS = self
+        self._patches = _patch_torch(self)
+        # nn.Module.to / to_empty replace parameters instead of assigning `.data` (a disguised tensor cannot be
+        # poured into a plain one)
+        self._overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+        torch.__future__.set_overwrite_module_params_on_conversion(True)
+        self.dispatch = _Dispatch(self)
+        self.function = _Functions(self)
+        self.function.__enter__()
+        self.dispatch.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        global _HARNESS
+        import gc
+
+        gc.collect()  # what the code left to be collected goes while the fake still stands (pinned pages, blocks)
+        try:
+            self.dispatch.__exit__(*exc)
+            self.function.__exit__(*exc)
+        finally:
+            for obj, name, old in reversed(self._patches):
+                setattr(obj, name, old)
+            torch.__future__.set_overwrite_module_params_on_conversion(self._overwrite)
+            _HARNESS = None
+        return False
+
+
+_SOURCES: dict = {}
+
+
+def _source(fn) -> str:
+    if fn not in _SOURCES:
+        import inspect
+
+        _SOURCES[fn] = inspect.getsource(fn)
+    return _SOURCES[fn]
+
+
+@contextmanager
+def _paused():
+    """Neither fake mode, for the real computation inside a fused stand-in (SDPA, a kernel's interpreter)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with torch._C.DisableTorchFunction(), _disable_current_modes():
+        yield
+
+
+def _patch_torch(h: FakeCuda) -> list:
+    saved = []
+
+    def put(obj, name, value):
+        saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    cuda = torch.cuda
+
+    def set_device(d):
+        idx = h.index_of(d)
+        if idx >= h.n_devices:
+            raise RuntimeError("CUDA error: invalid device ordinal")
+        h.tls.device = idx
+
+    def properties(d=None):
+        return types.SimpleNamespace(name="fake CUDA", total_memory=h.capacity, multi_processor_count=132, major=9,
+                                     minor=0, pci_domain_id=0, pci_bus_id=0, pci_device_id=0)  # fmt: skip
+
+    def set_sync_debug_mode(mode):
+        h.sync_debug = mode
+
+    def reset_peak(device=None):
+        dev = str(h.normalize(torch.device("cuda", h.index_of(device if device is not None else h.current_index()))))
+        h.peak[dev] = h.live[dev]
+
+    def dev_key(device=None):
+        return str(h.normalize(torch.device("cuda", h.index_of(device if device is not None else h.current_index()))))
+
+    cudart = _Cudart()
+    for name, value in {
+        "is_available": lambda: True, "device_count": lambda: h.n_devices, "current_device": h.current_index,
+        "set_device": set_device, "device": _DeviceContext, "_lazy_init": lambda: None, "init": lambda: None,
+        "is_initialized": lambda: True, "get_device_name": lambda d=None: "fake CUDA (a CPU in disguise)",
+        "get_device_properties": properties, "get_device_capability": lambda d=None: (9, 0),
+        "mem_get_info": h.mem_get_info, "memory_allocated": lambda d=None: h.live[dev_key(d)],
+        "max_memory_allocated": lambda d=None: h.peak[dev_key(d)], "memory_reserved": lambda d=None: h.live[dev_key(d)],
+        "reset_peak_memory_stats": reset_peak, "empty_cache": lambda: None, "synchronize": h.device_sync,
+        "Stream": Stream, "Event": Event, "current_stream": h.current_stream,
+        "default_stream": lambda d=None: h.current_stream(d), "stream": _StreamContext,
+        "set_sync_debug_mode": set_sync_debug_mode, "get_sync_debug_mode": lambda: h.sync_debug,
+        "cudart": lambda: cudart,
+    }.items():  # fmt: skip
+        put(cuda, name, value)
+    put(torch, "Generator", _Generator)
+    put(torch.Tensor, "record_stream", lambda t, s: h.record_stream(t, s))
+    from torch import profiler
+
+    put(profiler, "profile", _FakeProfile)
+    import infinigen_rt.kernels
+    import infinigen_rt.system
+
+    put(infinigen_rt.kernels, "launch", h.launch)
+    import sys
+
+    real_available = infinigen_rt.system.host_available
+    for mod in [m for name, m in list(sys.modules.items()) if name.startswith("infinigen_rt") and m is not None]:
+        if getattr(mod, "host_available", None) is real_available:  # wherever it was imported by name
+            put(mod, "host_available", lambda: h.host_memory - h.pinned_bytes)
+    real_loaded = infinigen_rt.system.loaded_cudart
+    put(infinigen_rt.system, "loaded_cudart", lambda maps=None: FAKE_CUDART_PATH if maps is None else real_loaded(maps))
+    fake_ctypes = types.SimpleNamespace(CDLL=lambda path, *a, **k: _LoadedCudart() if path == FAKE_CUDART_PATH
+                                        else ctypes.CDLL(path, *a, **k))  # fmt: skip
+    put(infinigen_rt.system, "ctypes", fake_ctypes)
+    return saved
+
+
+class _Generator(torch.Generator):
+    """torch.Generator on the fake: a CUDA generator draws on the CPU."""
+
+    def __new__(cls, device="cpu"):
+        return torch._C.Generator.__new__(cls, "cpu" if torch.device(device).type == "cuda" else device)
+
+    def __init__(self, device="cpu"):
+        pass
+
+
+class _FakeProfile:
+    """torch.profiler.profile on the fake: CUDA events of the kernels launched inside (one unit of time each, on
+    their stream's own timeline), with the names a CUDA profiler shows (a Triton kernel by its function name)."""
+
+    def __init__(self, *a, **kw):
+        pass
+
+    def __enter__(self):
+        _HARNESS.profile = []
+        return self
+
+    def __exit__(self, *exc):
+        self._events, _HARNESS.profile = _HARNESS.profile, None
+        return False
+
+    def events(self):
+        return self._events
+
+
+# ------------------------------------------------------------------------------------------------ the modes
+class _Functions(TorchFunctionMode):
+    """Python-level entry points that skip the dispatcher's modes: tensors from data, and attention (one fused
+    kernel on a GPU: it allocates its output, never the [B, H, S, T] scores the math fallback would)."""
+
+    def __init__(self, h: FakeCuda):
+        super().__init__()
+        self.h = h
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.tensor, torch.as_tensor) and "device" in kwargs and kwargs["device"] is not None:
+            dev = torch.device(kwargs["device"])
+            if dev.type == "cuda":
+                rest = {k: v for k, v in kwargs.items() if k != "device"}
+                host = func(*args, **rest)  # (inside the handler: this mode is off)
+                return host.to(dev)  # from pageable memory, not asynchronous: a sync, counted
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            return self.attention(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def attention(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        h = self.h
+        devs = {vdev(t) for t in (q, k, v) + ((attn_mask,) if attn_mask is not None else ())}
+        if len(devs) > 1:
+            raise RuntimeError(f"Expected all tensors to be on the same device, but found {sorted(map(str, devs))} "
+                               "(fake CUDA: scaled_dot_product_attention)")  # fmt: skip
+        if q.shape[-3] % k.shape[-3] or (k.shape[-3] != q.shape[-3] and not enable_gqa):
+            raise RuntimeError(f"scaled_dot_product_attention: {q.shape[-3]} query heads, {k.shape[-3]} key heads")
+        if attn_mask is not None:
+            torch.broadcast_shapes(attn_mask.shape, (*q.shape[:-1], k.shape[-2]))
+        dev = devs.pop()
+        shape = (*q.shape[:-1], v.shape[-1])
+        if h.values:
+            with _paused():
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    inner_of(q), inner_of(k), inner_of(v), attn_mask=None if attn_mask is None else inner_of(attn_mask),
+                    dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                )  # fmt: skip
+            out = VTensor(out, dev) if dev.type == "cuda" else out
+        else:
+            with _paused():
+                out = VTensor(torch.empty(shape, dtype=q.dtype, device="meta"), dev)
+        actor = h.current_stream(dev).name if dev.type == "cuda" else "host"
+        t = h.tick(actor)
+        for x in (q, k, v, attn_mask):
+            if x is not None:
+                h.touch(x, actor, t, False, "scaled_dot_product_attention")
+        h.touch(out, actor, t, True, "scaled_dot_product_attention")
+        h.profile_event(actor, "fused_attention")
+        return out
+
+
+class _Dispatch(TorchDispatchMode):
+    """Every operator: devices checked, run on the inner tensors, outputs disguised, memory and accesses kept."""
+
+    def __init__(self, h: FakeCuda):
+        super().__init__()
+        self.h = h
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        h = self.h
+        kwargs = dict(kwargs or {})
+        info = _info(func)
+        name = info.name
+        tensors = _tensors(args, kwargs)
+        explicit = kwargs.get("device") if info.has_device else None
+        explicit = None if explicit is None else torch.device(explicit)
+        if (explicit is not None and explicit.type == "cuda") or any(t.device.type == "cuda" for t in tensors):
+            h.raise_last_error()
+        if info.special:
+            out = self.special(func, name, args, kwargs)
+            if out is not _NOT_SPECIAL:
+                return out
+        # the operator's device, checked as CUDA checks it
+        index_args = _index_tensors(func, args) if name in INDEX_OPS else ()
+        devs = {t.device for t in tensors if not (t.device.type == "cpu" and t.dim() == 0)
+                and not any(t is x for x in index_args)}  # fmt: skip
+        if len(devs) > 1:
+            raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                               f"{', '.join(sorted(map(str, devs)))}! (fake CUDA: {func} at {where()})")  # fmt: skip
+        dev = h.normalize(explicit) if explicit is not None else (devs.pop() if devs else torch.device("cpu"))
+        if dev.type == "cuda":
+            if any(x.device.type == "cpu" for x in index_args):
+                h.note_sync("copy", f"{name} with an index tensor in host memory")
+            if name in DATA_DEPENDENT and not (name == "repeat_interleave" and kwargs.get("output_size")):
+                h.host_waits([h.current_stream(dev).name], f"{name}: a shape that depends on values",
+                             "data-dependent")  # fmt: skip
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+            out = self.run(func, args, kwargs, dev)
+            h.pinned_storages.add(storage_key(out))
+            return out
+        return self.run(func, args, kwargs, dev, tensors)
+
+    def special(self, func, name, args, kwargs):
+        """Reads, page-locking and copies: what the harness counts and models itself."""
+        h = self.h
+        if func in (aten._local_scalar_dense.default, aten.item.default):  # (item: under inference_mode)
+            return h.read(args[0], "item()").item()
+        if func is aten.is_nonzero.default:
+            return bool(h.read(args[0], "bool()").item())
+        if func is aten.is_pinned.default:
+            return h.is_pinned(args[0])
+        if func in (aten._pin_memory.default, aten.pin_memory.default):
+            out = self.run(aten.clone.default, (args[0],), {}, torch.device("cpu"))
+            h.pinned_storages.add(storage_key(out))
+            return out
+        if func is aten.lift_fresh.default:
+            return args[0]
+        if func is aten.copy_.default:
+            return self.copy(args[0], args[1], bool(args[2]) if len(args) > 2 else kwargs.get("non_blocking", False))
+        if name in ("_to_copy", "to") and _arg(func, args, kwargs, "device") is not None:
+            src = args[0]
+            dst_dev = h.normalize(torch.device(_arg(func, args, kwargs, "device")))
+            dtype = _arg(func, args, kwargs, "dtype")
+            if dst_dev != src.device:
+                if dtype not in (None, src.dtype):
+                    src = self.run(aten._to_copy.default, (src,), {"dtype": dtype}, src.device)
+                src = self.run(aten.contiguous.default, (src,), {}, src.device)
+                dst = self.run(aten.empty_strided.default, (src.shape, src.stride()), {"dtype": src.dtype}, dst_dev)
+                return self.copy(dst, src, bool(_arg(func, args, kwargs, "non_blocking")))
+            if name == "to":  # the same device: a cast, or the tensor itself
+                if dtype in (None, src.dtype) and not _arg(func, args, kwargs, "copy"):
+                    return self.run(aten.alias.default, (src,), {}, src.device)
+                return self.run(aten._to_copy.default, (src,), {"dtype": dtype or src.dtype}, src.device)
+        return _NOT_SPECIAL
+
+    def run(self, func, args, kwargs, dev: torch.device, tensors=None):
+        """func on the inner tensors, on `dev` as the code sees it; outputs disguised and tracked."""
+        h = self.h
+        info = _info(func)
+        meta = h.inner_device.type == "meta"
+
+        def unwrap(x):
+            if isinstance(x, VTensor):
+                return x.inner
+            if meta and x.device.type != "meta":
+                return x.to("meta")
+            return x
+
+        a, k = _map(unwrap, args), {kk: _map(unwrap, v) for kk, v in kwargs.items()}
+        if info.has_device and (k.get("device") is not None or meta):  # a factory: made on the inner device
+            k["device"] = h.inner_device
+        try:
+            out = func(*a, **k)
+        except NotImplementedError as e:
+            if meta and info.name in DATA_DEPENDENT:
+                raise HostReadUnknown(f"{func}: its output shape depends on values (at {where()})") from e
+            raise
+        tensors = _tensors(args, kwargs) if tensors is None else tensors
+        written = [args[i] for i in info.written if i < len(args) and isinstance(args[i], torch.Tensor)]
+        if isinstance(kwargs.get("out"), torch.Tensor):
+            written.append(kwargs["out"])
+        in_keys = {storage_key(t): t for t in tensors}
+        wrap_needed = dev.type == "cuda" or meta
+
+        def wrap(x):
+            key = storage_key(x)
+            for t in written:  # an in-place result is the argument itself
+                i = inner_of(t)
+                if storage_key(t) == key and i.shape == x.shape and i.stride() == x.stride() \
+                        and i.storage_offset() == x.storage_offset():  # fmt: skip
+                    return t
+            if not wrap_needed:
+                return x
+            return VTensor(x, dev if key not in in_keys else in_keys[key].device)
+
+        result = _map(wrap, out)
+        if info.is_view:  # metadata only: nothing is read or written
+            return result
+        # accesses: reads of the inputs, writes of the outputs and of what the operator mutates
+        actor = h.current_stream(dev).name if dev.type == "cuda" else "host"
+        t = h.tick(actor)
+        for x in tensors:
+            h.touch(x, actor, t, any(x is w for w in written), info.name)
+        for x in _tensors(result if isinstance(result, (list, tuple)) else (result,), {}):
+            if not any(x is w for w in written):
+                h.touch(x, actor, t, storage_key(x) not in in_keys, info.name)
+        if dev.type == "cuda":
+            h.profile_event(actor, f"aten::{info.name}")
+        return result
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool):
+        """dst.copy_(src): between devices, a DMA on the device side's current stream; the host waits unless it is
+        asynchronous and the host side is page-locked (or the copy is device to host into page-locked memory)."""
+        h = self.h
+        dd, sd = vdev(dst), vdev(src)
+        if dd == sd or (dd.type == "cpu" and sd.type == "cpu"):
+            return self.run(aten.copy_.default, (dst, src), {}, dd)
+        if dd.type == "cuda" and sd.type == "cuda":
+            raise RuntimeError(f"fake CUDA: a copy from {sd} to {dd} needs peer access, which this code never sets up")
+        cuda_side, host_side = (dd, src) if dd.type == "cuda" else (sd, dst)
+        stream = h.current_stream(cuda_side)
+        tick = h.tick(stream.name)
+        direction = "HtoD" if dd.type == "cuda" else "DtoH"
+        h.touch(src, stream.name, tick, False, f"copy {direction} (source)")
+        h.touch(dst, stream.name, tick, True, f"copy {direction} (destination)")
+        d, s = inner_of(dst), inner_of(src)  # (inside the handler: the dispatch mode is off)
+        if d.device.type == "meta" or s.device.type == "meta":
+            s = s.to(d.device)
+        d.copy_(s)
+        pinned = h.is_pinned(host_side)
+        h.profile_event(stream.name, f"Memcpy {direction} ({'Pinned' if pinned else 'Pageable'})")
+        if not non_blocking or not pinned:
+            h.host_waits([stream.name], f"copy {direction} of {tuple(src.shape)} {src.dtype}"
+                         + (" from/to pageable memory" if not pinned else ""), kind="copy")  # fmt: skip
+        return dst
+
+
+_NOT_SPECIAL = object()
+SPECIAL = {"_local_scalar_dense", "item", "is_nonzero", "is_pinned", "_pin_memory", "pin_memory", "lift_fresh",
+           "copy_", "_to_copy", "to"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Info:
+    """What the harness needs of an operator's schema (cached per operator)."""
+
+    name: str
+    written: tuple  # indices of the arguments it writes
+    has_device: bool  # it takes a device (a factory, or a copy to one)
+    is_view: bool  # every output is a view of an input: it touches no data
+    special: bool
+
+
+_INFOS: dict = {}
+
+
+def _info(func) -> _Info:
+    info = _INFOS.get(func)
+    if info is None:
+        schema, name = func._schema, func.overloadpacket.__name__
+        written = tuple(i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+        rets = schema.returns
+        is_view = bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
+        has_device = any(a.name == "device" for a in schema.arguments)
+        info = _INFOS[func] = _Info(name, written, has_device, is_view, name in SPECIAL)
+    return info
+
+
+def _tensors(args, kwargs) -> list:
+    """The tensors among an operator's arguments (one level of lists, as operators take them)."""
+    out = []
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            out.extend(y for y in x if isinstance(y, torch.Tensor))
+    return out
+
+
+def _map(fn, x):
+    """fn on every tensor in x (tensors, lists and tuples of them)."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, (list, tuple)) and not isinstance(x, torch.Size):
+        items = [_map(fn, y) for y in x]
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+    return x
+
+
+def _arg(func, args, kwargs, name: str):
+    """The value of argument `name` of a call of func (positional or keyword), or None."""
+    if name in kwargs:
+        return kwargs[name]
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == name:
+            return args[i] if i < len(args) else None
+    return None
+
+
+def _kw_device(kwargs) -> torch.device:
+    d = kwargs.get("device")
+    return torch.device(d) if d is not None else torch.device("cpu")
+
+
+def _index_tensors(func, args) -> list:
+    """The index tensors of an indexing operator (its `indices` argument)."""
+    for i, arg in enumerate(func._schema.arguments[: len(args)]):
+        if arg.name == "indices":
+            return [t for t in args[i] if isinstance(t, torch.Tensor)]
+    return []
