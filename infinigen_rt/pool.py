@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from infinigen_rt.kernels import gather_rows, scatter_rows
-from infinigen_rt.system import host_buffer, unpin
+from infinigen_rt.system import host_buffer, retire, unpin
 
 EVICTIONS = ("counter", "lru", "fifo")
 _BIG = 1 << 32  # ranks: primary key * _BIG + position (positions < 2**32)
@@ -52,6 +52,7 @@ class KVPool:
         # page-locked addresses, released by close() or, failing that, when the pool is collected (its tensors
         # are still alive then: the pages are unregistered before they are freed)
         self.registered: list[int] | None = [] if self.pinned else None
+        self.host_tensors: list[torch.Tensor] = []  # the buffers of its own
         if self.pinned:
             self._unpin = weakref.finalize(self, unpin, self.registered, self.device)
         self.pages, self.layer = pages, layer
@@ -125,7 +126,9 @@ class KVPool:
     def buffer(self, name: str, tail: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A host tensor [slots, B, *tail] of this pool's own, or the paged pool's shared one for its layer."""
         if self.pages is None:
-            return host_buffer((self.slots, self.batch, *tail), dtype, self.registered)
+            t = host_buffer((self.slots, self.batch, *tail), dtype, self.registered)
+            self.host_tensors.append(t)
+            return t
         return self.pages.store.buffer(name, self.layer, tail, dtype)
 
     def runs(self, f: int, s: int) -> list[tuple[int, int, int]]:
@@ -234,9 +237,11 @@ class KVPool:
         return n
 
     def close(self) -> None:
-        """Unpin the host pages (after the device is done with them)."""
+        """Unpin the host pages once the device is done with them (without waiting for it: system.retire)."""
         if self.pinned:
-            self._unpin()
+            self._unpin.detach()
+            retire(self.registered, self.host_tensors, self.device)
+            self.host_tensors = []
             self.pinned = False
 
 

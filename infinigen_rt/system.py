@@ -5,6 +5,7 @@ The ground floor of the runtime: it imports nothing of the package but its error
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import time
 from contextlib import contextmanager
@@ -98,12 +99,44 @@ def pin(t: torch.Tensor) -> None:
 
 
 def unpin(pinned: list, device: torch.device) -> None:
-    """Unregister the pages whose addresses `pinned` lists, once the device is done with them."""
+    """Unregister the pages whose addresses `pinned` lists, waiting for the device to be done with them (a pool that
+    is being collected: its memory goes right after)."""
     if pinned:
         sync(device)
         for ptr in pinned:
             torch.cuda.cudart().cudaHostUnregister(ptr)
         pinned.clear()
+
+
+_RETIRED: list[tuple] = []  # (event, addresses, tensors) of pools closed while the device may still use them
+
+
+def retire(pinned: list, tensors: list, device: torch.device) -> None:
+    """Unregister a closed pool's pages once the device has passed the point where it was closed, without waiting
+    for it: an event marks that point, and the pages (kept alive until then) go when a later call finds it done."""
+    if pinned:
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        _RETIRED.append((done, list(pinned), list(tensors)))
+        pinned.clear()
+    reap()
+
+
+def reap(wait: bool = False) -> None:
+    """Unregister the retired pages whose event is done (all of them with `wait`: at exit)."""
+    left = []
+    for done, ptrs, tensors in _RETIRED:
+        if not done.query():
+            if not wait:
+                left.append((done, ptrs, tensors))
+                continue
+            done.synchronize()
+        for ptr in ptrs:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+    _RETIRED[:] = left
+
+
+atexit.register(lambda: _RETIRED and reap(wait=True))
 
 
 def clear_cuda_error() -> int:

@@ -18,8 +18,8 @@ value). It checks what a GPU would refuse, and what a GPU user needs of the code
   over with a wait, excepted);
 - host syncs, each with where it happened: a read of a device value (`.item()`, `.tolist()`, `int()`, a
   data-dependent shape), a copy between host and pageable memory that is not asynchronous, `synchronize`;
-- kernel launches (`infinigen_rt.kernels.launch`): on the current device, every pointer on it or in page-locked
-  host memory, every tensor contiguous; Triton's specialisation key of each launch is kept (`kernel_keys`);
+- kernel launches (the Triton kernels' `run`, as their launcher sees them): on the current device, every pointer
+  on it or in page-locked host memory, every tensor contiguous; each launch's specialisation key (`kernel_keys`);
 - streams: each access to memory is checked against other streams' accesses with vector clocks (events, waits,
   host syncs); memory freed while another stream may still use it (no `record_stream`) is a race too;
 - memory, as the caching allocator keeps it: live and peak bytes per device, blocks freed with uses recorded on
@@ -234,7 +234,6 @@ class Block:
     nbytes: int
     actor: str  # the stream it was allocated on ("host" for host memory)
     addr: int = 0
-    refs: int = 0
     accesses: dict = field(default_factory=dict)  # actor -> [(lo, hi, tick, write)] not yet known done by the host
     uses: dict = field(default_factory=dict)  # stream -> tick of its last use (streams other than `actor`)
     recorded: set = field(default_factory=set)  # streams given by record_stream
@@ -293,7 +292,9 @@ class Event:
         (stream or _HARNESS.current_stream()).wait_event(self)
 
     def query(self) -> bool:
-        return True
+        """Done as far as the host knows (the fake cannot know more: a real GPU may have finished earlier)."""
+        host = _HARNESS.vc["host"]
+        return self.vc is None or all(host.get(a, 0) >= t for a, t in self.vc.items() if a != "host")
 
     def synchronize(self) -> None:
         if self.stream is not None:
@@ -512,24 +513,21 @@ class FakeCuda:
 
     def track(self, t: torch.Tensor, actor: str, what: str) -> Block | None:
         """The block of t's storage, made on first sight (device tensors always; host ones when page-locked or
-        disguised). Each disguised tensor holds a reference until it is collected."""
+        disguised) and released when the storage is (torch keeps one Python object per storage: its finalizer)."""
         key = storage_key(t)
         b = self.blocks.get(key)
-        dev = vdev(t)
         if b is None:
+            dev = vdev(t)
             if dev.type == "cpu" and not isinstance(t, VTensor) and not self.is_pinned(t):
                 return None
-            inner = inner_of(t)
-            nbytes = inner.untyped_storage().nbytes()
+            storage = inner_of(t).untyped_storage()
+            nbytes = storage.nbytes()
             b = Block(str(dev), nbytes, actor if dev.type == "cuda" else "host", what=what)
             b.addr, self.next_addr = self.next_addr, self.next_addr + ((nbytes + 511) // 512 + 1) * 512
             self.blocks[key] = b
+            weakref.finalize(storage, self.release, key, b)
             if dev.type == "cuda":
                 self.allocate(b)
-        if isinstance(t, VTensor) and not getattr(t, "_tracked", False):
-            t._tracked = True
-            b.refs += 1
-            weakref.finalize(t, self.release, key, b)
         return b
 
     def allocate(self, b: Block) -> None:
@@ -557,8 +555,7 @@ class FakeCuda:
         return vc
 
     def release(self, key: int, b: Block) -> None:
-        b.refs -= 1
-        if b.refs > 0 or self.blocks.get(key) is not b:
+        if _HARNESS is not self or self.blocks.get(key) is not b:  # (a storage outliving its fake)
             return
         del self.blocks[key]
         if not b.device.startswith("cuda"):
@@ -650,8 +647,9 @@ class FakeCuda:
         finally:
             self.regions.remove(r)
 
-    # ---- launches (infinigen_rt.kernels.launch)
+    # ---- launches: every Triton kernel of infinigen_rt._gather_kernel, at the call torch's launcher makes
     def launch(self, kernel, grid, *args, **meta) -> None:
+        """kernel[grid](*args, **meta) as Triton's launcher sees it: on the current device and stream."""
         self.raise_last_error()
         fn = getattr(kernel, "fn", kernel)
         name = fn.__name__
@@ -665,17 +663,22 @@ class FakeCuda:
         from triton._C.libtriton import native_specialize_impl
         from triton.backends.compiler import BaseBackend
 
-        for i, (pname, a) in enumerate(zip(params, args, strict=False)):
+        named = list(zip(params, args, strict=False))
+        for i, (pname, a) in enumerate(named):  # what the launcher and the device refuse, before anything runs
+            if not isinstance(a, torch.Tensor):
+                continue
+            d = vdev(a)
+            if d.type == "cuda" and d.index != idx:
+                raise RuntimeError(f"CUDA error: an illegal memory access was encountered (fake CUDA: {name} "
+                                   f"launched on cuda:{idx} with argument {pname} on {d})")  # fmt: skip
+            if d.type == "cpu" and not self.is_pinned(a):
+                raise ValueError(f"Pointer argument (at {i}) cannot be accessed from Triton (cpu tensor?)")
+            if not a.is_contiguous():
+                raise AssertionError(f"fake CUDA: {name} argument {pname} is not contiguous")
+        tick = self.tick(stream.name)
+        for pname, a in named:
             if isinstance(a, torch.Tensor):
-                d = vdev(a)
-                if d.type == "cuda" and d.index != idx:
-                    raise RuntimeError(f"CUDA error: an illegal memory access was encountered (fake CUDA: {name} "
-                                       f"launched on cuda:{idx} with argument {pname} on {d})")  # fmt: skip
-                if d.type == "cpu" and not self.is_pinned(a):
-                    raise ValueError(f"Pointer argument (at {i}) cannot be accessed from Triton (cpu tensor?)")
-                if not a.is_contiguous():
-                    raise AssertionError(f"fake CUDA: {name} argument {pname} is not contiguous")
-                self.touch(a, stream.name, self.tick(stream.name), pname in written, f"{name}({pname})",
+                self.touch(a, stream.name, tick, pname in written, f"{name}({pname})",
                            _indexed_ranges(name, pname, a, params, args))
                 key.append(native_specialize_impl(BaseBackend, inner_of(a), False, True, True))
             else:
@@ -688,7 +691,7 @@ class FakeCuda:
         self.profile_event(stream.name, name)
         if self.values:
             with _paused():
-                kernel[grid](*[inner_of(a) for a in args], **meta)
+                self.kernel_runs[name](*[inner_of(a) for a in args], grid=grid, warmup=False, **meta)
 
     def raise_last_error(self) -> None:
         if self.last_error:
@@ -705,6 +708,16 @@ class FakeCuda:
                 device_type=torch.autograd.DeviceType.CUDA, name=name,
                 time_range=types.SimpleNamespace(start=start, end=start + 1.0),
             ))  # fmt: skip
+
+    def thread(self, target) -> threading.Thread:
+        """A thread that runs `target` inside the fake too (torch's modes are per thread; its current CUDA device
+        starts at 0, as a new thread's does on CUDA)."""
+
+        def run():
+            with _Functions(self), _Dispatch(self):
+                target()
+
+        return threading.Thread(target=run)
 
     # ---- entering and leaving
     def __enter__(self):
@@ -812,10 +825,15 @@ def _patch_torch(h: FakeCuda) -> list:
     from torch import profiler
 
     put(profiler, "profile", _FakeProfile)
+    import infinigen_rt._gather_kernel as kernels
     import infinigen_rt.kernels
     import infinigen_rt.system
 
-    put(infinigen_rt.kernels, "launch", h.launch)
+    h.kernel_runs = {}
+    for name, k in vars(kernels).items():  # kernel[grid](...) calls kernel.run(..., grid=grid, warmup=False)
+        if hasattr(k, "run") and hasattr(k, "arg_names"):
+            h.kernel_runs[name] = k.run
+            put(k, "run", lambda *a, grid, warmup=False, _k=k, **meta: h.launch(_k, grid, *a, **meta))
     import sys
 
     real_available = infinigen_rt.system.host_available
@@ -1025,7 +1043,11 @@ class _Dispatch(TorchDispatchMode):
                     return t
             if not wrap_needed:
                 return x
-            return VTensor(x, dev if key not in in_keys else in_keys[key].device)
+            base = in_keys.get(key)
+            if base is not None and not base.is_inference() and torch.is_inference_mode_enabled():
+                with torch.inference_mode(False):  # a view of a normal tensor is a normal tensor, as in torch
+                    return VTensor(x, base.device)
+            return VTensor(x, dev if base is None else base.device)
 
         result = _map(wrap, out)
         if info.is_view:  # metadata only: nothing is read or written

@@ -149,7 +149,7 @@ class OffloadCache(KVCache):
         if valid is None:
             valid = torch.ones_like(positions, dtype=torch.bool)
         self.valid, self.positions = valid, positions
-        self.new_mask = causal_mask(valid, 0) if s > 1 else None  # [B, 1, s, s] among the new tokens
+        self._new_mask = None  # [B, 1, s, s] among the new tokens, made when a pass needs it (never a first one)
         if known:  # every new token is real, known on the host
             self.n_new = np.full(len(self.lengths), s, dtype=np.int64)
         else:  # a prompt: one read of its padding
@@ -158,6 +158,12 @@ class OffloadCache(KVCache):
         self.plain = s > 1 and int(self.lengths.max()) == 0 and not self.padded  # a first prefill, no padding
         self.lengths += self.n_new
         self.step += 1
+
+    @property
+    def new_mask(self) -> torch.Tensor:
+        if self._new_mask is None:
+            self._new_mask = causal_mask(self.valid, 0)
+        return self._new_mask
 
     def every_slot_held(self, layer: int) -> bool:
         """Host-known: slots 0..fill-1 of the layer's pool all hold a token (no padding, no eviction)."""
@@ -218,6 +224,9 @@ class OffloadCache(KVCache):
             return keys, values, None
         if decode and all_held and self.every_fetched_row_counts():  # host-known: no mask
             return keys, values, None
+        if not decode and all_held and self.every_fetched_row_counts():  # one mask for every head: [B, 1, s, n + s]
+            held = torch.ones(k.shape[0], 1, s, keys.shape[2] - s, dtype=torch.bool, device=k.device)
+            return keys, values, torch.cat([held, self.new_mask], -1)
         old = ok.repeat_interleave(self.group, dim=1)[:, :, None, :]  # [B, H, 1, n]
         if decode:
             new = torch.ones_like(old[..., :1])
