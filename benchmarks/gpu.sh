@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What needs a GPU, in parts that each fit one call of the device tool (under 10 minutes, at most 8 files under
-# $OUT; every bench and peer file is written row by row, so a call cut short keeps what it measured):
+# $OUT; every bench and peer file is written row by row, a peer row after every step, so a call cut short keeps
+# what it measured):
 #   bash benchmarks/gpu.sh tests        CUDA tests: tokens equal the CPU's, one sync per decode step, the row
 #                                       gather kernel compiled and reading pinned memory        (~3 min)
 #   bash benchmarks/gpu.sh llama2-8k    Llama-2-7B shapes, fp16, batch 8 x 8k: full (it fits, and wins here),
@@ -9,6 +10,11 @@
 #   bash benchmarks/gpu.sh llama31-32k  Llama-3.1-8B shapes (GQA), batch 1 and 4 x 32k              (~5 min)
 #   bash benchmarks/gpu.sh llama31-128k Llama-3.1-8B shapes, batch 1 x 128k                         (~5 min)
 # The device machine has torch, Triton, transformers and pytest and no network: the project runs from the tree.
+#
+# REHEARSAL=1 runs a part here, on the CPU: the same commands, files and time-outs, through fake CUDA
+# (tests/fakecuda.py: every `--device cuda` command runs the GPU code path on CPU tensors) at tiny shapes (the
+# smollm2-135m preset, batch <= 2, 64 tokens of context, 2 steps). tests/test_gpu_sh.py rehearses every part and
+# checks that each part's work fits its time-out at the real shapes (a plan from bytes and assumed rates).
 set -uo pipefail
 PART=${1:-tests}
 OUT=${OUT:-artifacts/results/gpu}
@@ -16,31 +22,55 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
 GEN=${GEN:-32}
+REHEARSAL=${REHEARSAL:-}
+if [ -n "$REHEARSAL" ]; then
+  PY="$PY -m tests.fakecuda"
+  GEN=2
+fi
 
-bench() {  # bench SECONDS NAME ARGS...: one JSON, row by row
-  timeout "$1" $PY -m infinigen_rt.cli bench --device cuda --gen "$GEN" --warmup 3 --budget 0.1 \
-    --out "$OUT/bench-$2.json" "${@:3}" 2>>"$OUT/log-$PART.txt" | tail -20
+tiny() {  # tiny ARGS...: a rehearsal's shapes for bench's arguments (the real ones otherwise)
+  local prev=""
+  for a in "$@"; do
+    if [ -z "$REHEARSAL" ]; then printf '%s\n' "$a"
+    elif [ "$prev" = --synthetic ]; then printf '%s\n' smollm2-135m
+    elif [ "$prev" = --batch ]; then printf '%s\n' "$(tr ',' '\n' <<<"$a" | awk '{print ($1 > 2 ? 2 : $1)}' | sort -un | paste -sd,)"
+    elif [ "$prev" = --context ]; then printf '%s\n' 64
+    else printf '%s\n' "$a"; fi
+    prev=$a
+  done
 }
-peer() {  # peer SECONDS NAME PRESET BATCH CONTEXT: transformers' offloaded cache on the same shapes
-  timeout "$1" $PY benchmarks/peer_transformers.py synthetic "$3" --batch "$4" --context "$5" --gen "$GEN" \
-    --out "$OUT/peer-$2.json" 2>>"$OUT/log-$PART.txt" | tail -5
+bench() {  # bench SECONDS NAME ARGS...: one JSON, row by row
+  local args
+  mapfile -t args < <(tiny "${@:3}")
+  if [ -n "$REHEARSAL" ]; then args+=(--probe 1048576); fi
+  timeout "$1" $PY -m infinigen_rt.cli bench --device cuda --gen "$GEN" --warmup 3 --budget 0.1 \
+    --out "$OUT/bench-$2.json" "${args[@]}" 2>>"$OUT/log-$PART.txt" | tail -20
+}
+peer() {  # peer SECONDS NAME PRESET BATCH CONTEXT STEPS: transformers' offloaded cache on the same shapes, STEPS
+  # timed steps: each moves the whole KV between host and device (Llama-2-7B at 8 x 8k: 32 GiB each way)
+  local preset=$3 batch=$4 context=$5 steps=$6
+  if [ -n "$REHEARSAL" ]; then preset=smollm2-135m; batch=$((batch > 2 ? 2 : batch)); context=64; steps=$GEN; fi
+  timeout "$1" $PY benchmarks/peer_transformers.py synthetic "$preset" --batch "$batch" --context "$context" \
+    --gen "$steps" --out "$OUT/peer-$2.json" 2>>"$OUT/log-$PART.txt" | tail -5
 }
 
 case "$PART" in
   tests)
-    { nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv
-      $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+    { if [ -n "$REHEARSAL" ]; then echo "rehearsal: no GPU (fake CUDA)"; else
+        nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv
+      fi
+      ${PYTHON:-python3} -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
     } | tee "$OUT/machine.txt"
-    timeout 420 $PY -m pytest -q -p no:cacheprovider tests/rt/test_gpu.py tests/rt/test_kernels.py 2>&1 \
+    timeout 420 ${PYTHON:-python3} -m pytest -q -p no:cacheprovider tests/rt/test_gpu.py tests/rt/test_kernels.py 2>&1 \
       | tail -25 | tee "$OUT/gpu-tests.txt"
     ;;
   llama2-8k)
     bench 330 llama-2-7b-b8-8k --synthetic llama-2-7b --batch 8 --context 8192 --policies full,offload,infinigen
-    peer 200 llama-2-7b-b8-8k llama-2-7b 8 8192
+    peer 200 llama-2-7b-b8-8k llama-2-7b 8 8192 8
     ;;
   llama2-32k)
     bench 360 llama-2-7b-b4-32k --synthetic llama-2-7b --batch 4 --context 32768 --policies offload,infinigen,full
-    peer 180 llama-2-7b-b4-32k llama-2-7b 4 32768
+    peer 180 llama-2-7b-b4-32k llama-2-7b 4 32768 2
     ;;
   llama31-32k)
     bench 540 llama-3.1-8b-32k --synthetic llama-3.1-8b --batch 1,4 --context 32768 --policies full,offload,infinigen
@@ -54,7 +84,7 @@ case "$PART" in
     ;;
 esac
 
-$PY - "$OUT" <<'EOF'
+${PYTHON:-python3} - "$OUT" <<'EOF'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 for f in sorted(out.glob("bench-*.json")):

@@ -9,7 +9,8 @@ Outside `infinigen_rt` on purpose (the runtime never imports transformers). Two 
   python benchmarks/peer_transformers.py cpu-vs-full GGUF BUNDLE --context 1024 --gen 64 --out cpu.json
 
 Per-step times come from a stopping criterion called once per generated token (transformers syncs there
-anyway), median over the steps after the first; numbers are printed and written as JSON.
+anyway), median over the steps after the first; numbers are printed and written as JSON, the row rewritten after
+every step (status "partial" until it is done), so a run cut short by a time-out keeps the steps it measured.
 """
 
 from __future__ import annotations
@@ -24,15 +25,18 @@ import torch
 
 
 class StepClock:
-    """A transformers StoppingCriteria that never stops and notes when each step ended."""
+    """A transformers StoppingCriteria that never stops and notes when each step ended (`on_step(clock)` after
+    each: the caller can write what it has so far)."""
 
-    def __init__(self, device):
-        self.device, self.times = device, []
+    def __init__(self, device, on_step=None):
+        self.device, self.times, self.on_step = device, [], on_step
 
     def __call__(self, input_ids, scores, **kw):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.times.append(time.perf_counter())
+        if self.on_step is not None:
+            self.on_step(self)
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     def median_step(self) -> float:
@@ -40,22 +44,27 @@ class StepClock:
         return statistics.median(d) if d else float("nan")
 
 
-def hf_generate(model, ids, gen: int, cache: str | None, device) -> dict:
+def hf_generate(model, ids, gen: int, cache: str | None, device, on_step=None) -> dict:
+    """transformers' greedy generate of `gen` tokens, timed per step; `on_step(result so far)` after every step."""
     from transformers import StoppingCriteriaList
 
-    clock = StepClock(device)
-    kw = {"cache_implementation": cache} if cache else {}
     t0 = time.perf_counter()
+
+    def result(clock: StepClock) -> dict:
+        step = clock.median_step()
+        return {
+            "steps_done": len(clock.times) - 1,
+            "prefill_s": round(clock.times[0] - t0, 4),
+            "ms_per_step": round(1000 * step, 3) if step == step else None,  # (NaN before the second step)
+            "tokens_per_s": round(ids.shape[0] / step, 2) if step == step else None,
+            "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        }
+
+    clock = StepClock(device, None if on_step is None else lambda c: on_step(result(c)))
+    kw = {"cache_implementation": cache} if cache else {}
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen, min_new_tokens=gen,
                    do_sample=False, stopping_criteria=StoppingCriteriaList([clock]), pad_token_id=0, **kw)  # fmt: skip
-    step = clock.median_step()
-    b = ids.shape[0]
-    return {
-        "prefill_s": round(clock.times[0] - t0, 4),
-        "ms_per_step": round(1000 * step, 3),
-        "tokens_per_s": round(b / step, 2),
-        "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-    }
+    return result(clock)
 
 
 def synthetic(a) -> list[dict]:
@@ -80,9 +89,13 @@ def synthetic(a) -> list[dict]:
                    "context": c, "gen": a.gen, "device": name}  # fmt: skip
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
+            def partial(so_far, row=row):  # after every step: a call cut short keeps the steps it measured
+                row.update(status="partial", **so_far)
+                save(a, rows + [row])
+
             try:
                 with torch.inference_mode():
-                    row.update(status="ok", **hf_generate(model, ids, a.gen, a.cache, dev))
+                    row.update(status="ok", **hf_generate(model, ids, a.gen, a.cache, dev, partial))
             except torch.OutOfMemoryError as e:
                 row.update(status="oom-device", error=str(e).splitlines()[0][:200])
             finally:

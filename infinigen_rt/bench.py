@@ -186,8 +186,9 @@ def memory_needs(engine: Engine, policy: str, batch: int, context: int, gen: int
     tokens = batch * cfg.num_key_value_heads * seq  # (sequence, KV head, slot) triples per layer
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     # a prefill chunk's activations; the [B, H, chunk, T] score matrix only where the policy builds it itself
-    # (SDPA's fused kernels never do: counting it predicted 117 GiB for full at Llama-2-7B, batch 8 x 8k)
-    scores = batch * cfg.num_attention_heads * step * seq * 4 if cls.scores else 0
+    # (SDPA's fused kernels never do: counting it predicted 117 GiB for full at Llama-2-7B, batch 8 x 8k): fp32
+    # probabilities and two boolean masks of that shape live at its peak (the fake-CUDA rehearsal's count)
+    scores = batch * cfg.num_attention_heads * step * seq * (4 + 2) if cls.scores else 0
     act = batch * step * (cfg.intermediate_size * 3 + cfg.hidden_size * 8) * esz + scores
     kv_device, kv_host, _ = cls.kv_bytes(engine, tokens, esz)
     return {"device": weights + act + kv_device, "host": kv_host}

@@ -71,6 +71,9 @@ def bench_cmd(
         str, typer.Option(help="auto (fp16 synthetic on GPU, fp32 on CPU), float32, float16, bfloat16.")
     ] = "auto",
     seed: Annotated[int, typer.Option(help="Seed of the synthetic weights and prompts.")] = 0,
+    probe: Annotated[
+        Optional[int], typer.Option(help="Bytes each bandwidth probe moves [1 GiB on a GPU, 256 MiB on a CPU].")
+    ] = None,
     trace: Annotated[bool, typer.Option(help="CUDA: profile one step per point for copy/compute overlap.")] = True,
     interleave: Annotated[
         bool, typer.Option(help="Time the policies side by side: per (batch, context) all caches at once, one "
@@ -127,6 +130,8 @@ def bench_cmd(
         raise InfinigenError(f"--gen must be >= 1 and --warmup >= 0, got {gen} and {warmup}")
     if not 0 < budget <= 1:
         raise InfinigenError(f"--budget must be in (0, 1], got {budget}")
+    if probe is not None and probe < 1 << 16:
+        raise InfinigenError(f"--probe must be at least 65536 bytes, got {probe}")
     if synthetic is not None and synthetic not in PRESETS:
         raise InfinigenError(f"unknown --synthetic preset {synthetic!r}; available: {', '.join(PRESETS)}")
     if text is not None and synthetic is not None:
@@ -166,7 +171,7 @@ def bench_cmd(
             from infinigen_rt.eval import text_ids
 
             prompt, _ = text_ids(engine, text, max(contexts), max(contexts) - 1)
-        bw = measure_bandwidths(dev)
+        bw = measure_bandwidths(dev, probe)
 
     meta = {
         "model": model_name, "device": str(dev), "device_name": device_name(dev),

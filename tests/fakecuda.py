@@ -274,7 +274,14 @@ class Stream:
         _HARNESS.host_waits([self.name], "Stream.synchronize")
 
     def query(self) -> bool:
-        return True
+        return Event().record(self).query()
+
+    def __enter__(self):  # `with stream:` (torch.Stream's way) is torch.cuda.stream(stream)
+        self._ctx = _StreamContext(self)
+        return self._ctx.__enter__()
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
 
 
 class Event:
@@ -421,6 +428,7 @@ class FakeCuda:
         self.live = defaultdict(int)  # device -> bytes (pending frees included)
         self.peak = defaultdict(int)
         self.pending: list[tuple[Block, dict]] = []  # freed blocks still held for other streams' uses
+        self.unsafe_frees: dict[str, list] = defaultdict(list)  # stream -> blocks freed with uses it does not know
         self.syncs: list[Sync] = []
         self.races: list[str] = []
         self.launches: list[tuple] = []  # (kernel name, device, stream)
@@ -532,6 +540,12 @@ class FakeCuda:
 
     def allocate(self, b: Block) -> None:
         dev = b.device
+        vc = self.vc.get(b.actor, {})
+        for unknown, what, at in self.unsafe_frees.pop(b.actor, []):
+            late = [s for s, t in unknown.items() if vc.get(s, 0) < t]
+            if late:
+                self.race(f"{what}, allocated on {b.actor} and freed at {at} while {', '.join(late)} may still use "
+                          "it (no record_stream), may be reused by this allocation before that use is done")
         if self.live[dev] + b.nbytes > self.capacity and self.pending:
             # the caching allocator waits for the events of blocks freed with pending uses before it gives up
             self.host_waits([], f"the allocator waited for freed blocks to allocate {b.nbytes / GiB:.2f} GiB",
@@ -561,10 +575,12 @@ class FakeCuda:
         if not b.device.startswith("cuda"):
             return
         home = self.vc.get(b.actor, {})
-        for s, t in b.uses.items():  # a stream used it and the allocating stream does not know that use is done
-            if s not in b.recorded and home.get(s, 0) < t:
-                self.race(f"{b.what} ({b.nbytes} bytes, allocated on {b.actor}) freed while {s} may still use it "
-                          "(record_stream was not called)")  # fmt: skip
+        # another stream used it and the allocating stream does not know that use done: the allocator may hand the
+        # block to that stream's next allocation, which must then be ordered after the use (else: a race, found
+        # when it is made: `allocate`)
+        unknown = {s: t for s, t in b.uses.items() if s not in b.recorded and home.get(s, 0) < t}
+        if unknown:
+            self.unsafe_frees[b.actor].append((unknown, f"{b.what} ({b.nbytes} bytes)", where()))
         if b.recorded:
             self.pending.append((b, {s: self.vc.get(s, {}).get(s, 0) for s in b.recorded}))
             self.release_pending()
@@ -821,6 +837,8 @@ def _patch_torch(h: FakeCuda) -> list:
     }.items():  # fmt: skip
         put(cuda, name, value)
     put(torch, "Generator", _Generator)
+    put(torch, "Stream", Stream)  # the device-generic stream (transformers' offloaded cache makes one)
+    put(torch, "Event", Event)
     put(torch.Tensor, "record_stream", lambda t, s: h.record_stream(t, s))
     from torch import profiler
 
@@ -998,7 +1016,10 @@ class _Dispatch(TorchDispatchMode):
                     src = self.run(aten._to_copy.default, (src,), {"dtype": dtype}, src.device)
                 src = self.run(aten.contiguous.default, (src,), {}, src.device)
                 dst = self.run(aten.empty_strided.default, (src.shape, src.stride()), {"dtype": src.dtype}, dst_dev)
-                return self.copy(dst, src, bool(_arg(func, args, kwargs, "non_blocking")))
+                non_blocking = bool(_arg(func, args, kwargs, "non_blocking"))
+                if non_blocking and dst_dev.type == "cpu":  # torch makes an asynchronous copy's host side pinned
+                    h.pinned_storages.add(storage_key(dst))
+                return self.copy(dst, src, non_blocking)
             if name == "to":  # the same device: a cast, or the tensor itself
                 if dtype in (None, src.dtype) and not _arg(func, args, kwargs, "copy"):
                     return self.run(aten.alias.default, (src,), {}, src.device)
@@ -1164,3 +1185,35 @@ def _index_tensors(func, args) -> list:
         if arg.name == "indices":
             return [t for t in args[i] if isinstance(t, torch.Tensor)]
     return []
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m tests.fakecuda [--shapes] (-m MODULE | SCRIPT) ARGS...: a command of the GPU path, run on this CPU
+    inside fake CUDA (values by default: tiny shapes; --shapes: meta tensors). The benchmarks' rehearsal."""
+    import runpy
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    values = True
+    if args and args[0] == "--shapes":
+        values, args = False, args[1:]
+    if not args:
+        raise SystemExit(main.__doc__)
+    module = args[0] == "-m"
+    target = args[1] if module else args[0]
+    sys.argv = [target, *args[2 if module else 1 :]]
+    with FakeCuda(values=values, strict=False) as gpu:
+        try:
+            runpy.run_module(target, run_name="__main__", alter_sys=True) if module else runpy.run_path(
+                target, run_name="__main__")  # fmt: skip
+        finally:
+            print(f"fake CUDA: {len(gpu.syncs)} syncs, {len(gpu.launches)} kernel launches, {len(gpu.races)} races, "
+                  f"peak {max(gpu.peak.values(), default=0) / GiB:.2f} GiB on a device", file=sys.stderr)
+            if gpu.races:
+                print("fake CUDA races:\n  " + "\n  ".join(gpu.races[:10]), file=sys.stderr)
+                raise SystemExit(3)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # (before triton is imported: the kernels run on CPU tensors)
+    main()

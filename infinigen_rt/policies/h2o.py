@@ -53,8 +53,12 @@ class H2OCache(DenseCache):
         head_mask = mask & alive.repeat_interleave(self.group, dim=1)[:, :, None, :]  # [B, H, s, T]
         dev = q.device  # index tensors on the host would be copied over with a wait, every layer
         head_mask[:, :, torch.arange(s, device=dev), torch.arange(self.start, t, device=dev)] = True  # sees itself
-        p = (q @ keys.repeat_interleave(self.group, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])).float()
-        p = p.masked_fill(~head_mask, float("-inf")).softmax(-1)  # [B, H, s, T]
+        # the [B, H, s, T] probabilities in fp32, in place: one score matrix at a time (a prompt's is the largest
+        # tensor this policy makes: bench's memory model counts it once, with the mask)
+        k_all = keys.repeat_interleave(self.group, 1).float().transpose(-1, -2)
+        p = torch.matmul(q.float() / math.sqrt(q.shape[-1]), k_all).masked_fill_(~head_mask, float("-inf"))
+        p = p.sub_(p.amax(-1, keepdim=True)).exp_()
+        p = p.div_(p.sum(-1, keepdim=True))  # [B, H, s, T]
         self.score[layer][:, :, :t] += p.sum(2).unflatten(1, (-1, self.group)).sum(2)
         if q.shape[2] == 1:
             self.attended = self.attended + alive.sum()

@@ -80,3 +80,59 @@ def test_the_gpus_numa_node_is_read_or_unknown():
 
     node = gpu_node(0)
     assert node is None or node >= 0
+
+
+@pytest.mark.parametrize("policy", ["infinigen", "offload", "int4"])
+def test_one_host_sync_per_decode_step_through_the_runner(policy, bundles):
+    """generate and serve's path (the runner, a paged pool): a decode step waits on the device once, for the sampled
+    tokens (torch's sync debug mode counts what the fake-CUDA rehearsal counts on a CPU)."""
+    from infinigen_rt.bench import count_syncs
+    from infinigen_rt.policies import KVOptions
+    from infinigen_rt.runner import Request
+
+    kv = KVOptions(alpha=2.0, budget=0.5)
+    engine = Engine(read_bundle(bundles["llama31_gqa"]), device="cuda", dtype="float32", policy=policy, kv=kv)
+    run = engine.runner(max_batch=2, prefill_chunk=None, kv_tokens=1024)
+    for p in ([5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15]):
+        run.add(Request(p, 12))
+    run.step()  # the prefills
+    counts = [count_syncs(run.step) for _ in range(6)]
+    assert counts == [1] * 6, counts
+
+
+def test_a_decode_step_holds_no_more_device_memory_than_it_starts_with():
+    """The device memory of offload's whole-layer copies and infinigen's speculated rows is preallocated: a step's
+    peak is its start (what the rehearsal's allocator model says, checked against the real caching allocator)."""
+    from infinigen_rt.bench import _stepper, synthetic_engine
+    from infinigen_rt.policies import KVOptions
+
+    dev = torch.device("cuda")
+    base = synthetic_engine("smollm2-135m", dev, torch.float16)
+    for policy in ("offload", "infinigen"):
+        e = base.with_policy(policy, KVOptions(budget=0.1))
+        with torch.inference_mode():
+            cache = e.make_cache(4, 4096 + 8)
+            ids = torch.randint(3, 1000, (4, 4096), device=dev)
+            tok = e.prefill(cache, ids, torch.arange(4096, device=dev).expand(4, -1), None).argmax(-1)
+            step = _stepper(e, cache, tok, 4096, None)
+            step()
+            torch.cuda.synchronize()
+            start = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            assert torch.cuda.max_memory_allocated(dev) - start < 64 << 20, policy
+            cache.close()
+
+
+def test_a_failed_registration_is_cleared_from_cudas_last_error():
+    """cudaHostRegister's failure stays in the runtime's last error unless it is read: the next kernel launch would
+    raise it. system.clear_cuda_error reads it from the runtime torch loaded."""
+    from infinigen_rt.system import clear_cuda_error, loaded_cudart
+
+    assert loaded_cudart() is not None  # torch's wheels load libcudart dynamically: its path is in the maps
+    err = int(torch.cuda.cudart().cudaHostRegister(0, 1 << 20, 0))  # a null pointer: refused
+    assert err != 0
+    assert clear_cuda_error() == err
+    assert float((torch.ones(4, device="cuda") * 2).sum()) == 8.0  # the next launch is fine

@@ -123,8 +123,11 @@ def test_the_fake_finds_races_between_streams():
         with torch.cuda.stream(side):
             z = torch.ones(8, device="cuda")
         torch.cuda.current_stream().wait_stream(side)
-        _ = z + 1  # used on the compute stream, made on side, freed without record_stream
+        _ = z + 1  # used on the compute stream, made on side, freed without record_stream...
         del z
+        assert gpu.races == []
+        with torch.cuda.stream(side):
+            torch.empty(8, device="cuda")  # ...then side may hand its block out while the compute stream reads it
         assert any("record_stream" in r for r in gpu.races)
 
 

@@ -1,0 +1,109 @@
+"""The row kernels compiled ahead of time for sm_80 and sm_90, on this machine without a GPU.
+
+Every launch the pools can make (K and V rows of every head size and dtype the runtime runs, int4's packed codes
+and its per-group scales; a selection's `ok` mask or none) is captured from the pools themselves, turned into the
+signature Triton's own launcher would compute for it (its binder, with the integer arguments that vary from step
+to step unspecialised) and compiled to PTX and cubin by Triton with its bundled ptxas. The cubins are checked for
+what would cost on a GPU: no stack frame or local memory (spills), 16-byte loads and stores for K and V rows
+(int4's rows of 32 and 64 bytes move 8 bytes a load: a [16 rows x 4 or 8 words] program spreads one word per
+thread)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from infinigen_rt import kernels
+from infinigen_rt.kernels import available
+from infinigen_rt.policies.int4 import Int4Pool
+from infinigen_rt.pool import KVPool
+
+pytestmark = pytest.mark.skipif(not available(), reason="needs triton (pip install triton)")
+HEAD_DIMS = (64, 128, 256)  # SmolLM2; Llama, Mistral, Qwen, OPT; Gemma 3's global layers
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TARGETS = (80, 90)
+
+
+def pool_launches(monkeypatch) -> list[tuple]:
+    """(kernel, args, meta) of every launch the pools make for the layouts above (recorded, not run)."""
+    seen = []
+    monkeypatch.setattr(kernels, "launch", lambda kernel, grid, *args, **meta: seen.append((kernel, args, meta)))
+    for d in HEAD_DIMS:
+        pools = [KVPool(1, 2, d, 8, dt, "cpu") for dt in DTYPES] + [Int4Pool(1, 2, d, 8, torch.float16, "cpu")]
+        for pool in pools:
+            pool.kernel = True  # the GPU's way: the kernels (recorded here)
+            slots = torch.tensor([[[0, 3, 5], [1, 2, 7]]])
+            ok = torch.tensor([[[True, False, True], [True, True, False]]])
+            pool.gather(slots, ok, extra=1)  # a selection: some rows do not count
+            pool.gather(slots, None, extra=1)  # every row counts
+            where = torch.tensor([[[4], [6]]])  # new tokens into freed slots, each head its own
+            new = torch.randn(1, 2, 1, d).to(pool.out_dtype if isinstance(pool, Int4Pool) else pool.k.dtype)
+            pool.store(where, new, new)
+    return seen
+
+
+def signature_of(kernel, args, meta, target):
+    """What Triton's launcher computes for this call on `target`: (signature, constexprs, attrs, options)."""
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
+    backend = make_backend(target)
+    bound, spec, options = create_function_from_signature(jit.signature, jit.params, backend)(*args, **meta)
+    options, signature, constexprs, attrs = jit._pack_args(backend, dict(meta), bound, spec, options)
+    return jit, signature, constexprs, attrs, options
+
+
+def resource_usage(cubin: bytes, tmp_path: Path) -> dict:
+    """REG, STACK, SHARED, LOCAL of the cubin's kernel (cuobjdump, shipped with Triton), or {} without it."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    tool = str(tool) if tool.exists() else shutil.which("cuobjdump")
+    if not tool:
+        return {}
+    f = tmp_path / "k.cubin"
+    f.write_bytes(cubin)
+    out = subprocess.run([tool, "--dump-resource-usage", str(f)], capture_output=True, text=True).stdout
+    line = next((x for x in out.splitlines() if "REG:" in x), "")
+    return {k: int(v) for k, v in (p.split(":") for p in line.split() if ":" in p and p.split(":")[1].isdigit())}
+
+
+def test_every_launch_the_pools_make_compiles_for_sm80_and_sm90(monkeypatch, tmp_path):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    launches = pool_launches(monkeypatch)
+    names = {getattr(k, "fn", k).__name__ for k, _, _ in launches}
+    assert names == {kernels.GATHER_KERNEL, kernels.SCATTER_KERNEL}
+    compiled = {}
+    for cc in TARGETS:
+        target = GPUTarget("cuda", cc, 32)
+        for kernel, args, meta in launches:
+            jit, signature, constexprs, attrs, options = signature_of(kernel, args, meta, target)
+            key = (cc, jit.fn.__name__, tuple(sorted(signature.items())), tuple(sorted(constexprs.items())), str(attrs))
+            if key in compiled:
+                continue
+            # the counts are not specialised: the same key whatever their values (defect 6)
+            assert all(signature[p] in ("i32", "i64") for p in ("n_sel", "n_out", "total", "total") if p in signature)
+            assert not any(p in str(constexprs) for p in ("n_sel", "n_out"))
+            k = triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__)
+            assert k.asm["cubin"] and f".entry {jit.fn.__name__}" in k.asm["ptx"]
+            assert ".local" not in k.asm["ptx"]
+            usage = resource_usage(k.asm["cubin"], tmp_path)
+            if usage:
+                assert usage.get("STACK", 0) == 0 and usage.get("LOCAL", 0) == 0, usage
+                assert 0 < usage["REG"] <= 128, usage
+            words = constexprs[(jit.arg_names.index("W"),)]
+            if words >= 16 and "*i64" in signature.values():  # K and V rows (128 bytes and more): 16 bytes a load
+                assert "ld.global.v2.b64" in k.asm["ptx"] and "st.global.v2.b64" in k.asm["ptx"], (signature, words)
+            compiled[key] = k
+    per_target = len(compiled) // len(TARGETS)
+    # 9 layouts: K/V rows of 16, 32, 64 and 128 int64 words (64..256 dims, 2 or 4 bytes), int4 codes of 4 and 8
+    # words (their 16 is a K/V width), its scales as one int16, int32 or int64; gathers with and without `ok`
+    assert per_target == 9 * 2 + 9, per_target
