@@ -57,16 +57,6 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-@contextmanager
-def on_device(device: torch.device):
-    """`device` as the current CUDA device inside the block (a no-op on a CPU)."""
-    if device.type != "cuda":
-        yield
-        return
-    with torch.cuda.device(device):
-        yield
-
-
 # ---------------------------------------------------------------------------------------- page-locked memory
 def host_buffer(shape, dtype, pinned: list | None, zero: bool = True) -> torch.Tensor:
     """Host memory (zeroed unless `zero` is False); with a `pinned` list (a GPU computes): page-locked at its exact
