@@ -20,7 +20,8 @@ PART=${1:-tests}
 OUT=${OUT:-artifacts/results/gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-PY=${PYTHON:-python3}
+PYTHON=${PYTHON:-python3}
+PY=$PYTHON  # the commands of the GPU path (in a rehearsal: through fake CUDA)
 GEN=${GEN:-32}
 REHEARSAL=${REHEARSAL:-}
 if [ -n "$REHEARSAL" ]; then
@@ -59,9 +60,9 @@ case "$PART" in
     { if [ -n "$REHEARSAL" ]; then echo "rehearsal: no GPU (fake CUDA)"; else
         nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv
       fi
-      ${PYTHON:-python3} -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+      $PYTHON -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
     } | tee "$OUT/machine.txt"
-    timeout 420 ${PYTHON:-python3} -m pytest -q -p no:cacheprovider tests/rt/test_gpu.py tests/rt/test_kernels.py 2>&1 \
+    timeout 420 $PYTHON -m pytest -q -p no:cacheprovider tests/rt/test_gpu.py tests/rt/test_kernels.py 2>&1 \
       | tail -25 | tee "$OUT/gpu-tests.txt"
     ;;
   llama2-8k)
@@ -84,7 +85,7 @@ case "$PART" in
     ;;
 esac
 
-${PYTHON:-python3} - "$OUT" <<'EOF'
+$PYTHON - "$OUT" <<'EOF'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 for f in sorted(out.glob("bench-*.json")):

@@ -71,11 +71,6 @@ def keep_host_heap() -> None:
     libc.mallopt(m_trim_threshold, 1 << 30)
 
 
-def _on(speculation: tuple[dict, dict], device: torch.device) -> tuple[dict, dict]:
-    tensors, defaults = speculation
-    return {k: t.to(device) for k, t in tensors.items()}, defaults
-
-
 class Engine:
     """Loads a bundle once; `generate` runs batches of prompts through one KV policy."""
 
@@ -108,7 +103,9 @@ class Engine:
             keep_host_heap()
         self.bundle, self.cfg, self.device, self.dtype, self.tp = None, cfg, torch.device(device), dtype, None
         self.model, self.tokenizer = model, None
-        self._speculation = {} if speculation is None else {"v": _on(speculation, self.device)}
+        if speculation is not None:  # on the device once, as a bundle's are
+            speculation = {k: t.to(self.device) for k, t in speculation[0].items()}, speculation[1]
+        self._speculation = {} if speculation is None else {"v": speculation}
         self._set_policy(policy, kv)
         return self
 
@@ -116,9 +113,8 @@ class Engine:
         """The InfiniGen tensors, on the compute device, and defaults (a one-line error for a bundle converted
         without them). Read and copied to the device once: every request's cache uses the same tensors."""
         if "v" not in self._speculation:
-            tensors = shard_speculation(load_infinigen(self.bundle), self.tp)
-            defaults = (self.bundle.meta.get("infinigen") or {}).get("defaults")
-            self._speculation["v"] = _on((tensors, defaults), self.device)
+            tensors = shard_speculation(load_infinigen(self.bundle, self.device), self.tp)
+            self._speculation["v"] = tensors, (self.bundle.meta.get("infinigen") or {}).get("defaults")
         return self._speculation["v"]
 
     def _set_policy(self, policy: str, kv: KVOptions | None = None) -> None:

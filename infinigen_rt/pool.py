@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from infinigen_rt.kernels import gather_rows, scatter_rows
-from infinigen_rt.system import host_buffer, retire, unpin
+from infinigen_rt.system import host_buffer, retire, to_device, unpin
 
 EVICTIONS = ("counter", "lru", "fifo")
 _BIG = 1 << 32  # ranks: primary key * _BIG + position (positions < 2**32)
@@ -227,8 +227,7 @@ class KVPool:
         order = rank.argsort(dim=-1, stable=True)
         ranks = torch.arange(order.shape[-1], device=pos.device).expand_as(order)
         nth = torch.empty_like(order).scatter_(2, order, ranks)
-        over_dev = torch.from_numpy(over)
-        over_dev = (over_dev.pin_memory() if self.pinned else over_dev).to(self.device, non_blocking=True)
+        over_dev = to_device(torch.from_numpy(over), self.device)
         victims = (nth < over_dev[..., None]) & (pos >= 0) & ~recent
         pos.masked_fill_(victims, -1)
         self.n_held -= over

@@ -21,7 +21,7 @@ import torch
 
 from infinigen_rt.cache import KVReport
 from infinigen_rt.errors import InfinigenError
-from infinigen_rt.policies.offload import POOL_KNOBS, OffloadCache
+from infinigen_rt.policies.offload import POOL_KNOBS, OffloadCache, device_pairs
 from infinigen_rt.policies.options import KVOptions
 from infinigen_rt.prefetch import prefetcher
 from infinigen_rt.speculation import Selection, Speculator, fetch_width, select
@@ -125,8 +125,7 @@ class InfinigenCache(OffloadCache):
         """Two (keys, values) buffers [B, Hkv, N + 1, D], N the widest fetch any speculated layer can make."""
         pool = next(p for p in self.pools if p is not None)
         n = max(fetch_width(pool.slots, pool.slots, o, BUCKET) for o in self.layer_opts.values())
-        shape = (pool.batch, pool.n_kv, n + 1, pool.k.shape[-1])
-        return [tuple(torch.empty(shape, dtype=pool.k.dtype, device=self.device) for _ in "kv") for _ in range(2)]
+        return device_pairs((pool.batch, pool.n_kv, n + 1, pool.k.shape[-1]), pool.k.dtype, self.device)
 
     def begin(self, valid, positions) -> None:
         super().begin(valid, positions)

@@ -64,6 +64,12 @@ class KVStats:
         return sum(self.fetched.get(layer, []))
 
 
+def device_pairs(shape, dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Two (keys, values) device buffers of `shape`, used in turn by consecutive layers: layer i reads one while
+    layer i+1's rows arrive in the other, so what a step moves lands in memory fixed before the first step."""
+    return [tuple(torch.empty(shape, dtype=dtype, device=device) for _ in "kv") for _ in range(2)]
+
+
 class OffloadCache(KVCache):
     name = "offload"
     knobs = POOL_KNOBS
@@ -177,16 +183,13 @@ class OffloadCache(KVCache):
     def layer_blocks(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The two (keys, values) device buffers of whole-layer copies: [slots + 1, B, Hkv, D] each."""
         pool = next(p for p in self.pools if p is not None)
-        shape = (pool.slots + 1, pool.batch, pool.n_kv, pool.k.shape[-1])
-        return [tuple(torch.empty(shape, dtype=pool.k.dtype, device=self.device) for _ in "kv") for _ in range(2)]
+        return device_pairs((pool.slots + 1, pool.batch, pool.n_kv, pool.k.shape[-1]), pool.k.dtype, self.device)
 
     def copy_block(self, j: int):
         """Layer j's held KV as one contiguous block per tensor, with a row for the new token: [B, Hkv, fill + 1, D]
         views of the first fill + 1 slots of buffer j % 2 ([slots + 1, B, Hkv, D] each)."""
         pool = self.pools[j]
         n = pool.fill
-        if self.blocks is None:  # a cache told to copy blocks after it was built (tests)
-            self.blocks = self.layer_blocks()
         k, v = (buf[: n + 1] for buf in self.blocks[j % 2])
         pool.block(k[:n], v[:n])
         return k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
@@ -222,11 +225,11 @@ class OffloadCache(KVCache):
             keys, values = torch.cat([keys.to(k.dtype), k], 2), torch.cat([values.to(v.dtype), v], 2)
         if self.plain:  # nothing held yet: plain causal attention among the new tokens
             return keys, values, None
-        if decode and all_held and self.every_fetched_row_counts():  # host-known: no mask
-            return keys, values, None
-        if not decode and all_held and self.every_fetched_row_counts():  # one mask for every head: [B, 1, s, n + s]
+        if all_held and self.every_fetched_row_counts():  # host-known: every held row counts
+            if decode:  # no mask
+                return keys, values, None
             held = torch.ones(k.shape[0], 1, s, keys.shape[2] - s, dtype=torch.bool, device=k.device)
-            return keys, values, torch.cat([held, self.new_mask], -1)
+            return keys, values, torch.cat([held, self.new_mask], -1)  # one mask for every head: [B, 1, s, n + s]
         old = ok.repeat_interleave(self.group, dim=1)[:, :, None, :]  # [B, H, 1, n]
         if decode:
             new = torch.ones_like(old[..., :1])

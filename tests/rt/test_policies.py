@@ -284,6 +284,7 @@ def gpu_step(cache):
     cache.prefetch = Inline()
     cache.sync_free = True
     cache.block_copy = True
+    cache.blocks = cache.layer_blocks()
     for pool in cache.pools:
         if pool is not None:
             pool.kernel = True
