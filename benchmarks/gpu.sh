@@ -13,7 +13,7 @@
 #
 # REHEARSAL=1 runs a part here, on the CPU: the same commands, files and time-outs, through fake CUDA
 # (tests/fakecuda.py: every `--device cuda` command runs the GPU code path on CPU tensors) at tiny shapes (the
-# smollm2-135m preset, batch <= 2, 64 tokens of context, 2 steps). tests/test_gpu_sh.py rehearses every part and
+# smollm2-135m preset, batch <= 2, 64 tokens of context, 1 warm-up and 2 timed steps). tests/test_gpu_sh.py rehearses every part and
 # checks that each part's work fits its time-out at the real shapes (a plan from bytes and assumed rates).
 set -uo pipefail
 PART=${1:-tests}
@@ -23,10 +23,12 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PYTHON=${PYTHON:-python3}
 PY=$PYTHON  # the commands of the GPU path (in a rehearsal: through fake CUDA)
 GEN=${GEN:-32}
+WARMUP=3
 REHEARSAL=${REHEARSAL:-}
-if [ -n "$REHEARSAL" ]; then
+if [ -n "$REHEARSAL" ]; then  # every step runs each layer's kernels in Triton's interpreter: as few as will do
   PY="$PY -m tests.fakecuda"
   GEN=2
+  WARMUP=1
 fi
 
 tiny() {  # tiny ARGS...: a rehearsal's shapes for bench's arguments (the real ones otherwise)
@@ -44,7 +46,7 @@ bench() {  # bench SECONDS NAME ARGS...: one JSON, row by row
   local args
   mapfile -t args < <(tiny "${@:3}")
   if [ -n "$REHEARSAL" ]; then args+=(--probe 1048576); fi
-  timeout "$1" $PY -m infinigen_rt.cli bench --device cuda --gen "$GEN" --warmup 3 --budget 0.1 \
+  timeout "$1" $PY -m infinigen_rt.cli bench --device cuda --gen "$GEN" --warmup "$WARMUP" --budget 0.1 \
     --out "$OUT/bench-$2.json" "${args[@]}" 2>>"$OUT/log-$PART.txt" | tail -20
 }
 peer() {  # peer SECONDS NAME PRESET BATCH CONTEXT STEPS: transformers' offloaded cache on the same shapes, STEPS
