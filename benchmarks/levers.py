@@ -13,7 +13,7 @@ import time
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.engine import Engine
 from infinigen_rt.eval import perplexity, text_ids
-from infinigen_rt.policies import KVOptions
+from infinigen_rt.policies import KVOptions, configure
 
 PAPER = {"sinks": 0, "recent": 0, "renorm": False, "group_agg": "max"}  # the reference's speculation
 LEVERS = {  # each relative to KVOptions' defaults (every winning lever on)
@@ -51,17 +51,17 @@ def main():
     engine = Engine(read_bundle(a.bundle), device="cpu", dtype="float32")
     ids, _ = text_ids(engine, a.text, a.seq_len, a.score_from)
     rows = []
-    full, _, _ = perplexity(engine, ids, a.score_from)
+    full, _, _ = perplexity(engine, configure(engine), ids, a.score_from)
     print(f"full ppl {full:.4f}", flush=True)
     alphas = [float(x) for x in a.alphas.split(",")] if a.alphas else [None]
     runs = [("oracle", None)] * (not a.no_oracle) + [(n, al) for al in alphas for n in a.levers.split(",")]
     for name, alpha in runs:
         t0 = time.perf_counter()
         if name == "oracle":
-            e = engine.with_policy("oracle", KVOptions(budget=a.budget))
+            policy = configure(engine, "oracle", KVOptions(budget=a.budget))
         else:
-            e = engine.with_policy("infinigen", KVOptions(alpha=alpha, budget=a.budget, **LEVERS[name]))
-        ppl, rep, _ = perplexity(e, ids, a.score_from)
+            policy = configure(engine, "infinigen", KVOptions(alpha=alpha, budget=a.budget, **LEVERS[name]))
+        ppl, rep, _ = perplexity(engine, policy, ids, a.score_from)
         row = {
             "lever": name,
             "budget": a.budget,

@@ -123,6 +123,7 @@ def cpu_vs_full(a) -> list[dict]:
 
     from infinigen_rt.bundle import read_bundle
     from infinigen_rt.engine import Engine
+    from infinigen_rt.generate import generate
 
     torch.set_num_threads(a.threads or torch.get_num_threads())
     gguf = Path(a.gguf)
@@ -140,7 +141,7 @@ def cpu_vs_full(a) -> list[dict]:
             hf = hf_generate(hf_model, torch.tensor([ids]), a.gen, None, cpu)
         times: list[float] = []
         t0 = time.perf_counter()
-        engine.generate([ids], a.gen, on_step=lambda out, ts=times: ts.append(time.perf_counter()))
+        generate(engine, [ids], max_new_tokens=a.gen, on_step=lambda out, ts=times: ts.append(time.perf_counter()))
         steps = [y - x for x, y in zip(times, times[1:], strict=False)]
         ours = {"prefill_s": round(times[0] - t0, 4), "ms_per_step": round(1000 * statistics.median(steps), 3)}
         ours["tokens_per_s"] = round(1000 / ours["ms_per_step"], 2)

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 from infinigen_rt.cache import DenseCache
-from infinigen_rt.engine import pad_batch
 from infinigen_rt.errors import InfinigenError, notice
 from infinigen_rt.files import read_utf8
 from infinigen_rt.models.llama import Llama, apply_rope, rope_cos_sin
+from infinigen_rt.step import pad_batch
 
 DEFAULT_CALIB = "hf://datasets/roneneldan/TinyStories/TinyStories-valid.txt"
 MIN_CALIB_TOKENS = 64

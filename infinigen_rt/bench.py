@@ -1,9 +1,9 @@
 """Decode speed of each KV policy, side by side, against a floor the benchmark measures itself.
 
-A point is (policy, batch, context). For each: a real prefill of `context` tokens through the policy's
-cache, warm-up decode steps, then `gen` timed steps (synchronised clock around each step; the step ends
-with the sampled tokens on the host, as in `generate`), reported as the median. Bytes moved each way
-come from the cache's own counters of the copies it made.
+A point is (policy, batch, context): `batch` requests of `context` prompt tokens in a runner over a paged pool,
+the path `serve` takes. For each: a real prefill through the policy's caches, warm-up decode steps, then `gen`
+timed steps (runner.step: a synchronised clock around each; the step ends with the sampled tokens on the host),
+reported as the median. Bytes moved each way come from the caches' own counters of the copies they made.
 
 The floor of a step is what memory alone allows: the device reads its weights and whatever KV lives on it
 (all of it for `full` and `h2o`, the partial keys for `infinigen`) at the measured device bandwidth, and
@@ -22,7 +22,7 @@ import math
 import statistics
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -31,7 +31,8 @@ from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.files import pyplot, save_figure
 from infinigen_rt.kernels import GATHER_KERNEL
-from infinigen_rt.policies import POLICIES, KVOptions
+from infinigen_rt.policies import KVOptions, Policy, configure
+from infinigen_rt.runner import BLOCK_TOKENS, Request, Runner, blocks, reserved
 from infinigen_rt.system import host_available, host_rss, sync
 
 # Hugging Face config.json fields of the real models (the peer script builds transformers models from these)
@@ -172,25 +173,21 @@ def weight_bytes(engine: Engine) -> int:
     return total
 
 
-def kv_row_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """K and V of one token, one KV head, one layer."""
-    return 2 * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
-
-
-def memory_needs(engine: Engine, policy: str, batch: int, context: int, gen: int, chunk: int) -> dict:
+def memory_needs(engine: Engine, policy: Policy, batch: int, context: int, gen: int, chunk: int) -> dict:
     """Predicted peak bytes on the device and in host memory for one point (to report what cannot fit
     as an out-of-memory row before allocating it). The policy states its own KV needs (KVCache.kv_bytes)."""
-    cls = POLICIES[policy]
+    cls = policy.cls
     cfg, esz = engine.cfg, torch.empty(0, dtype=engine.dtype).element_size()
     seq, step = context + gen + 1, min(chunk, context)
     tokens = batch * cfg.num_key_value_heads * seq  # (sequence, KV head, slot) triples per layer
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    # a prefill chunk's activations; the [B, H, chunk, T] score matrix only where the policy builds it itself
-    # (SDPA's fused kernels never do: counting it predicted 117 GiB for full at Llama-2-7B, batch 8 x 8k): fp32
-    # probabilities and two boolean masks of that shape live at its peak (the fake-CUDA rehearsal's count)
-    scores = batch * cfg.num_attention_heads * step * seq * (4 + 2) if cls.scores else 0
-    act = batch * step * (cfg.intermediate_size * 3 + cfg.hidden_size * 8) * esz + scores
-    kv_device, kv_host, _ = cls.kv_bytes(engine, tokens, esz)
+    # a prefill chunk's activations (the runner prefills one request at a time); the [1, H, chunk, T] score matrix
+    # only where the policy builds it itself (SDPA's fused kernels never do: counting it predicted 117 GiB for full
+    # at Llama-2-7B, batch 8 x 8k): fp32 probabilities and two boolean masks of that shape live at its peak (the
+    # fake-CUDA rehearsal's count)
+    scores = cfg.num_attention_heads * step * seq * (4 + 2) if cls.scores else 0
+    act = step * (cfg.intermediate_size * 3 + cfg.hidden_size * 8) * esz + scores
+    kv_device, kv_host, _ = policy.kv_bytes(engine, tokens, esz)
     return {"device": weights + act + kv_device, "host": kv_host}
 
 
@@ -227,11 +224,11 @@ class Point:
     error: str | None = None
 
 
-def floor_seconds(engine: Engine, policy: str, batch: int, context: int, h2d_bytes: float, bw: dict) -> float:
+def floor_seconds(engine: Engine, policy: Policy, batch: int, context: int, h2d_bytes: float, bw: dict) -> float:
     """The memory-bound floor of one decode step (see the module docstring)."""
     esz = torch.empty(0, dtype=engine.dtype).element_size()
     tokens = batch * engine.cfg.num_key_value_heads * context
-    dev = weight_bytes(engine) + POLICIES[policy].kv_bytes(engine, tokens, esz)[2]
+    dev = weight_bytes(engine) + policy.kv_bytes(engine, tokens, esz)[2]
     t_dev = dev / bw["device_bytes_per_s"]
     t_h2d = h2d_bytes / bw["h2d_bytes_per_s"]
     return max(t_dev, t_h2d) if engine.device.type == "cuda" else t_dev + t_h2d
@@ -314,30 +311,69 @@ def copy_profile(step) -> tuple[float | None, float | None]:
 
 
 @torch.inference_mode()
-def run_point(engine: Engine, model_name: str, policy: str, batch: int, context: int, gen: int, bw: dict,
-              **kw) -> Point:  # fmt: skip
-    """One policy at one (batch, context): see run_points."""
-    return run_points(engine, model_name, [policy], batch, context, gen, bw, **kw)[0]
-
-
-@torch.inference_mode()
 def run_points(
     engine: Engine, model_name: str, policies: list[str], batch: int, context: int, gen: int, bw: dict, *,
     budget: float = 0.1, max_kv: int | None = None, alpha: float | None = None, warmup: int = 3,
     chunk: int | None = None, prompt: list[int] | None = None, seed: int = 0, trace: bool = True,
 ) -> list[Point]:  # fmt: skip
-    """Several policies at one (batch, context), timed side by side: each prefills its own cache, then every
-    timed step round runs one decode step of each policy (the order rotating), so a machine whose speed
-    drifts (a shared VM) slows them alike. With one policy this is the plain sequential measurement."""
+    """Several policies at one (batch, context), timed side by side: each prefills its own runner's requests, then
+    every timed round runs one step of each policy's runner (the order rotating), so a machine whose speed drifts
+    (a shared VM) slows them alike. With one policy this is the plain sequential measurement."""
     dev = engine.device
     if chunk is None:  # the whole prompt at once (no history to re-fetch) unless its activations are too large
-        limit = 131072 if dev.type == "cuda" else 16384
-        chunk = context if batch * context <= limit else max(1, limit // batch)
+        chunk = min(context, 131072 if dev.type == "cuda" else 16384)
     points = [Point(model_name, str(dev), str(engine.dtype).removeprefix("torch."), p, batch, context, gen)
               for p in policies]  # fmt: skip
-    engines = [engine.with_policy(p, KVOptions(alpha=alpha, budget=budget, max_kv=max_kv, prefill_chunk=chunk))
-               for p in policies]  # fmt: skip
-    needs = [memory_needs(e, p, batch, context, gen, chunk) for e, p in zip(engines, policies, strict=True)]
+    opts = KVOptions(alpha=alpha, budget=budget, max_kv=max_kv, prefill_chunk=chunk)
+    configured = [configure(engine, p, opts) for p in policies]
+    _predict_oom(engine, points, [memory_needs(engine, p, batch, context, gen, chunk) for p in configured])
+    if all(pt.status != "ok" for pt in points):
+        return points
+    if prompt is not None and len(prompt) < context:
+        raise InfinigenError(f"the text has {len(prompt)} tokens, fewer than --context {context}")
+    g = torch.Generator().manual_seed(seed)
+    prompts = [list(prompt[:context]) if prompt is not None
+               else torch.randint(3, engine.cfg.vocab_size, (context,), generator=g).tolist()
+               for _ in range(batch)]  # fmt: skip
+    tp, runs = engine.tp, {}  # index -> (runner, times, report before)
+    reduce_s = [0.0] * len(points)  # time in all-reduces during the timed steps, per point
+    try:
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        for i, (pt, policy) in enumerate(zip(points, configured, strict=True)):
+            if pt.status == "ok":
+                try:
+                    runner, pt.prefill_s = start_runner(engine, policy, prompts, warmup + gen + 4, warmup)
+                    runs[i] = runner, [], runner.live_report()
+                except Exception as ex:
+                    _out_of_memory(pt, ex, dev)
+        for r in range(gen):
+            order = list(runs)
+            for i in order[r % len(order) :] + order[: r % len(order)] if order else []:
+                try:
+                    r0 = tp.reduce_s if tp else 0.0
+                    t0 = time.perf_counter()
+                    runs[i][0].step()
+                    runs[i][1].append(time.perf_counter() - t0)
+                    reduce_s[i] += tp.reduce_s - r0 if tp else 0.0
+                except Exception as ex:
+                    runs.pop(i)[0].close()
+                    _out_of_memory(points[i], ex, dev)
+        for i, (runner, times, before) in runs.items():
+            _finish(points[i], engine, configured[i], runner, times, before, bw, trace)
+            if tp is not None:
+                _per_rank(points[i], tp, reduce_s[i] / len(times))
+    finally:
+        for runner, *_ in runs.values():
+            runner.close()
+        runs = None  # free the pools and device buffers before the next point
+        _free(dev)
+    return points
+
+
+def _predict_oom(engine: Engine, points: list[Point], needs: list[dict]) -> None:
+    """Mark the points that would not fit (side by side, with the others) as predicted out-of-memory rows."""
+    dev = engine.device
     dev_total = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
     dev_sum, host_sum = sum(n["device"] for n in needs), sum(n["host"] for n in needs)
     for pt, need in zip(points, needs, strict=True):
@@ -357,82 +393,36 @@ def run_points(
             if pt.status == "ok" and ok < tp.size:
                 pt.status, pt.predicted = "oom-host", True
                 pt.error = "another tensor-parallel rank predicted it does not fit"
-    if all(pt.status != "ok" for pt in points):
-        return points
-    runs = {}  # index -> (engine, cache, step, times, counters before)
-    reduce_s = [0.0] * len(points)  # time in all-reduces during the timed steps, per point
+
+
+def start_runner(engine: Engine, policy: Policy, prompts: list[list[int]], new: int,
+                 warmup: int) -> tuple[Runner, float]:  # fmt: skip
+    """A runner over a paged pool of exactly the blocks its requests take, every prompt prefilled, then `warmup`
+    decode steps (the first is the one the step finishing the prefills makes): its every `step` now decodes the whole
+    batch (greedy requests of `new` tokens that ignore end-of-sequence). Returns (the runner, prefill seconds)."""
+    context, chunk = len(prompts[0]), policy.opts.prefill_chunk
+    pool = blocks(reserved(policy, context, new, chunk)) * len(prompts) * BLOCK_TOKENS
+    # positions past the model's trained context compute the same work: bench measures any length
+    runner = Runner(engine, policy, max_batch=len(prompts), prefill_chunk=None, kv_tokens=pool,
+                    max_positions=context + new)  # fmt: skip
     try:
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
-        g = torch.Generator().manual_seed(seed)
-        if prompt is not None:
-            ids = torch.tensor([prompt[:context]] * batch)
-            if ids.shape[1] < context:
-                raise InfinigenError(f"the text has {ids.shape[1]} tokens, fewer than --context {context}")
-        else:
-            ids = torch.randint(3, engine.cfg.vocab_size, (batch, context), generator=g)
-        ids = ids.to(dev)
-        pos = torch.arange(context, device=dev).expand(batch, -1)
-        one = torch.ones(batch, 1, dtype=torch.bool, device=dev)
-        for i, (pt, e) in enumerate(zip(points, engines, strict=True)):
-            if pt.status != "ok":
-                continue
-            try:
-                cache = e.make_cache(batch, context + warmup + gen + 3)
-                sync(dev)
-                t0 = time.perf_counter()
-                tok = e.prefill(cache, ids, pos, None).argmax(-1)  # no padding
-                tok.tolist()
-                pt.prefill_s = round(time.perf_counter() - t0, 4)
-                step = _stepper(e, cache, tok, context, one)
-                for _ in range(warmup):
-                    step()
-                runs[i] = (e, cache, step, [], cache.report())
-            except Exception as ex:
-                _out_of_memory(pt, ex, dev)
-                cache = step = None
-        for r in range(gen):
-            order = list(runs)
-            for i in order[r % len(order) :] + order[: r % len(order)] if order else []:
-                try:
-                    r0 = tp.reduce_s if tp else 0.0
-                    t0 = time.perf_counter()
-                    runs[i][2]()
-                    runs[i][3].append(time.perf_counter() - t0)
-                    reduce_s[i] += tp.reduce_s - r0 if tp else 0.0
-                except Exception as ex:
-                    del runs[i]
-                    _out_of_memory(points[i], ex, dev)
-        for i, (e, cache, step, times, before) in runs.items():
-            _finish(points[i], e, cache, step, times, before, bw, trace)
-            if tp is not None:
-                _per_rank(points[i], tp, reduce_s[i] / len(times))
-    finally:
-        for run in runs.values():
-            run[1].close()
-        runs = None  # free the pools and device buffers before the next point
-        _free(dev)
-    return points
+        for p in prompts:
+            runner.add(Request(p, new, ignore_eos=True))
+        while any(s.done < context for s in [*runner.waiting, *runner.running]):
+            runner.step()
+        prefill_s = round(runner.stats.prefill_s, 4)
+        for _ in range(warmup - 1):
+            runner.step()
+        return runner, prefill_s
+    except BaseException:
+        runner.close()
+        raise
 
 
-def _stepper(e: Engine, cache, tok: torch.Tensor, context: int, one: torch.Tensor):
-    """A closure running one greedy decode step; it ends with the sampled tokens on the host, as in generate."""
-    state = {"tok": tok, "pos": context}
-    batch, dev = tok.shape[0], tok.device
-
-    def step():
-        p = torch.full((batch, 1), state["pos"], device=dev)
-        logits = e.model(state["tok"][:, None], p, cache, one, last_only=True)[:, -1]
-        state["tok"] = logits.argmax(-1)
-        state["tok"].tolist()  # the one sync a step: sampled tokens to the host
-        state["pos"] += 1
-
-    return step
-
-
-def _finish(pt: Point, e: Engine, cache, step, times: list[float], before: dict, bw: dict, trace: bool) -> None:
+def _finish(pt: Point, e: Engine, policy: Policy, runner: Runner, times: list[float], before, bw: dict,
+            trace: bool) -> None:  # fmt: skip
     dev, gen, batch = e.device, len(times), pt.batch
-    after = cache.report()
+    after = runner.live_report()
     med = statistics.median(times)
     pt.ms_per_step = round(1000 * med, 3)
     pt.ms_per_step_p90 = round(1000 * sorted(times)[int(0.9 * (len(times) - 1))], 3)
@@ -442,13 +432,13 @@ def _finish(pt: Point, e: Engine, cache, step, times: list[float], before: dict,
     pt.d2h_bytes_per_step = round((after.bytes_d2h - before.bytes_d2h) / gen, 1)
     pt.h2d_achieved_bytes_per_s = round(h2d / med, 1) if h2d else None
     pt.kv_fetched_share = after.kv_fetched_share
-    floor = floor_seconds(e, pt.policy, batch, pt.context, h2d, bw)
+    floor = floor_seconds(e, policy, batch, pt.context, h2d, bw)
     pt.floor_ms, pt.over_floor = round(1000 * floor, 3), round(med / floor, 2)
     if dev.type == "cuda":
         pt.peak_device_bytes = torch.cuda.max_memory_allocated(dev)
-        pt.syncs_per_step = count_syncs(step)
+        pt.syncs_per_step = count_syncs(runner.step)
         if trace:
-            pt.copy_overlap, busy = copy_profile(step)
+            pt.copy_overlap, busy = copy_profile(runner.step)
             if busy and h2d:  # bytes over the time the copying is busy, not over the step
                 pt.h2d_busy_bytes_per_s = round(h2d / busy, 1)
     pt.host_rss_bytes = host_rss()
@@ -477,10 +467,6 @@ def _free(dev: torch.device) -> None:
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def point_dict(p: Point) -> dict:
-    return asdict(p)
 
 
 def plot(points: list[dict], path, title: str) -> None:

@@ -10,7 +10,7 @@ infinigen, h2o, int4) implements these calls and no model code knows which one i
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -56,21 +56,27 @@ class KVCache:
     dense_prefill = True  # a prompt attends over its exact KV (so one prefill may serve several policies)
 
     @classmethod
-    def build(cls, engine, batch: int, max_len: int, pages=None) -> KVCache:
-        """The cache for a batch of `batch` sequences of up to `max_len` tokens under `engine`'s options. `pages`
-        (blocks.Pages, one sequence): where a host pool keeps its rows in a paged pool's shared buffers (policies
-        whose KV stays on the device ignore it)."""
+    def configure(cls, opts, engine) -> Policy:
+        """This policy with `opts` (KVOptions), checked against `engine` once: the value a request runs with."""
+        opts.check()
+        return Policy(cls, opts)
+
+    @classmethod
+    def build(cls, engine, opts, batch: int, max_len: int, pages=None) -> KVCache:
+        """The cache for a batch of `batch` sequences of up to `max_len` tokens under `opts` (a configured policy's
+        options). `pages` (blocks.Pages, one sequence): where a host pool keeps its rows in a paged pool's shared
+        buffers (policies whose KV stays on the device ignore it)."""
         raise NotImplementedError
 
     @classmethod
-    def pool_slots(cls, engine, prompt: int, new: int, chunk: int) -> int:
+    def pool_slots(cls, opts, prompt: int, new: int, chunk: int) -> int:
         """The most token slots a request of `prompt` + `new` tokens, prefilled in chunks of at most `chunk`, ever
         holds per (sequence, KV head) in a paged pool: its reservation. Every token, unless eviction frees slots
         for reuse (the host-pool policies with a capacity)."""
         return prompt + new
 
     @classmethod
-    def kv_bytes(cls, engine, tokens: int, dtype_bytes: int) -> tuple[int, int, int]:
+    def kv_bytes(cls, engine, opts, tokens: int, dtype_bytes: int) -> tuple[int, int, int]:
         """For `tokens` (sequence, KV head, slot) triples per layer: (device bytes held, host bytes held, device
         bytes read by a decode step) of KV and its bookkeeping (bench's memory model and floor)."""
         raise NotImplementedError
@@ -109,17 +115,43 @@ class KVCache:
         """The cache's work is over: release what it holds besides memory (a worker thread, pinned pages)."""
 
 
+@dataclass(frozen=True)
+class Policy:
+    """A KV policy as a request runs it: the cache class and its options, checked and resolved against the engine
+    once (`KVCache.configure`); every cache the request needs is built from it."""
+
+    cls: type[KVCache]
+    opts: object  # KVOptions, with the engine's defaults resolved
+
+    @property
+    def name(self) -> str:
+        return self.cls.name
+
+    def build(self, engine, batch: int, max_len: int, pages=None) -> KVCache:
+        return self.cls.build(engine, self.opts, batch, max_len, pages)
+
+    def pool_slots(self, prompt: int, new: int, chunk: int) -> int:
+        return self.cls.pool_slots(self.opts, prompt, new, chunk)
+
+    def kv_bytes(self, engine, tokens: int, dtype_bytes: int) -> tuple[int, int, int]:
+        return self.cls.kv_bytes(engine, self.opts, tokens, dtype_bytes)
+
+    def with_options(self, engine, **changes) -> Policy:
+        """The same policy with some options changed (a server request's overrides), configured again."""
+        return self.cls.configure(replace(self.opts, **changes), engine)
+
+
 class DenseCache(KVCache):
     """All KV resident on the compute device in preallocated buffers (the `full` policy)."""
 
     name = "full"
 
     @classmethod
-    def build(cls, engine, batch, max_len, pages=None):
+    def build(cls, engine, opts, batch, max_len, pages=None):
         return cls(engine.cfg, batch, max_len, engine.device, engine.dtype)
 
     @classmethod
-    def kv_bytes(cls, engine, tokens, dtype_bytes):
+    def kv_bytes(cls, engine, opts, tokens, dtype_bytes):
         kv = tokens * 2 * engine.cfg.head_dim * dtype_bytes * engine.cfg.num_hidden_layers
         return kv, 0, kv
 

@@ -97,8 +97,9 @@ def generate(
     from infinigen_rt.bundle import read_bundle
     from infinigen_rt.engine import Engine
     from infinigen_rt.errors import InfinigenError, notice
+    from infinigen_rt.generate import generate as run
     from infinigen_rt.hub import resolve_bundle
-    from infinigen_rt.policies import KVOptions
+    from infinigen_rt.policies import KVOptions, configure, policy_class
     from infinigen_rt.runner import check_context
     from infinigen_rt.sampling import SamplingParams
     from infinigen_rt.system import resolve_device
@@ -125,7 +126,10 @@ def generate(
         tp = from_env(resolve_device(device), b.config)  # under torchrun: one rank of a tensor-parallel group
         follower = tp is not None and tp.rank != 0  # runs every step with rank 0, prints nothing
         kv = KVOptions(alpha, budget, max_kv, capacity, eviction, window, dense_layers, prefill_chunk, trace_recall)
-        engine = Engine(b, device=device, dtype=dtype, policy=policy, kv=kv, tp=tp)
+        policy_class(policy)  # before loading: a bad name or option fails fast
+        kv.check()
+        engine = Engine(b, device=device, dtype=dtype, tp=tp)
+        run_policy = configure(engine, policy, kv)
     tok = engine.tokenizer
     ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
     context = engine.cfg.max_position_embeddings
@@ -144,7 +148,7 @@ def generate(
     if progress:
         progress.start()
     try:
-        results, stats = engine.generate([ids], max_new_tokens, sampling, stop=stop, on_step=on_step)
+        results, stats = run(engine, [ids], max_new_tokens, sampling, stop, on_step, policy=run_policy)
     finally:
         if progress:
             progress.stop()
@@ -324,10 +328,11 @@ def serve(
     from infinigen_rt.bundle import read_bundle
     from infinigen_rt.engine import Engine
     from infinigen_rt.hub import resolve_bundle
-    from infinigen_rt.policies import KVOptions
+    from infinigen_rt.policies import KVOptions, configure, policy_class
     from infinigen_rt.runner import check_pool_options
+    from infinigen_rt.serve.ranks import control_group, follow
     from infinigen_rt.system import resolve_device
-    from infinigen_rt.tp import check_tp_option, control_group, follow, from_env, launch
+    from infinigen_rt.tp import check_tp_option, from_env, launch
 
     if check_tp_option(tp):
         raise typer.Exit(launch(tp, sys.argv[1:]))
@@ -345,17 +350,22 @@ def serve(
         alpha=alpha, budget=budget, max_kv=max_kv, capacity=capacity, eviction=eviction, window=window,
         dense_layers=dense_layers,
     )  # fmt: skip
+    policy_class(policy)  # before loading: a bad name or option fails fast
+    kv.check()
     b = read_bundle(path, verify=verify)
     tp = from_env(resolve_device(device), b.config)  # under torchrun: rank 0 serves, the others replay its steps
     if tp is not None and tp.rank != 0:
-        follow(Engine(b, device=device, dtype=dtype, policy=policy, kv=kv, tp=tp), tp, control_group())
+        engine = Engine(b, device=device, dtype=dtype, tp=tp)
+        configure(engine, policy, kv)  # the leader's checks: it fails alike
+        follow(engine, tp, control_group())
         return
     sock = _listen_socket(host, port)  # before loading: a taken port fails fast
     with err_console.status("loading bundle", spinner="dots"):
-        engine = Engine(b, device=device, dtype=dtype, policy=policy, kv=kv, tp=tp)
+        engine = Engine(b, device=device, dtype=dtype, tp=tp)
+        server_policy = configure(engine, policy, kv)
     name = model_name or (Path(bundle).name if Path(bundle).exists() else bundle)
     server_app = create_app(
-        engine, name, max_batch=max_batch, max_queue=max_queue, api_key=api_key, max_body=max_body,
+        engine, server_policy, name, max_batch=max_batch, max_queue=max_queue, api_key=api_key, max_body=max_body,
         prefill_chunk=prefill_chunk, kv_tokens=kv_tokens, kv_memory=kv_bytes,
     )  # fmt: skip
     port = sock.getsockname()[1]

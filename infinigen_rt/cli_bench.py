@@ -7,6 +7,7 @@ import os
 import platform
 import sys
 from contextlib import nullcontext
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -107,7 +108,7 @@ def bench_cmd(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from infinigen_rt import __version__
-    from infinigen_rt.bench import PRESETS, measure_bandwidths, plot, point_dict, run_points, synthetic_engine
+    from infinigen_rt.bench import PRESETS, measure_bandwidths, plot, run_points, synthetic_engine
     from infinigen_rt.engine import DTYPES
     from infinigen_rt.errors import InfinigenError
     from infinigen_rt.policies import RUNTIME_POLICIES
@@ -198,7 +199,7 @@ def bench_cmd(
             bar.update(task, description=f"{','.join(g)} batch {b} context {c}")
             pts = run_points(engine, model_name, g, b, c, gen, bw, budget=budget, max_kv=max_kv, alpha=alpha,
                              warmup=warmup, chunk=prefill_chunk, prompt=prompt, seed=seed, trace=trace)  # fmt: skip
-            meta["points"] += [point_dict(pt) for pt in pts]
+            meta["points"] += [asdict(pt) for pt in pts]
             if out and not follower:
                 save(out, meta)
             bar.advance(task)

@@ -19,7 +19,8 @@ import torch
 from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.files import pyplot, read_utf8, save_figure, write_atomic
-from infinigen_rt.policies import POLICIES, KVOptions, KVReport
+from infinigen_rt.policies import BASELINE, POLICIES, KVOptions, KVReport, Policy, configure
+from infinigen_rt.step import decode_step, prefill
 
 
 @dataclass
@@ -56,36 +57,35 @@ def text_ids(engine: Engine, path: str | Path, seq_len: int, score_from: int) ->
 
 
 @torch.inference_mode()
-def perplexity(engine: Engine, ids: list[int], score_from: int, progress=None) -> tuple[float, KVReport, int]:
-    """Teacher-forced perplexity of ids[score_from:] given what precedes, decoding token by token.
+def perplexity(engine: Engine, policy: Policy, ids: list[int], score_from: int,
+               progress=None) -> tuple[float, KVReport, int]:  # fmt: skip
+    """Teacher-forced perplexity of ids[score_from:] given what precedes, decoding token by token under `policy`.
 
     Returns (perplexity, the cache's report, decode steps)."""
     dev = engine.device
-    cache = engine.make_cache(1, len(ids))
-    x = torch.tensor([ids[:score_from]], device=dev)
-    pos = torch.arange(score_from, device=dev)[None]
-    logits = engine.prefill(cache, x, pos, torch.ones_like(x, dtype=torch.bool))
-    nll = [-torch.log_softmax(logits.float(), -1)[0, ids[score_from]]]
-    one = torch.ones(1, 1, dtype=torch.bool, device=dev)
-    steps = len(ids) - 1 - score_from
-    for i, t in enumerate(range(score_from, len(ids) - 1)):
-        logits = engine.model(torch.tensor([[ids[t]]], device=dev), torch.tensor([[t]], device=dev), cache, one,
-                              last_only=True)[:, -1]  # fmt: skip
-        nll.append(-torch.log_softmax(logits.float(), -1)[0, ids[t + 1]])
-        if progress:
-            progress(i + 1, steps)
-    report = cache.report()
-    cache.close()
-    return math.exp(torch.stack(nll).mean().item()), report, steps
+    cache = policy.build(engine, 1, len(ids))
+    try:
+        x = torch.tensor([ids[:score_from]], device=dev)
+        logits = prefill(engine, cache, x, torch.arange(score_from, device=dev)[None], policy.opts.prefill_chunk)
+        nll = [-torch.log_softmax(logits.float(), -1)[0, ids[score_from]]]
+        steps = len(ids) - 1 - score_from
+        for i, t in enumerate(range(score_from, len(ids) - 1)):
+            logits = decode_step(engine, cache, torch.tensor([[ids[t]]], device=dev), torch.tensor([[t]], device=dev))
+            nll.append(-torch.log_softmax(logits.float(), -1)[0, ids[t + 1]])
+            if progress:
+                progress(i + 1, steps)
+        return math.exp(torch.stack(nll).mean().item()), cache.report(), steps
+    finally:
+        cache.close()
 
 
 def configs(policies: list[str], budgets: list[float], alphas: list[float]) -> list[tuple]:
-    """(policy, budget, alpha) rows of the sweep, full first (every delta is against it): each policy over what
-    it sweeps (its `sweep`: budgets, and alphas for a speculating one), else once."""
-    out = [("full", None, None)]
+    """(policy, budget, alpha) rows of the sweep, the baseline first (every delta is against it): each policy over
+    what it sweeps (its `sweep`: budgets, and alphas for a speculating one), else once."""
+    out = [(BASELINE, None, None)]
     for p in policies:
         sweep = POLICIES[p].sweep
-        if p == "full":
+        if p == BASELINE:
             continue
         if "alpha" in sweep:
             out += [(p, b, a) for b in budgets for a in alphas]
@@ -100,20 +100,20 @@ def run_sweep(engine: Engine, ids, score_from, todo, done: list[Row], recall=Tru
     """Evaluate every (policy, budget, alpha) in `todo` not already in `done`; `on_row(rows)` after each."""
     rows = list(done)
     have = {r.key() for r in rows}
-    full = next((r.perplexity for r in rows if r.policy == "full"), None)
+    full = next((r.perplexity for r in rows if r.policy == BASELINE), None)
     for n, (policy, budget, alpha) in enumerate(todo):
         if (policy, budget, alpha) in have:
             continue
         traced = recall and "trace_recall" in POLICIES[policy].knobs
         kv = KVOptions(alpha=alpha, budget=budget or 1.0, trace_recall=traced)
-        e = engine.with_policy(policy, kv)
+        run = configure(engine, policy, kv)
         t0 = time.perf_counter()
         label = f"({n + 1}/{len(todo)}) {policy}" + (f" budget {budget}" if budget else "") + (
             f" alpha {alpha}" if alpha is not None else "")  # fmt: skip
         ppl, report, steps = perplexity(
-            e, ids, score_from, (lambda d, t, lb=label: progress(lb, d, t)) if progress else None
+            engine, run, ids, score_from, (lambda d, t, lb=label: progress(lb, d, t)) if progress else None
         )
-        if full is None and policy == "full":
+        if full is None and policy == BASELINE:
             full = ppl
         h2d = report.bytes_h2d
         share, attended = report.kv_fetched_share, report.kv_attended_share
@@ -160,13 +160,13 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
     """Perplexity change vs share of KV fetched, one line per policy (the paper's figure)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for policy in dict.fromkeys(r.policy for r in rows if r.policy != "full"):
+    for policy in dict.fromkeys(r.policy for r in rows if r.policy != BASELINE):
         pts = sorted((r.kv_fetched_share, r.delta_pct) for r in rows if r.policy == policy and r.kv_fetched_share)
         if pts:
             ax.plot([100 * x for x, _ in pts], [y for _, y in pts], marker="o", label=policy)
-    ax.axhline(0, color="gray", lw=0.8, ls="--", label="full")
+    ax.axhline(0, color="gray", lw=0.8, ls="--", label=BASELINE)
     ax.set_xlabel("share of KV fetched per step (%)")
-    ax.set_ylabel("perplexity change vs full (%)")
+    ax.set_ylabel(f"perplexity change vs {BASELINE} (%)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()

@@ -10,9 +10,9 @@ defines them (Hsieh et al., 2024):
               seeded random depths), all asked: scored as the share of the values the answer gives
               (RULER's string_match_all).
 
-The prompt is prefilled once for all the policies compared whose prefill is exact dense attention (each
-cache stores what it keeps of it; `int4`, whose prompt attends over its quantized KV, prefills on its own),
-then each policy decodes its own answer from its own cache.
+The prompt is prefilled once for all the policies compared whose prefill is exact dense attention (step.prefill
+over several caches: each stores what it keeps of it; `int4`, whose prompt attends over its quantized KV,
+prefills on its own), then each policy decodes its own answer from its own cache.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from infinigen_rt.cache import DenseCache, KVCache
+from infinigen_rt.cache import KVCache
 from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.files import pyplot, save_figure
-from infinigen_rt.policies import POLICIES, KVOptions
+from infinigen_rt.policies import BASELINE, POLICIES, KVOptions, configure
+from infinigen_rt.step import decode_step, prefill
 
 TASKS = ("single", "multikey", "multivalue")
 HEADER = (
@@ -157,38 +158,11 @@ def score(case: Case, answer: str) -> float:
     return float(bool(numbers) and numbers[0] == case.values[0])
 
 
-class SharedPrefill(KVCache):
-    """One prefill for several caches: each stores what it keeps; attention runs on the first, a DenseCache
-    (the exact prefill every policy computes). Only for the prefill: each cache then decodes on its own."""
-
-    def __init__(self, caches: list[KVCache]):
-        assert isinstance(caches[0], DenseCache)
-        self.caches = caches
-
-    def begin(self, valid, positions):
-        for c in self.caches:
-            c.begin(valid, positions)
-
-    def observe(self, layer, x):
-        for c in self.caches:
-            c.observe(layer, x)
-
-    def update(self, layer, q, k, v):
-        out = self.caches[0].update(layer, q, k, v)
-        for c in self.caches[1:]:
-            c.update(layer, q, k, v)
-        return out
-
-    def end(self):
-        for c in self.caches:
-            c.end()
-
-
 def configs(policies: list[str], budgets: list[float], alpha: float | None) -> list[tuple]:
-    """(policy, budget, alpha) to compare: full first, then each policy at each budget it sweeps."""
-    out = [("full", None, None)]
+    """(policy, budget, alpha) to compare: the baseline first, then each policy at each budget it sweeps."""
+    out = [(BASELINE, None, None)]
     for p in policies:
-        if p == "full":
+        if p == BASELINE:
             continue
         sweep = POLICIES[p].sweep
         if "budget" in sweep or "alpha" in sweep:
@@ -202,7 +176,6 @@ def greedy(engine: Engine, cache: KVCache, first: torch.Tensor, n: int, max_new:
     """Greedy tokens after a prefill of n tokens whose next token is `first`, up to max_new, an end of
     sequence, or the end of the line that holds a number (the answer is given)."""
     dev, tok, got = engine.device, first, []
-    one = torch.ones(1, 1, dtype=torch.bool, device=dev)
     for step in range(max_new):
         t = int(tok)
         if t in engine.tokenizer.eos_ids:
@@ -211,8 +184,7 @@ def greedy(engine: Engine, cache: KVCache, first: torch.Tensor, n: int, max_new:
         if "\n" in engine.tokenizer.decode([t]) and any(ch.isdigit() for ch in engine.tokenizer.decode(got)):
             break
         if step < max_new - 1:
-            tok = engine.model(tok.view(1, 1), torch.tensor([[n + step]], device=dev), cache, one, last_only=True)
-            tok = tok[:, -1].argmax(-1)
+            tok = decode_step(engine, cache, tok.view(1, 1), torch.tensor([[n + step]], device=dev)).argmax(-1)
     return got
 
 
@@ -231,17 +203,14 @@ def answer_all(engine: Engine, case: Case, todo: list[tuple]) -> list[Result]:
 def _answer(engine: Engine, case: Case, todo: list[tuple]) -> list[Result]:
     dev, n = engine.device, len(case.ids)
     max_new = MAX_NEW[case.task]
-    views = [engine.with_policy(p, KVOptions(alpha=a, budget=b or 1.0)) for p, b, a in todo]
-    caches = [POLICIES[v.policy].build(v, 1, n + max_new) for v in views]
-    if len(todo) == 1:
-        ref, prefill_cache = caches[0], caches[0]
-    else:
-        ref = caches[0] if todo[0][0] == "full" else DenseCache.build(engine, 1, n + max_new)
-        prefill_cache = SharedPrefill([ref] + [c for c in caches if c is not ref])
+    caches = [configure(engine, p, KVOptions(alpha=a, budget=b or 1.0)).build(engine, 1, n + max_new)
+              for p, b, a in todo]  # fmt: skip
+    ref = []  # a shared prefill attends on an exact dense cache: the baseline's, else one of its own
+    if len(todo) > 1:
+        ref = [] if todo[0][0] == BASELINE else [configure(engine, BASELINE).build(engine, 1, n + max_new)]
     try:
         x = torch.tensor([case.ids], device=dev)
-        positions, valid = torch.arange(n, device=dev)[None], torch.ones_like(x, dtype=torch.bool)
-        first = engine.prefill(prefill_cache, x, positions, valid).argmax(-1)
+        first = prefill(engine, ref + caches, x, torch.arange(n, device=dev)[None]).argmax(-1)
         out = []
         for (policy, budget, alpha), cache in zip(todo, caches, strict=True):
             text = engine.tokenizer.decode(greedy(engine, cache, first, n, max_new))
@@ -251,7 +220,7 @@ def _answer(engine: Engine, case: Case, todo: list[tuple]) -> list[Result]:
                               report.kv_attended_share))  # fmt: skip
         return out
     finally:
-        for c in {id(c): c for c in [ref, *caches]}.values():
+        for c in ref + caches:
             c.close()
 
 
@@ -276,7 +245,7 @@ def summary(results: list[Result]) -> list[dict]:
     groups: dict[tuple, list[Result]] = {}
     for r in results:
         groups.setdefault((r.policy, r.budget, r.alpha, r.context), []).append(r)
-    full = {k[3]: sum(r.score for r in v) / len(v) for k, v in groups.items() if k[0] == "full"}
+    full = {k[3]: sum(r.score for r in v) / len(v) for k, v in groups.items() if k[0] == BASELINE}
     rows = []
     for (policy, budget, alpha, context), rs in groups.items():
         acc = sum(r.score for r in rs) / len(rs)

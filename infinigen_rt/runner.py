@@ -1,6 +1,6 @@
 """Step-level generation: requests join and leave the running batch at every step (continuous batching).
 
-    runner = engine.runner(max_batch=8, prefill_chunk=512, kv_tokens=65536)
+    runner = Runner(engine, policy, max_batch=8, prefill_chunk=512, kv_tokens=65536)
     rid = runner.add(Request(prompt_ids, max_new_tokens=64))   # checked at once: a bad request raises here
     while runner.has_work:
         for out in runner.step():                              # each running request's new tokens
@@ -19,10 +19,10 @@ the host-pool policies (offload, infinigen, int4) keep its rows there; the polic
 device (full, h2o) count against the same blocks but keep their rows in device buffers of their own. Without
 `kv_tokens` every request's cache has buffers of its own and nothing limits admission but `max_batch`.
 
-Each request owns its cache, built by its own policy and options (resolved once against the bundle's defaults
-when it is added) and closed, its blocks returned, the moment it finishes or is aborted. The decode forward is
+Each request owns its cache, built by its own policy (a policies.Policy, the runner's unless the request brings
+one) and closed, its blocks returned, the moment it finishes or is aborted. The decode forward is
 one batched pass through the model whose attention each row does through its own cache (cache.Rows), so a
-request's tokens are the same whichever requests share its steps.
+request's tokens are the same whichever requests share its steps. The model runs in step.py's two functions.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ import torch
 from infinigen_rt.blocks import HostBlocks
 from infinigen_rt.cache import KVReport, Rows, merge_reports
 from infinigen_rt.errors import InfinigenError
-from infinigen_rt.policies import POLICIES, KVOptions
+from infinigen_rt.policies import Policy
 from infinigen_rt.sampling import SamplingParams, sample
+from infinigen_rt.step import decode_step, prefill
 from infinigen_rt.system import Clock, host_available, to_device
 from infinigen_rt.tp import total_report
 
@@ -87,8 +88,8 @@ class Request:
     max_new_tokens: int = 64
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
-    policy: str | None = None  # None: the runner's
-    kv: KVOptions | None = None  # None: the runner's
+    policy: Policy | None = None  # None: the runner's
+    ignore_eos: bool = False  # run to max_new_tokens whatever is sampled (bench's fixed-length steps)
 
 
 @dataclass
@@ -110,7 +111,7 @@ class Output:
 class _Seq:
     id: int
     req: Request
-    view: Engine  # the engine with this request's policy and options
+    policy: Policy
     need: int  # KV slots it reserves in the pool: prompt + new tokens, fewer where eviction frees slots for reuse
     gen: torch.Generator | None
     cache: object = None
@@ -127,14 +128,18 @@ class Runner:
     """See the module docstring. One thread drives a runner (the server's scheduler thread, or `generate`)."""
 
     def __init__(
-        self, engine: Engine, *, max_batch: int = 8, prefill_chunk: int | None = 512, kv_tokens: int | None = None,
+        self, engine: Engine, policy: Policy, *, max_batch: int = 8, prefill_chunk: int | None = 512,
+        kv_tokens: int | None = None, max_positions: int | None = None,
     ):  # fmt: skip
+        """`policy`: what a request that brings none runs; `max_positions`: the most tokens a request may reach
+        (default: the model's context)."""
         if max_batch < 1:
             raise InfinigenError(f"--max-batch must be >= 1, got {max_batch}")
         if prefill_chunk is not None and prefill_chunk < 1:
             raise InfinigenError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
         check_pool_options(kv_tokens)
-        self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
+        self.engine, self.policy, self.max_batch, self.prefill_chunk = engine, policy, max_batch, prefill_chunk
+        self.max_positions = max_positions or engine.cfg.max_position_embeddings
         self.pool = None if kv_tokens is None else HostBlocks(kv_tokens // BLOCK_TOKENS, BLOCK_TOKENS, engine.device)
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []  # admitted: prefilling (done < prompt) or decoding, in arrival order
@@ -154,16 +159,15 @@ class Runner:
     # ---- requests in and out
 
     def add(self, req: Request) -> int:
-        """Queue a request; its checks (context, limits, policy and options) fail here, not at a later step."""
+        """Queue a request; its checks (context, limits, room in the pool) fail here, not at a later step."""
         eng = self.engine
         if not req.prompt_ids:
             raise InfinigenError("every prompt needs at least one token")
         if req.max_new_tokens < 1:
             raise InfinigenError(f"max-new-tokens must be >= 1, got {req.max_new_tokens}")
-        check_context(len(req.prompt_ids), req.max_new_tokens, eng.cfg.max_position_embeddings)
-        policy, kv = req.policy or eng.policy, req.kv or eng.kv
-        view = eng if (policy, kv) == (eng.policy, eng.kv) else eng.with_policy(policy, kv)
-        need = reserved(view, len(req.prompt_ids), req.max_new_tokens, self.prefill_chunk)
+        check_context(len(req.prompt_ids), req.max_new_tokens, self.max_positions)
+        policy = req.policy or self.policy
+        need = reserved(policy, len(req.prompt_ids), req.max_new_tokens, self.prefill_chunk)
         if self.pool is not None and blocks(need) > self.pool.alloc.n_blocks:
             raise InfinigenError(
                 f"the request needs {need} tokens of KV (prompt + max-new-tokens) but the KV pool holds "
@@ -171,7 +175,7 @@ class Runner:
             )
         seed = req.sampling.seed
         gen = torch.Generator(device=eng.device).manual_seed(seed) if seed is not None else None
-        seq = _Seq(next(self.ids), req, view, need, gen)
+        seq = _Seq(next(self.ids), req, policy, need, gen)
         self.waiting.append(seq)
         return seq.id
 
@@ -190,6 +194,11 @@ class Runner:
                 return self._result(seq)
         return None
 
+    def close(self) -> None:
+        """Abort every request (waiting or running): their KV is freed."""
+        for seq in [*self.waiting, *self.running]:
+            self.abort(seq.id)
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -203,6 +212,10 @@ class Runner:
     def report(self) -> KVReport:
         """The KV report over the requests that have ended (see cache.merge_reports)."""
         return merge_reports(self.reports)
+
+    def live_report(self) -> KVReport:
+        """The KV report over the running requests, so far (bench reads it before and after its timed steps)."""
+        return merge_reports([s.cache.report() for s in self.running if s.cache is not None])
 
     # ---- a step
 
@@ -224,7 +237,7 @@ class Runner:
             self.waiting.popleft()
             pages = None if self.pool is None else self.pool.pages(seq.id, seq.need)
             try:
-                seq.cache = seq.view.make_cache(1, len(seq.req.prompt_ids) + seq.req.max_new_tokens, pages)
+                seq.cache = seq.policy.build(self.engine, 1, len(seq.req.prompt_ids) + seq.req.max_new_tokens, pages)
             except Exception:
                 seq.reason = "error"
                 self._free(seq)
@@ -238,15 +251,15 @@ class Runner:
             if budget is not None and budget <= 0:
                 break
             prompt = seq.req.prompt_ids
-            chunk = seq.view.kv.prefill_chunk or budget or len(prompt)
+            chunk = seq.policy.opts.prefill_chunk or budget or len(prompt)
             n = min(len(prompt) - seq.done, chunk, budget or chunk)
             ids = to_device(torch.tensor([prompt[seq.done : seq.done + n]]), dev)
             pos = torch.arange(seq.done, seq.done + n, device=dev)[None]
             try:
                 with self.prefill_clock.span():
-                    logits = self.engine.model(ids, pos, seq.cache, None, last_only=True)
+                    logits = prefill(self.engine, seq.cache, ids, pos)
                     if seq.done + n == len(prompt):
-                        seq.pending = sample(logits[:, -1], seq.req.sampling, seq.gen)
+                        seq.pending = sample(logits, seq.req.sampling, seq.gen)
                         seq.pos = torch.full((1, 1), len(prompt), device=dev)  # the pending token's position
             except Exception:
                 self._fail([seq])
@@ -270,7 +283,7 @@ class Runner:
         pos = torch.cat([s.pos for s in rows])  # [B, 1]
         cache = rows[0].cache if len(rows) == 1 else Rows([s.cache for s in rows])
         try:
-            logits = self.engine.model(ids, pos, cache, None, last_only=True)[:, -1]
+            logits = decode_step(self.engine, cache, ids, pos)
             toks = sample_rows(logits, [s.req.sampling for s in rows], [s.gen for s in rows])
             nxt = pos + 1
             got = toks.tolist()  # the one host sync a step: the sampled tokens
@@ -287,7 +300,7 @@ class Runner:
     def _take(self, seq: _Seq, t: int, outs: dict[int, Output]) -> None:
         """A sampled token: the end (eos), or one more token, then maybe a stop string or the limit."""
         out = outs.setdefault(seq.id, Output(seq.id, [], seq.out))
-        if t in self.eos:
+        if t in self.eos and not seq.req.ignore_eos:
             seq.reason = "stop"
         else:
             seq.out.append(t)
@@ -336,26 +349,27 @@ def check_pool_options(kv_tokens: int | None, kv_memory: int | None = None) -> N
         raise InfinigenError("--kv-tokens and --kv-memory both size the KV pool: give one of them")
 
 
-def reserved(view: Engine, prompt: int, new: int, step_chunk: int | None) -> int:
-    """The KV slots a request of `prompt` + `new` tokens reserves under `view`'s policy, prefilled in chunks of at
-    most its own prefill chunk, else the step's (`step_chunk`), else the whole prompt."""
-    chunk = view.kv.prefill_chunk or step_chunk or max(prompt, 1)
-    return POLICIES[view.policy].pool_slots(view, prompt, new, chunk)
+def reserved(policy: Policy, prompt: int, new: int, step_chunk: int | None) -> int:
+    """The KV slots a request of `prompt` + `new` tokens reserves under `policy`, prefilled in chunks of at most
+    its own prefill chunk, else the step's (`step_chunk`), else the whole prompt."""
+    chunk = policy.opts.prefill_chunk or step_chunk or max(prompt, 1)
+    return policy.pool_slots(prompt, new, chunk)
 
 
-def pool_tokens(engine: Engine, max_batch: int, kv_tokens: int | None = None, kv_memory: int | None = None) -> int:
-    """The paged pool's size in tokens: `kv_tokens`; or `kv_memory` bytes at the engine's policy's bytes per token
+def pool_tokens(engine: Engine, policy: Policy, max_batch: int, kv_tokens: int | None = None,
+                kv_memory: int | None = None) -> int:  # fmt: skip
+    """The paged pool's size in tokens: `kv_tokens`; or `kv_memory` bytes at the policy's bytes per token
     (host memory for a host-pool policy, device memory for the others); or by default room for `max_batch`
     requests of the model's whole context, for a host-pool policy at most half the host memory available now."""
     check_pool_options(kv_tokens, kv_memory)
-    device, host, _ = POLICIES[engine.policy].kv_bytes(engine, engine.cfg.num_key_value_heads, engine.dtype.itemsize)
+    device, host, _ = policy.kv_bytes(engine, engine.cfg.num_key_value_heads, engine.dtype.itemsize)
     per_token = host or device
     if kv_tokens is None and kv_memory is not None:
         kv_tokens = kv_memory // per_token
         if kv_tokens < BLOCK_TOKENS:
             raise InfinigenError(
                 f"--kv-memory {kv_memory} bytes holds {kv_tokens} tokens of KV ({per_token} bytes each under "
-                f"{engine.policy}); give at least {BLOCK_TOKENS * per_token} bytes (one block)"
+                f"{policy.name}); give at least {BLOCK_TOKENS * per_token} bytes (one block)"
             )
     if kv_tokens is None:
         kv_tokens = max_batch * engine.cfg.max_position_embeddings
@@ -379,18 +393,9 @@ def check_context(prompt_tokens: int, new_tokens: int, context: int) -> None:
         )
 
 
-def per_row(value, b: int, name: str, nested: bool = False) -> list:
-    """One value for every row, or a list of exactly b values."""
-    is_list = isinstance(value, list) and (not nested or (value and isinstance(value[0], list)))
-    if not is_list:
-        return [value] * b
-    if len(value) != b:
-        raise InfinigenError(f"{name}: {len(value)} values for {b} prompts")
-    return value
-
-
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens) -> torch.Tensor:
     """Next tokens [B]: one batched call when every row samples the same way, else row by row."""
     if all(p == params[0] for p in params) and all(g is None for g in gens):
         return sample(logits, params[0], None)
     return torch.cat([sample(logits[i : i + 1], p, g) for i, (p, g) in enumerate(zip(params, gens, strict=True))])
+

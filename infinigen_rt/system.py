@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import os
+import sys
 import time
 from contextlib import contextmanager
 
@@ -230,3 +232,22 @@ class Clock:
             self.done += start.elapsed_time(end) / 1000
         self.pending = left
         return self.done
+
+
+def keep_host_heap() -> None:
+    """Keep freed mid-sized host blocks in the heap (glibc only; an explicit MALLOC_* setting wins).
+
+    By default glibc hands blocks above 128 KiB back to the OS on free and takes fresh zeroed pages on the
+    next allocation. A CPU decode step allocates dozens of such temporaries per layer (scores over the
+    context, fetched rows), so it pays page faults on every one: measured on SmolLM2 at 8k context on the
+    2-core VM, infinigen 160 -> 118 ms per step, full 131 -> 129. Blocks up to 32 MiB now come from the heap,
+    and the heap is not trimmed; the process keeps its peak footprint instead."""
+    if not sys.platform.startswith("linux") or any(k.startswith("MALLOC_") for k in os.environ):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (musl): nothing to tune
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 32 << 20)
+    libc.mallopt(m_trim_threshold, 1 << 30)

@@ -1,10 +1,12 @@
 """KV policies by name: how one engine treats KV. A policy is one KVCache subclass; everything a caller needs
 (its options, what it reports, its memory needs, whether it speculates) is on the class, so adding a policy
-adds an entry here and touches no model code and no caller."""
+adds an entry here and touches no model code and no caller. A request runs a `Policy` value: the class with its
+options, checked against the engine once (`configure`)."""
 
 from __future__ import annotations
 
-from infinigen_rt.cache import DenseCache, KVCache, KVReport
+from infinigen_rt.cache import DenseCache, KVCache, KVReport, Policy
+from infinigen_rt.errors import InfinigenError
 from infinigen_rt.policies.h2o import H2OCache
 from infinigen_rt.policies.infinigen import InfinigenCache
 from infinigen_rt.policies.int4 import Int4Cache
@@ -17,5 +19,19 @@ POLICIES: dict[str, type[KVCache]] = {
 }
 # oracle: eval only, the true top-k per query head (an upper bound, a mask over dense attention)
 RUNTIME_POLICIES = tuple(name for name, cls in POLICIES.items() if cls.runtime)
+BASELINE = DenseCache.name  # what eval and needle measure every other policy against
 
-__all__ = ["POLICIES", "RUNTIME_POLICIES", "KVOptions", "KVReport"]
+
+def policy_class(name: str) -> type[KVCache]:
+    """The policy called `name` (a one-line error naming the others)."""
+    if name not in POLICIES:
+        raise InfinigenError(f"unknown policy {name!r}; available: {', '.join(POLICIES)}")
+    return POLICIES[name]
+
+
+def configure(engine, name: str = BASELINE, opts: KVOptions | None = None) -> Policy:
+    """The policy `name` with `opts` (default options if None), checked against `engine`: one-line errors."""
+    return policy_class(name).configure(opts or KVOptions(), engine)
+
+
+__all__ = ["BASELINE", "POLICIES", "RUNTIME_POLICIES", "KVOptions", "KVReport", "Policy", "configure", "policy_class"]

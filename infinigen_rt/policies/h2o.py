@@ -25,12 +25,12 @@ class H2OCache(DenseCache):
     scores = True  # its attention builds the scores over the context
 
     @classmethod
-    def build(cls, engine, batch, max_len, pages=None):
-        return cls(engine.cfg, batch, max_len, engine.device, engine.dtype, engine.kv)
+    def build(cls, engine, opts, batch, max_len, pages=None):
+        return cls(engine.cfg, batch, max_len, engine.device, engine.dtype, opts)
 
     @classmethod
-    def kv_bytes(cls, engine, tokens, dtype_bytes):
-        kv, _, read = super().kv_bytes(engine, tokens, dtype_bytes)
+    def kv_bytes(cls, engine, opts, tokens, dtype_bytes):
+        kv, _, read = super().kv_bytes(engine, opts, tokens, dtype_bytes)
         state = tokens * 5 * engine.cfg.num_hidden_layers  # alive flags and accumulated scores (fp32)
         return kv + state, 0, read
 

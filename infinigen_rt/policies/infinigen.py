@@ -79,17 +79,28 @@ class InfinigenCache(OffloadCache):
     }  # fmt: skip
 
     @classmethod
-    def build(cls, engine, batch, max_len, pages=None):
-        tensors, defaults = engine.speculation()
+    def configure(cls, opts, engine):
+        """Needs the bundle's InfiniGen tensors (a one-line error for a bundle converted without them); the dense
+        layers resolved (the option, else the bundle's default) and leaving a layer to speculate."""
+        engine.require_speculation()
+        opts = replace(opts, dense_layers=opts.dense_layers or engine.dense_layers)
+        if opts.dense_layers >= engine.cfg.num_hidden_layers:
+            raise InfinigenError(f"--dense-layers {opts.dense_layers} leaves no layer to speculate (the model has "
+                                 f"{engine.cfg.num_hidden_layers})")  # fmt: skip
+        return super().configure(opts, engine)
+
+    @classmethod
+    def build(cls, engine, opts, batch, max_len, pages=None):
+        tensors, defaults = engine.speculation
         return cls(
-            engine.cfg, batch, max_len, engine.device, engine.dtype, engine.kv, engine.model, tensors, defaults, pages,
+            engine.cfg, batch, max_len, engine.device, engine.dtype, opts, engine.model, tensors, defaults, pages,
             engine.tp,
         )  # fmt: skip
 
     @classmethod
-    def kv_bytes(cls, engine, tokens, dtype_bytes):
-        dense = engine.dense_layers()
-        d_prime = next(t for k, t in engine.speculation()[0].items() if k.endswith("partial_idx")).shape[-1]
+    def kv_bytes(cls, engine, opts, tokens, dtype_bytes):
+        dense = opts.dense_layers
+        d_prime = next(t for k, t in engine.speculation[0].items() if k.endswith("partial_idx")).shape[-1]
         device, host, read = cls.pool_bytes(engine, tokens, 2 * engine.cfg.head_dim * dtype_bytes, dense)
         partial = tokens * d_prime * dtype_bytes * (engine.cfg.num_hidden_layers - dense)  # read every step
         return device + partial, host, read + partial
@@ -99,7 +110,7 @@ class InfinigenCache(OffloadCache):
     ):  # fmt: skip
         """`tp`: one rank of a tensor-parallel group (cfg and tensors: its heads); the fetch count, a mean over every
         query head, is all-reduced, and on a CPU speculation runs inline (collectives in one order on every rank)."""
-        dense = defaults["dense_layers"] if opts.dense_layers is None else opts.dense_layers
+        dense = opts.dense_layers
         # the dense layers stay on the device
         super().__init__(cfg, batch, max_len, device, dtype, opts, resident=dense, pages=pages)
         self.alpha = defaults["alpha"] if opts.alpha is None else opts.alpha

@@ -79,7 +79,7 @@ class Int4Cache(OffloadCache):
     dense_prefill = False  # the prompt attends over its own quantized KV
 
     @classmethod
-    def kv_bytes(cls, engine, tokens, dtype_bytes):
+    def kv_bytes(cls, engine, opts, tokens, dtype_bytes):
         d = engine.cfg.head_dim
         return cls.pool_bytes(engine, tokens, 2 * (d // 2 + 4 * (d // group_size(d))), resident=0)
 

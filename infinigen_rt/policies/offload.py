@@ -77,20 +77,19 @@ class OffloadCache(KVCache):
     layer_copy = True  # a decode step fetches whole layers (on a GPU: one block per tensor, one layer ahead)
 
     @classmethod
-    def build(cls, engine, batch, max_len, pages=None):
-        return cls(engine.cfg, batch, max_len, engine.device, engine.dtype, engine.kv, pages=pages)
+    def build(cls, engine, opts, batch, max_len, pages=None):
+        return cls(engine.cfg, batch, max_len, engine.device, engine.dtype, opts, pages=pages)
 
     @classmethod
-    def kv_bytes(cls, engine, tokens, dtype_bytes):
+    def kv_bytes(cls, engine, opts, tokens, dtype_bytes):
         return cls.pool_bytes(engine, tokens, 2 * engine.cfg.head_dim * dtype_bytes, resident=0)
 
     @classmethod
-    def pool_slots(cls, engine, prompt, new, chunk):
+    def pool_slots(cls, opts, prompt, new, chunk):
         """With a capacity, what KVPool.insert and evict do to one sequence, replayed on counts: a pass of s tokens
         takes min(free, s) freed slots and grows the pool by the rest, then eviction keeps at most the capacity.
         The largest chunk gives the largest peak (a smaller pass fits inside a larger one's span, and the kept
         count grows at most one per token), so chunks split by a step's prefill budget never need more."""
-        opts = engine.kv
         if opts.capacity is None:
             return prompt + new
         fill = held = length = peak = 0
@@ -137,15 +136,17 @@ class OffloadCache(KVCache):
         self.step = 0
         self.padded = False  # some slot holds padding (decode steps bring none: see KVCache.begin)
         self.prefetch = prefetcher(self.device, overlap=False)
-        # a pool of its own moves a layer as one block per tensor; a paged pool's layer is a block per 16 tokens, so
-        # there the gather kernel reads its rows (one launch per layer)
-        side = isinstance(self.prefetch, SideStream)
-        self.block_copy = self.layer_copy and side and type(self).pool_class is KVPool and pages is None
-        # the blocks land in two device buffers used in turn (layer i reads one while layer i+1's copy fills the
+        # on a GPU a decode step moves layer i+1 on the side stream while layer i computes: a pool of its own as one
+        # block per tensor; a paged pool's layer is a block per 16 tokens, so there the gather kernel reads its rows
+        # (one launch per layer)
+        self.ahead = self.layer_copy and isinstance(self.prefetch, SideStream) and type(self).pool_class is KVPool
+        self.paged = pages is not None
+        self.block_copy = self.ahead and not self.paged
+        # the layers land in two device buffers used in turn (layer i reads one while layer i+1's copy fills the
         # other): device memory is fixed before the first step. A fresh block per layer, freed on the compute stream
         # while the host runs ahead of the copy engine, could not be reused before the copies caught up: up to a
         # step's worth of blocks (Llama-2-7B at 4 x 32k: 32 of 2 GiB)
-        self.blocks = self.layer_blocks() if self.block_copy else None
+        self.blocks = self.layer_blocks() if self.ahead else None
 
     def begin(self, valid, positions) -> None:
         if self.resident is not None:
@@ -176,14 +177,25 @@ class OffloadCache(KVCache):
         return not self.padded and not self.pools[layer].holes
 
     def observe(self, layer: int, x: torch.Tensor) -> None:
-        j = layer + 1  # the next pooled layer's block, one layer ahead on the side stream
-        if self.block_copy and self.valid.shape[1] == 1 and j < len(self.pools) and self.pools[j] is not None:
-            self.prefetch.start(j, self.copy_block, j)
+        j = layer + 1  # the next pooled layer, one layer ahead on the side stream
+        if self.ahead and self.valid.shape[1] == 1 and j < len(self.pools) and self.pools[j] is not None:
+            self.prefetch.start(j, self.copy_layer, j)
 
     def layer_blocks(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The two (keys, values) device buffers of whole-layer copies: [slots + 1, B, Hkv, D] each."""
+        """The two (keys, values) device buffers of whole-layer copies: [slots + 1, B, Hkv, D] each (block copies
+        fill them slot-major; the gather kernel's rows, sequence-major, use their bytes as [B, Hkv, slots + 1, D])."""
         pool = next(p for p in self.pools if p is not None)
         return device_pairs((pool.slots + 1, pool.batch, pool.n_kv, pool.k.shape[-1]), pool.k.dtype, self.device)
+
+    def copy_layer(self, j: int):
+        """Layer j's held KV with a row for the new token, [B, Hkv, fill + 1, D] in buffer j % 2: one block per
+        tensor (a pool of its own), or the gather kernel's rows (a paged pool)."""
+        if self.block_copy:
+            return self.copy_block(j)
+        pool = self.pools[j]
+        slots, _ = pool.held_slots()
+        out = tuple(buf.view(pool.batch, pool.n_kv, -1, buf.shape[-1]) for buf in self.blocks[j % 2])
+        return pool.gather(slots, None, 1, out=out)
 
     def copy_block(self, j: int):
         """Layer j's held KV as one contiguous block per tensor, with a row for the new token: [B, Hkv, fill + 1, D]
@@ -200,8 +212,8 @@ class OffloadCache(KVCache):
         pool = self.pools[layer]
         slots, ok = pool.held_slots()
         b, h, n = slots.shape
-        if self.block_copy and extra == 1:  # the block: the held rows only
-            k, v = self.prefetch.take(layer) if layer in self.prefetch else self.copy_block(layer)
+        if self.ahead and extra == 1:  # the layer: the held rows only
+            k, v = self.prefetch.take(layer) if layer in self.prefetch else self.copy_layer(layer)
             self.stats.h2d[layer] += b * h * n * pool.row_bytes
         else:  # rows by row; index_select (not the kernel) copies one for each new token too (overwritten)
             k, v = pool.gather(slots, None, extra)

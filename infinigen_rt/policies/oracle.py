@@ -5,6 +5,7 @@ selector at that budget; a mask over dense attention, so it measures accuracy, n
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -20,8 +21,13 @@ class OracleCache(DenseCache):
     scores = True
 
     @classmethod
-    def build(cls, engine, batch, max_len, pages=None):
-        return cls(engine.cfg, batch, max_len, engine.device, engine.dtype, engine.kv, engine.dense_layers())
+    def configure(cls, opts, engine):
+        """The dense layers resolved: the option, else the bundle's default."""
+        return super().configure(replace(opts, dense_layers=opts.dense_layers or engine.dense_layers), engine)
+
+    @classmethod
+    def build(cls, engine, opts, batch, max_len, pages=None):
+        return cls(engine.cfg, batch, max_len, engine.device, engine.dtype, opts, opts.dense_layers)
 
     def __init__(self, cfg, batch, max_len, device, dtype, opts: KVOptions, dense_layers: int):
         super().__init__(cfg, batch, max_len, device, dtype)

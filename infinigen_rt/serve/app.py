@@ -9,7 +9,6 @@ import json
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import replace
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
@@ -21,7 +20,7 @@ from starlette.exceptions import HTTPException
 from infinigen_rt import __version__
 from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
-from infinigen_rt.policies import POLICIES, KVOptions
+from infinigen_rt.policies import POLICIES, Policy
 from infinigen_rt.sampling import SamplingParams
 from infinigen_rt.serve.metrics import CountRequests, Metrics
 from infinigen_rt.serve.protocol import (
@@ -53,16 +52,17 @@ def body_limit(context: int) -> int:
 
 
 def create_app(
-    engine: Engine, model_name: str, *, max_batch: int = 8, max_queue: int = 64, api_key: str | None = None,
-    prefill_chunk: int | None = 512, kv_tokens: int | None = None, kv_memory: int | None = None,
-    max_body: int | None = None,
+    engine: Engine, policy: Policy, model_name: str, *, max_batch: int = 8, max_queue: int = 64,
+    api_key: str | None = None, prefill_chunk: int | None = 512, kv_tokens: int | None = None,
+    kv_memory: int | None = None, max_body: int | None = None,
 ) -> FastAPI:  # fmt: skip
-    """An app serving `engine` as `model_name`; its scheduler thread runs while the app does (lifespan).
+    """An app serving `engine` with `policy` (a request may override some of its options) as `model_name`; its
+    scheduler thread runs while the app does (lifespan).
 
     `max_body`: larger request bodies get a 413 before they are parsed (default: `body_limit(context)`)."""
     metrics = Metrics()
     scheduler = Scheduler(
-        engine, max_batch=max_batch, max_queue=max_queue, metrics=metrics, prefill_chunk=prefill_chunk,
+        engine, policy, max_batch=max_batch, max_queue=max_queue, metrics=metrics, prefill_chunk=prefill_chunk,
         kv_tokens=kv_tokens, kv_memory=kv_memory,
     )  # fmt: skip
     tok, context, started = engine.tokenizer, engine.cfg.max_position_embeddings, int(time.time())
@@ -107,7 +107,7 @@ def create_app(
             max_tokens,
             sampling,
             body.stops(),
-            kv_options(engine, scheduler.base_kv, body.infinigen),
+            request_policy(engine, policy, body.infinigen),
             emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
             stream=body.stream,
         )
@@ -215,23 +215,20 @@ def fit_context(prompt_tokens: int, requested: int | None, default: int, context
     return requested
 
 
-def kv_options(engine: Engine, base: KVOptions, o: KVOverrides | None) -> KVOptions:
-    """The server's KV options with this request's `infinigen` overrides (only those its policy reads)."""
+def request_policy(engine: Engine, base: Policy, o: KVOverrides | None) -> Policy:
+    """The server's policy with this request's `infinigen` overrides (only options the policy reads)."""
     if o is None or (o.alpha is None and o.budget is None):
         return base
-    knobs = POLICIES[engine.policy].knobs
+    knobs = base.cls.knobs
     for name in ("alpha", "budget"):
         if getattr(o, name) is not None and name not in knobs:
             users = [n for n, cls in POLICIES.items() if cls.runtime and name in cls.knobs]
             which = " and ".join(users) + (" policy" if len(users) == 1 else " policies")
             raise APIError(
-                400, f"infinigen.{name} applies to the {which}; this server runs {engine.policy}", "infinigen"
+                400, f"infinigen.{name} applies to the {which}; this server runs {base.name}", "infinigen"
             )
-    kv = replace(
-        base, alpha=base.alpha if o.alpha is None else o.alpha, budget=base.budget if o.budget is None else o.budget
-    )
-    kv.check()
-    return kv
+    changes = {name: getattr(o, name) for name in ("alpha", "budget") if getattr(o, name) is not None}
+    return base.with_options(engine, **changes)
 
 
 async def wait_done(request: Request, scheduler: Scheduler, job: Job, events: asyncio.Queue) -> Done | None:

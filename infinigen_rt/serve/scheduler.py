@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
-from infinigen_rt.policies import KVOptions
-from infinigen_rt.runner import Request
+from infinigen_rt.policies import Policy
+from infinigen_rt.runner import Request, Runner, pool_tokens
 from infinigen_rt.sampling import SamplingParams
 from infinigen_rt.serve.metrics import Metrics
 
@@ -85,7 +85,7 @@ class Job:
     max_tokens: int
     sampling: SamplingParams
     stop: list[str]
-    kv: KVOptions  # this request's (the server's, with its overrides)
+    policy: Policy  # this request's (the server's, with its overrides)
     emit: Callable[[str | Done | Failed], None]
     stream: bool = False
     cancelled: bool = False  # set from the HTTP side when the client leaves
@@ -104,19 +104,22 @@ class Scheduler:
     def __init__(
         self,
         engine: Engine,
+        policy: Policy,
         max_batch: int = 8,
         max_queue: int = 64,
         metrics: Metrics | None = None,
         prefill_chunk: int | None = 512,
         kv_tokens: int | None = None,
         kv_memory: int | None = None,
+        runner_class=Runner,
     ):
-        self.engine, self.base_kv = engine, engine.kv
-        kv_tokens = engine.pool_tokens(max_batch, kv_tokens, kv_memory)
-        params = {"max_batch": max_batch, "prefill_chunk": prefill_chunk, "kv_tokens": kv_tokens}
-        self.runner = engine.runner(**params)
+        """`policy`: the server's (a request may bring its own); `runner_class`: what runs the steps (a test's fake)."""
+        self.engine, self.policy = engine, policy
+        kv_tokens = pool_tokens(engine, policy, max_batch, kv_tokens, kv_memory)
+        params = {"policy": policy, "max_batch": max_batch, "prefill_chunk": prefill_chunk, "kv_tokens": kv_tokens}
+        self.runner = runner_class(engine, **params)
         if getattr(engine, "tp", None) is not None:  # rank 0 of a tensor-parallel group: the others replay it
-            from infinigen_rt.tp import Leader, control_group
+            from infinigen_rt.serve.ranks import Leader, control_group
 
             self.runner = Leader(self.runner, engine.tp, control_group(), params)
         self.max_queue = max_queue
@@ -198,7 +201,7 @@ class Scheduler:
             if job.cancelled:
                 self.metrics.count_cancelled()
                 continue
-            req = Request(job.prompt_ids, job.max_tokens, job.sampling, job.stop, kv=job.kv)
+            req = Request(job.prompt_ids, job.max_tokens, job.sampling, job.stop, policy=job.policy)
             try:
                 self.jobs[self.runner.add(req)] = job
             except InfinigenError as e:

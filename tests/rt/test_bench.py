@@ -4,6 +4,7 @@ reports against what the policies must move, out-of-memory rows, the overlap ari
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,9 +12,7 @@ import torch
 from infinigen_rt.bench import (
     interval_overlap,
     is_oom,
-    kv_row_bytes,
     preset_config,
-    run_point,
     run_points,
     synthetic_engine,
 )
@@ -53,9 +52,9 @@ def test_bench_cli_smoke_every_policy(tmp_path):
 def test_offload_bytes_are_every_held_row(smol_synthetic):
     cfg = preset_config("smollm2-135m")
     ctx, warm, gen, b = 40, 2, 4, 2
-    p = run_point(smol_synthetic, "t", "offload", b, ctx, gen, BW, warmup=warm, trace=False)
+    (p,) = run_points(smol_synthetic, "t", ["offload"], b, ctx, gen, BW, warmup=warm, trace=False)
     held = ctx + warm + (gen - 1) / 2 + 1  # mean over the timed steps of held tokens plus the new one's row
-    row = kv_row_bytes(cfg, torch.float32)
+    row = 2 * cfg.head_dim * 4  # K and V of one token, one KV head, one layer, fp32
     assert p.h2d_bytes_per_step == pytest.approx(cfg.num_hidden_layers * cfg.num_key_value_heads * b * held * row)
     assert p.d2h_bytes_per_step == cfg.num_hidden_layers * cfg.num_key_value_heads * b * row  # the new token
     assert p.kv_fetched_share == 1.0
@@ -66,20 +65,20 @@ def test_side_by_side_points_move_what_each_policy_moves_alone(smol_synthetic):
     together = run_points(smol_synthetic, "t", ["offload", "infinigen", "full"], 2, 64, 4, BW, **kw)
     assert [p.policy for p in together] == ["offload", "infinigen", "full"] and all(p.status == "ok" for p in together)
     for p in together:  # each policy's own cache and counters, as if it had run alone
-        alone = run_point(smol_synthetic, "t", p.policy, 2, 64, 4, BW, **kw)
+        (alone,) = run_points(smol_synthetic, "t", [p.policy], 2, 64, 4, BW, **kw)
         assert (p.h2d_bytes_per_step, p.d2h_bytes_per_step) == (alone.h2d_bytes_per_step, alone.d2h_bytes_per_step)
         assert p.kv_fetched_share == alone.kv_fetched_share and p.ms_per_step > 0
 
 
 def test_infinigen_fetch_share_is_pinned_by_budget(smol_synthetic):
-    p = run_point(smol_synthetic, "t", "infinigen", 1, 200, 3, BW, budget=0.25, warmup=1, trace=False)
+    (p,) = run_points(smol_synthetic, "t", ["infinigen"], 1, 200, 3, BW, budget=0.25, warmup=1, trace=False)
     assert p.status == "ok" and 0.2 < p.kv_fetched_share <= 0.25 + 1e-9
-    q = run_point(smol_synthetic, "t", "infinigen", 1, 200, 3, BW, max_kv=8, warmup=1, trace=False)
+    (q,) = run_points(smol_synthetic, "t", ["infinigen"], 1, 200, 3, BW, max_kv=8, warmup=1, trace=False)
     assert q.kv_fetched_share < p.kv_fetched_share and q.h2d_bytes_per_step < p.h2d_bytes_per_step
 
 
 def test_points_that_cannot_fit_are_rows(smol_synthetic):
-    p = run_point(smol_synthetic, "t", "offload", 4096, 1 << 22, 2, BW, trace=False)
+    (p,) = run_points(smol_synthetic, "t", ["offload"], 4096, 1 << 22, 2, BW, trace=False)
     assert p.status in ("oom-host", "oom-device") and p.predicted and "GiB" in p.error and p.ms_per_step is None
     assert is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 10 bytes"))
     assert is_oom(MemoryError()) == "oom-host" and is_oom(ValueError("x")) is None
@@ -147,3 +146,35 @@ def test_bench_cli_table_in_a_pipe_at_80_columns(bundles):
     assert r.returncode == 0, r.stderr
     head = next(ln for ln in r.stdout.splitlines() if ln.startswith("policy"))
     assert "…" not in r.stdout and head.split()[-2:] == ["host", "GiB"] and "prefill s" in head, r.stdout
+
+
+def test_bench_times_the_step_that_generate_and_serve_take(smol_synthetic):
+    """One decode path: every model call of a bench point and of generate comes from step.py, and a timed bench step
+    is the runner's step (runner.step -> _decode -> step.decode_step), the call generate and serve make."""
+    import inspect
+
+    from infinigen_rt.generate import generate
+
+    calls: list[list[str]] = []
+
+    def record(module, args):
+        frames = inspect.stack()[1:]
+        chain = [f"{Path(f.filename).name}:{f.function}" for f in frames if "infinigen_rt" in f.filename]
+        calls.append(chain)
+
+    hook = smol_synthetic.model.register_forward_pre_hook(record)
+    try:
+        run_points(smol_synthetic, "t", ["infinigen"], 2, 32, 3, BW, warmup=1, trace=False)
+        bench_calls, calls[:] = list(calls), []
+        generate(smol_synthetic, [[5] * 20, [6] * 9], 4, policy="infinigen")
+        generate_calls = list(calls)
+    finally:
+        hook.remove()
+
+    def decode_chains(chains, caller):  # how the decode steps reached the model, below `caller`
+        return {tuple(c[:3]) for c in chains if caller in c and c[0] == "step.py:decode_step"}
+
+    assert all(c[0] in ("step.py:decode_step", "step.py:prefill") for c in bench_calls + generate_calls)
+    same = ("step.py:decode_step", "runner.py:_decode", "runner.py:step")
+    assert decode_chains(bench_calls, "bench.py:run_points") == {same}  # the timed steps
+    assert decode_chains(generate_calls, "generate.py:generate") == {same}

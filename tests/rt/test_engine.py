@@ -1,4 +1,4 @@
-"""The engine's batch API: per-row limits, sampling, stop strings and cancellation (what the server uses)."""
+"""generate's batch API: per-row limits, sampling, stop strings and cancellation (what the server uses)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
+from infinigen_rt.generate import generate
 from infinigen_rt.sampling import SamplingParams
 
 
@@ -17,14 +18,12 @@ def engine(bundles):
 
 def test_rows_keep_their_own_limits_sampling_and_stops(engine):
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
-    alone = [engine.generate([p], max_new_tokens=10)[0][0] for p in prompts]
+    alone = [generate(engine, [p], max_new_tokens=10)[0][0] for p in prompts]
     stop = alone[2].text[len(alone[2].text) // 2 :][:2] if len(alone[2].text) > 4 else None
     params = [SamplingParams(), SamplingParams(temperature=1.0, seed=3), SamplingParams()]
-    res, _ = engine.generate(
-        prompts, max_new_tokens=[3, 10, 10], sampling=params, stop=[[], [], [stop] if stop else []]
-    )
+    res, _ = generate(engine, prompts, [3, 10, 10], params, [[], [], [stop] if stop else []])
     assert res[0].token_ids == alone[0].token_ids[:3] and res[0].finish_reason == "length"
-    seeded, _ = engine.generate([prompts[1]], max_new_tokens=10, sampling=params[1])
+    seeded, _ = generate(engine, [prompts[1]], max_new_tokens=10, sampling=params[1])
     assert res[1].token_ids == seeded[0].token_ids  # a row's seeded sampling does not depend on its batch
     if stop:
         assert res[2].finish_reason == "stop" and res[2].text == alone[2].text[: alone[2].text.index(stop)]
@@ -32,23 +31,23 @@ def test_rows_keep_their_own_limits_sampling_and_stops(engine):
 
 def test_on_step_can_cancel_a_row(engine):
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
-    res, _ = engine.generate(prompts, max_new_tokens=8, on_step=lambda out: {0} if len(out[0]) >= 2 else None)
+    res, _ = generate(engine, prompts, max_new_tokens=8, on_step=lambda out: {0} if len(out[0]) >= 2 else None)
     assert res[0].finish_reason == "cancelled" and len(res[0].token_ids) == 2
     assert len(res[1].token_ids) == 8 or res[1].finish_reason == "stop"
 
 
 def test_per_row_lists_must_match_the_batch(engine):
     with pytest.raises(InfinigenError, match="2 values for 3 prompts"):
-        engine.generate([[5], [6], [7]], max_new_tokens=[1, 2])
+        generate(engine, [[5], [6], [7]], max_new_tokens=[1, 2])
 
 
 def test_the_context_bounds_every_architecture(engine):
     """Llama too (only OPT was checked): a prompt that fills the positions, or new tokens past them, is refused."""
     with pytest.raises(InfinigenError, match="the prompt is 256 tokens but the model's context is 256"):
-        engine.generate([[5] * 256], max_new_tokens=1)
+        generate(engine, [[5] * 256], max_new_tokens=1)
     with pytest.raises(InfinigenError, match="ask for at most 6"):
-        engine.generate([[5] * 250], max_new_tokens=7)
-    (res,), _ = engine.generate([[5] * 250], max_new_tokens=6)  # exactly what fits
+        generate(engine, [[5] * 250], max_new_tokens=7)
+    (res,), _ = generate(engine, [[5] * 250], max_new_tokens=6)  # exactly what fits
     assert len(res.token_ids) <= 6
 
 

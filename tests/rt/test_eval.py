@@ -13,7 +13,7 @@ import torch
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.engine import Engine
 from infinigen_rt.eval import perplexity, text_ids
-from infinigen_rt.policies import KVOptions
+from infinigen_rt.policies import KVOptions, configure
 from tests.conftest import RESULTS, render80, run_cli, shakespeare
 from tests.test_cli import one_line_error
 
@@ -32,7 +32,7 @@ def test_full_perplexity_matches_transformers(smol, smollm2_path):
     import transformers
 
     engine, ids = smol
-    ours, _, steps = perplexity(engine, ids, FROM)
+    ours, _, steps = perplexity(engine, configure(engine), ids, FROM)
     assert steps == SEQ - 1 - FROM
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
@@ -47,15 +47,16 @@ def test_full_perplexity_matches_transformers(smol, smollm2_path):
 @pytest.mark.slow
 def test_infinigen_full_budget_equals_full_and_oracle_bounds_it(smol):
     engine, ids = smol
-    full, _, _ = perplexity(engine, ids, FROM)
-    everything, _, _ = perplexity(engine.with_policy("infinigen", KVOptions(alpha=math.inf, budget=1.0)), ids, FROM)
+    full, _, _ = perplexity(engine, configure(engine), ids, FROM)
+    everything, _, _ = perplexity(engine, configure(engine, "infinigen", KVOptions(alpha=math.inf, budget=1.0)), ids,
+                                  FROM)  # fmt: skip
     assert abs(everything / full - 1) <= 1e-4
-    ig = engine.with_policy("infinigen", KVOptions(budget=0.1))
-    a, rep, _ = perplexity(ig, ids, FROM)
-    b, rep2, _ = perplexity(ig, ids, FROM)
+    ig = configure(engine, "infinigen", KVOptions(budget=0.1))
+    a, rep, _ = perplexity(engine, ig, ids, FROM)
+    b, rep2, _ = perplexity(engine, ig, ids, FROM)
     assert a == b and rep.kv_fetched_share == rep2.kv_fetched_share  # deterministic
     share = rep.kv_fetched_share
-    oracle, orep, _ = perplexity(engine.with_policy("oracle", KVOptions(budget=share)), ids, FROM)
+    oracle, orep, _ = perplexity(engine, configure(engine, "oracle", KVOptions(budget=share)), ids, FROM)
     assert orep.kv_fetched_share <= share + 0.02
     assert full <= oracle <= a, (full, oracle, a)
 

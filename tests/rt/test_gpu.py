@@ -7,6 +7,7 @@ import torch
 
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.engine import Engine
+from infinigen_rt.generate import generate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -15,9 +16,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_cuda_matches_cpu(name, bundles):
     b = read_bundle(bundles[name])
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
-    cpu, _ = Engine(b, device="cpu", dtype="float32").generate(prompts, max_new_tokens=16)
+    cpu, _ = generate(Engine(b, device="cpu", dtype="float32"), prompts, max_new_tokens=16)
     gpu_engine = Engine(b, device="cuda", dtype="float32")
-    gpu, stats = gpu_engine.generate(prompts, max_new_tokens=16)
+    gpu, stats = generate(gpu_engine, prompts, max_new_tokens=16)
     assert [g.token_ids for g in gpu] == [c.token_ids for c in cpu]
     assert stats.extra["device"].startswith("cuda")
     assert next(gpu_engine.model.parameters()).is_cuda
@@ -32,8 +33,8 @@ def test_cuda_policies_match_cpu(policy, bundles):
     kv = KVOptions(alpha=math.inf, budget=1.0) if policy == "infinigen" else KVOptions(alpha=2.0, budget=0.5)
     b = read_bundle(bundles["llama31_gqa"])
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15]]
-    cpu, _ = Engine(b, device="cpu", dtype="float32", policy=policy, kv=kv).generate(prompts, max_new_tokens=12)
-    gpu, stats = Engine(b, device="cuda", dtype="float32", policy=policy, kv=kv).generate(prompts, max_new_tokens=12)
+    cpu, _ = generate(Engine(b, device="cpu", dtype="float32"), prompts, 12, policy=policy, kv=kv)
+    gpu, stats = generate(Engine(b, device="cuda", dtype="float32"), prompts, 12, policy=policy, kv=kv)
     assert [g.token_ids for g in gpu] == [c.token_ids for c in cpu]
     if policy != "h2o":
         assert stats.to_dict()["bytes_h2d"] > 0
@@ -42,12 +43,12 @@ def test_cuda_policies_match_cpu(policy, bundles):
 @pytest.mark.parametrize("policy", ["infinigen", "offload", "full", "int4"])
 def test_one_host_sync_per_decode_step(policy):
     """The decode step's only sync is the sampled tokens' copy to the host (torch's sync debug mode, counted)."""
-    from infinigen_rt.bench import measure_bandwidths, run_point, synthetic_engine
+    from infinigen_rt.bench import measure_bandwidths, run_points, synthetic_engine
 
     dev = torch.device("cuda")
     e = synthetic_engine("smollm2-135m", dev, torch.float16)
     bw = measure_bandwidths(dev, 1 << 26)
-    p = run_point(e, "t", policy, 2, 512, 4, bw, warmup=2)
+    (p,) = run_points(e, "t", [policy], 2, 512, 4, bw, warmup=2)
     assert p.status == "ok" and p.peak_device_bytes > 0
     assert p.syncs_per_step == 1, p
     if policy != "full":
@@ -87,12 +88,12 @@ def test_one_host_sync_per_decode_step_through_the_runner(policy, bundles):
     """generate and serve's path (the runner, a paged pool): a decode step waits on the device once, for the sampled
     tokens (torch's sync debug mode counts what the fake-CUDA rehearsal counts on a CPU)."""
     from infinigen_rt.bench import count_syncs
-    from infinigen_rt.policies import KVOptions
-    from infinigen_rt.runner import Request
+    from infinigen_rt.policies import KVOptions, configure
+    from infinigen_rt.runner import Request, Runner
 
-    kv = KVOptions(alpha=2.0, budget=0.5)
-    engine = Engine(read_bundle(bundles["llama31_gqa"]), device="cuda", dtype="float32", policy=policy, kv=kv)
-    run = engine.runner(max_batch=2, prefill_chunk=None, kv_tokens=1024)
+    engine = Engine(read_bundle(bundles["llama31_gqa"]), device="cuda", dtype="float32")
+    run = Runner(engine, configure(engine, policy, KVOptions(alpha=2.0, budget=0.5)), max_batch=2, prefill_chunk=None,
+                 kv_tokens=1024)  # fmt: skip
     for p in ([5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15]):
         run.add(Request(p, 12))
     run.step()  # the prefills
@@ -103,19 +104,16 @@ def test_one_host_sync_per_decode_step_through_the_runner(policy, bundles):
 def test_a_decode_step_holds_no_more_device_memory_than_it_starts_with():
     """The device memory of offload's whole-layer copies and infinigen's speculated rows is preallocated: a step's
     peak is its start (what the rehearsal's allocator model says, checked against the real caching allocator)."""
-    from infinigen_rt.bench import _stepper, synthetic_engine
-    from infinigen_rt.policies import KVOptions
+    from infinigen_rt.bench import start_runner, synthetic_engine
+    from infinigen_rt.policies import KVOptions, configure
 
     dev = torch.device("cuda")
-    base = synthetic_engine("smollm2-135m", dev, torch.float16)
+    e = synthetic_engine("smollm2-135m", dev, torch.float16)
     for policy in ("offload", "infinigen"):
-        e = base.with_policy(policy, KVOptions(budget=0.1))
         with torch.inference_mode():
-            cache = e.make_cache(4, 4096 + 8)
-            ids = torch.randint(3, 1000, (4, 4096), device=dev)
-            tok = e.prefill(cache, ids, torch.arange(4096, device=dev).expand(4, -1), None).argmax(-1)
-            step = _stepper(e, cache, tok, 4096, None)
-            step()
+            prompts = torch.randint(3, 1000, (4, 4096)).tolist()
+            run, _ = start_runner(e, configure(e, policy, KVOptions(budget=0.1)), prompts, 8, warmup=1)
+            step = run.step
             torch.cuda.synchronize()
             start = torch.cuda.memory_allocated(dev)
             torch.cuda.reset_peak_memory_stats(dev)
@@ -123,7 +121,7 @@ def test_a_decode_step_holds_no_more_device_memory_than_it_starts_with():
                 step()
             torch.cuda.synchronize()
             assert torch.cuda.max_memory_allocated(dev) - start < 64 << 20, policy
-            cache.close()
+            run.close()
 
 
 def test_a_failed_registration_is_cleared_from_cudas_last_error():

@@ -67,8 +67,8 @@ def test_each_layer_fetches_its_share_and_a_full_budget_stays_exact(bundles):
     shares = json.loads((bundles[name] / "bundle.json").read_text())["infinigen"]["defaults"]["layer_key_share"]
     es = engines(bundles[name], lb=("infinigen", KVOptions(alpha=math.inf, budget=0.4, layer_budget=1.0)),
                  every=("infinigen", KVOptions(alpha=math.inf, budget=1.0, layer_budget=1.0)))  # fmt: skip
-    _, _, cache = greedy_logits(es["lb"], [PROMPTS[2]], 8)
-    dense = es["lb"].dense_layers()
+    _, _, cache = greedy_logits(*es["lb"], [PROMPTS[2]], 8)
+    dense = es["lb"][1].opts.dense_layers
     got = cache.report().per_layer["kv_fetched_share"][dense:]
     want = [o.budget for o in layer_options(KVOptions(budget=0.4, layer_budget=1.0), {"layer_key_share": shares},
                                             dense, len(shares)).values()]  # fmt: skip
@@ -77,8 +77,8 @@ def test_each_layer_fetches_its_share_and_a_full_budget_stays_exact(bundles):
         assert w - 1 / 20 - 1e-6 <= g <= w + 1e-6, (got, want)
     assert len(set(want)) > 1  # the layers really differ
 
-    ref, ref_toks, _ = greedy_logits(es["full"], [PROMPTS[2]], 8)
-    logits, toks, _ = greedy_logits(es["every"], [PROMPTS[2]], 8)
+    ref, ref_toks, _ = greedy_logits(*es["full"], [PROMPTS[2]], 8)
+    logits, toks, _ = greedy_logits(*es["every"], [PROMPTS[2]], 8)
     assert torch.equal(toks, ref_toks) and (logits - ref).abs().max().item() <= 1e-4
 
 

@@ -13,6 +13,7 @@ import pytest
 from infinigen_rt import needle
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.engine import Engine
+from infinigen_rt.generate import generate
 from infinigen_rt.policies import KVOptions
 from tests.conftest import TOKENIZER_TEXT, run_cli
 from tests.test_cli import one_line_error
@@ -71,8 +72,8 @@ def test_one_shared_prefill_gives_each_policy_its_own_generate_tokens(tiny):
             ("oracle", 0.3, None), ("offload", None, None)]  # fmt: skip
     shared = needle.answer_all(tiny, case, todo)
     for (policy, budget, alpha), r in zip(todo, shared, strict=True):
-        alone, _ = tiny.with_policy(policy, KVOptions(alpha=alpha, budget=budget or 1.0)).generate(
-            [case.ids], max_new_tokens=needle.MAX_NEW[case.task])
+        alone, _ = generate(tiny, [case.ids], needle.MAX_NEW[case.task], policy=policy,
+                            kv=KVOptions(alpha=alpha, budget=budget or 1.0))  # fmt: skip
         said = alone[0].text.strip()
         assert r.answer and said.startswith(r.answer), (policy, r.answer, said)
 

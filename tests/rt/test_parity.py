@@ -7,8 +7,8 @@ import torch
 
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.cache import DenseCache
-from infinigen_rt.engine import pad_batch
 from infinigen_rt.models import load_model
+from infinigen_rt.step import pad_batch
 from tests.conftest import TINY_CONFIGS
 
 DECODE_STEPS = 16

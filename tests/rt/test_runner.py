@@ -14,9 +14,9 @@ from infinigen_rt.cache import KVReport, merge_reports
 from infinigen_rt.console import parse_bytes
 from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
-from infinigen_rt.policies import POLICIES as POLICY_CLASSES
-from infinigen_rt.policies import KVOptions
-from infinigen_rt.runner import BLOCK_TOKENS, Request
+from infinigen_rt.generate import generate
+from infinigen_rt.policies import KVOptions, Policy, configure
+from infinigen_rt.runner import BLOCK_TOKENS, Request, Runner, pool_tokens
 
 TARGET = list(range(40, 63))  # 23 tokens: three chunks of 8
 OTHERS = {  # name: (prompt, max new tokens)
@@ -34,14 +34,16 @@ POLICIES = {
 }
 
 
-def engine_for(bundle, policy, kv) -> Engine:
-    return Engine(read_bundle(bundle), device="cpu", dtype="float32", policy=policy, kv=kv)
+def engine_for(bundle, policy, kv) -> tuple[Engine, Policy]:
+    """An engine and the runners' policy."""
+    e = Engine(read_bundle(bundle), device="cpu", dtype="float32")
+    return e, configure(e, policy, kv)
 
 
-def alone(engine: Engine, n: int = 10, prefill_chunk: int = 8, policy=None, kv=None):
+def alone(setup, n: int = 10, prefill_chunk: int = 8, policy: Policy | None = None):
     """The target request on its own, prefilled in the same chunks (h2o evicts after every pass, chunks too)."""
-    run = engine.runner(prefill_chunk=prefill_chunk)
-    rid = run.add(Request(TARGET, n, policy=policy, kv=kv))
+    run = Runner(*setup, prefill_chunk=prefill_chunk)
+    rid = run.add(Request(TARGET, n, policy=policy))
     while run.has_work:
         for out in run.step():
             if out.id == rid and out.finished:
@@ -49,26 +51,25 @@ def alone(engine: Engine, n: int = 10, prefill_chunk: int = 8, policy=None, kv=N
     return end
 
 
-def reserved(engine: Engine, prompt, n: int, chunk: int, policy=None, kv=None) -> int:
-    """The blocks a request reserves under the engine's policy (or its own)."""
-    view = engine if policy is None and kv is None else engine.with_policy(policy or engine.policy, kv or engine.kv)
-    return math.ceil(POLICY_CLASSES[view.policy].pool_slots(view, len(prompt), n, chunk) / BLOCK_TOKENS)
+def reserved(policy: Policy, prompt, n: int, chunk: int) -> int:
+    """The blocks a request reserves under `policy`."""
+    return math.ceil(policy.pool_slots(len(prompt), n, chunk) / BLOCK_TOKENS)
 
 
-def joined(engine: Engine, join_at: int, n: int = 10, prefill_chunk: int = 8, policy=None, kv=None):
+def joined(setup, join_at: int, n: int = 10, prefill_chunk: int = 8, policy: Policy | None = None):
     """The target request joins a runner where others start, finish and are cancelled around it; its Output at
     the end. The paged pool has one block more than the others take (without eviction: long 2, short 1,
     cancelled 3), so the target (at least 2) waits for the short and the cancelled ones to give theirs back, and
     its block table is not one run (the last free block first, then freed ones). The pool's invariants are
     checked after every step."""
-    others = sum(reserved(engine, p, m, prefill_chunk) for p, m in OTHERS.values())
-    assert reserved(engine, TARGET, n, prefill_chunk, policy, kv) >= 2
-    run = engine.runner(max_batch=4, prefill_chunk=prefill_chunk, kv_tokens=(others + 1) * BLOCK_TOKENS)
+    others = sum(reserved(setup[1], p, m, prefill_chunk) for p, m in OTHERS.values())
+    assert reserved(policy or setup[1], TARGET, n, prefill_chunk) >= 2
+    run = Runner(*setup, max_batch=4, prefill_chunk=prefill_chunk, kv_tokens=(others + 1) * BLOCK_TOKENS)
     ids = {name: run.add(Request(p, m)) for name, (p, m) in OTHERS.items()}
     target, step, end, table = None, 0, None, None
     while run.has_work:
         if step == join_at:
-            target = run.add(Request(TARGET, n, policy=policy, kv=kv))
+            target = run.add(Request(TARGET, n, policy=policy))
         if step == 4:
             run.abort(ids["cancelled"])
         for out in run.step():
@@ -98,22 +99,22 @@ def test_a_request_generates_the_same_alone_or_joining_a_running_batch(name, mod
 
 def test_a_full_budget_under_joins_equals_full_and_moves_what_it_moves_alone(bundles):
     e = engine_for(bundles["llama31_gqa"], "full", KVOptions())
-    (ref,), _ = e.generate([TARGET], max_new_tokens=10)
+    (ref,), _ = generate(e[0], [TARGET], max_new_tokens=10)
     everything = KVOptions(alpha=math.inf, budget=1.0)
-    got = joined(e, 3, policy="infinigen", kv=everything)  # one request with its own policy among `full` ones
+    got = joined(e, 3, policy=configure(e[0], "infinigen", everything))  # its own policy among `full` ones
     assert got.generation.token_ids == ref.token_ids
     assert got.report.kv_fetched_share == 1.0
     for policy in ("offload", "int4", "infinigen"):
-        kv = everything if policy == "infinigen" else KVOptions()
-        solo = alone(e, policy=policy, kv=kv).report
-        with_others = joined(e, 3, policy=policy, kv=kv).report
+        own = configure(e[0], policy, everything if policy == "infinigen" else KVOptions())
+        solo = alone(e, policy=own).report
+        with_others = joined(e, 3, policy=own).report
         assert with_others.bytes_h2d == solo.bytes_h2d > 0, policy
         assert with_others.bytes_d2h == solo.bytes_d2h > 0, policy
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_running_streams_go_on(bundles):
     e = engine_for(bundles["llama31_gqa"], "offload", KVOptions())
-    run = e.runner(max_batch=4, prefill_chunk=8)
+    run = Runner(*e, max_batch=4, prefill_chunk=8)
     a = run.add(Request([5, 6, 7], 20))
     run.step()
     b = run.add(Request(TARGET, 5))  # 23 tokens: prefilled over three steps
@@ -126,7 +127,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_running_streams_go_on(bundle
 
 def test_the_kv_budget_makes_requests_wait_and_frees_at_once(bundles):
     e = engine_for(bundles["llama31_gqa"], "infinigen", KVOptions(budget=0.3))
-    run = e.runner(max_batch=4, kv_tokens=3 * BLOCK_TOKENS)  # room for one request of 23 + 10 tokens
+    run = Runner(*e, max_batch=4, kv_tokens=3 * BLOCK_TOKENS)  # room for one request of 23 + 10 tokens
     with pytest.raises(InfinigenError, match="raise --kv-tokens"):
         run.add(Request(list(range(5, 45)), 20))  # 60 tokens can never fit: refused at once
     first, second = run.add(Request(TARGET, 10)), run.add(Request(TARGET[:20], 5))
@@ -152,7 +153,7 @@ def test_random_traffic_keeps_the_paged_pool_whole(bundles):
     tokens, a waiting one none; once all are done every block is back."""
     e = engine_for(bundles["llama31_gqa"], "offload", KVOptions())
     rng = random.Random(0)
-    run = e.runner(max_batch=3, prefill_chunk=16, kv_tokens=10 * BLOCK_TOKENS)
+    run = Runner(*e, max_batch=3, prefill_chunk=16, kv_tokens=10 * BLOCK_TOKENS)
     live: set[int] = set()
 
     def check():
@@ -199,40 +200,40 @@ def test_a_capacity_reserves_exactly_what_its_pool_reaches(capacity, window, chu
             outs.update({o.id: o.generation.token_ids for o in run.step() if o.finished})
         return peak, outs
 
-    need = POLICY_CLASSES["infinigen"].pool_slots(e, len(prompt), n, chunk)
+    need = e[1].pool_slots(len(prompt), n, chunk)
     assert need < len(prompt) + n
-    private = e.runner(prefill_chunk=chunk)
+    private = Runner(*e, prefill_chunk=chunk)
     rid = private.add(Request(prompt, n))
     peak, outs = peaks(private, [rid])
     solo = outs[rid]
     assert peak[rid] == need and len(solo) == n
-    exact = e.runner(prefill_chunk=chunk, kv_tokens=math.ceil(need / BLOCK_TOKENS) * BLOCK_TOKENS)  # just enough
+    exact = Runner(*e, prefill_chunk=chunk, kv_tokens=math.ceil(need / BLOCK_TOKENS) * BLOCK_TOKENS)  # just enough
     rid = exact.add(Request(prompt, n))
     peak, outs = peaks(exact, [rid])
     assert outs[rid] == solo and peak[rid] == need
-    paged = e.runner(max_batch=2, prefill_chunk=chunk, kv_tokens=64 * BLOCK_TOKENS)
+    paged = Runner(*e, max_batch=2, prefill_chunk=chunk, kv_tokens=64 * BLOCK_TOKENS)
     first = paged.add(Request(prompt[:-3], n))  # its last chunk leaves the second a smaller one
     second = paged.add(Request(prompt, n))
-    assert [s.need for s in paged.waiting] == [POLICY_CLASSES["infinigen"].pool_slots(e, 57, n, chunk), need]
+    assert [s.need for s in paged.waiting] == [e[1].pool_slots(57, n, chunk), need]
     peak, outs = peaks(paged, [first, second])
     assert peak[second] <= need and len(outs[second]) == n
 
 
 def test_the_pool_is_sized_in_tokens_or_in_bytes_and_holds_that_much_memory(bundles):
     e = engine_for(bundles["llama31_gqa"], "offload", KVOptions())
-    cfg = e.cfg
+    cfg = e[0].cfg
     per_token = cfg.num_hidden_layers * cfg.num_key_value_heads * 2 * cfg.head_dim * 4  # fp32 K and V
-    assert e.pool_tokens(8, kv_memory=5 * BLOCK_TOKENS * per_token + 7) == 5 * BLOCK_TOKENS
-    assert e.pool_tokens(8, kv_tokens=100) == 100
-    assert e.pool_tokens(2) == 2 * cfg.max_position_embeddings  # the tiny model's fits the free memory
+    assert pool_tokens(*e, 8, kv_memory=5 * BLOCK_TOKENS * per_token + 7) == 5 * BLOCK_TOKENS
+    assert pool_tokens(*e, 8, kv_tokens=100) == 100
+    assert pool_tokens(*e, 2) == 2 * cfg.max_position_embeddings  # the tiny model's fits the free memory
     with pytest.raises(InfinigenError, match="give one of them"):
-        e.pool_tokens(8, kv_tokens=100, kv_memory=10**6)
+        pool_tokens(*e, 8, kv_tokens=100, kv_memory=10**6)
     with pytest.raises(InfinigenError, match="one block"):
-        e.pool_tokens(8, kv_memory=3 * per_token)
+        pool_tokens(*e, 8, kv_memory=3 * per_token)
     int4 = engine_for(bundles["llama31_gqa"], "int4", KVOptions())
-    assert int4.pool_tokens(8, kv_memory=10**6) > 3 * e.pool_tokens(8, kv_memory=10**6)  # 4-bit rows
+    assert pool_tokens(*int4, 8, kv_memory=10**6) > 3 * pool_tokens(*e, 8, kv_memory=10**6)  # 4-bit rows
     # the memory is the pool's: one shared buffer per layer and tensor, made when the first request needs it
-    run = e.runner(kv_tokens=e.pool_tokens(8, kv_memory=5 * BLOCK_TOKENS * per_token))
+    run = Runner(*e, kv_tokens=pool_tokens(*e, 8, kv_memory=5 * BLOCK_TOKENS * per_token))
     assert run.pool.nbytes == 0
     run.add(Request(TARGET, 3))
     run.add(Request(TARGET, 3))
@@ -246,8 +247,8 @@ def test_a_batchs_shares_weigh_each_request_by_the_rows_it_held(bundles):
     mean of the two requests' shares."""
     e = engine_for(bundles["llama31_gqa"], "infinigen", KVOptions(budget=0.3))
     short, long = list(range(5, 20)), list(range(30, 90))
-    alone = [e.generate([p], 6)[1].extra for p in (short, long)]
-    both = e.generate([short, long], 6)[1].extra
+    alone = [generate(e[0], [p], 6, policy=e[1])[1].extra for p in (short, long)]
+    both = generate(e[0], [short, long], 6, policy=e[1])[1].extra
     rows = [a["share_rows"] for a in alone]
     assert rows[1] > 2 * rows[0] and both["share_rows"] == sum(rows)
     want = sum(a["kv_fetched_share"] * r for a, r in zip(alone, rows, strict=True)) / sum(rows)
@@ -267,7 +268,7 @@ def test_sizes_read_in_si_and_binary_units():
 
 def test_a_finished_request_closes_its_cache_in_the_step_it_ends(bundles):
     e = engine_for(bundles["llama31_gqa"], "offload", KVOptions())
-    run = e.runner()
+    run = Runner(*e)
     short, long = run.add(Request([5, 6, 7], 2)), run.add(Request([8, 9], 6))
     run.step()  # both prefilled and decoded once: the short one has its 2 tokens
     assert [s.id for s in run.running] == [long]
@@ -277,33 +278,32 @@ def test_a_finished_request_closes_its_cache_in_the_step_it_ends(bundles):
 
 def test_bad_requests_fail_when_added(bundles):
     e = engine_for(bundles["llama31_gqa"], "full", KVOptions())
-    run = e.runner()
+    run = Runner(*e)
     with pytest.raises(InfinigenError, match="at least one token"):
         run.add(Request([], 4))
     with pytest.raises(InfinigenError, match="max-new-tokens"):
         run.add(Request([5], 0))
     with pytest.raises(InfinigenError, match="unknown policy"):
-        run.add(Request([5], 4, policy="nope"))
+        run.add(Request([5], 4, policy=configure(e[0], "nope")))
     with pytest.raises(InfinigenError, match="--budget"):
-        run.add(Request([5], 4, policy="infinigen", kv=KVOptions(budget=2.0)))
+        run.add(Request([5], 4, policy=configure(e[0], "infinigen", KVOptions(budget=2.0))))
     with pytest.raises(InfinigenError, match="--max-batch"):
-        e.runner(max_batch=0)
+        Runner(*e, max_batch=0)
     assert not run.has_work
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full", "infinigen"])
 def test_smollm2_joining_requests_generate_what_they_do_alone(policy, smollm2_bundle):
-    e = Engine(read_bundle(smollm2_bundle), device="cpu", dtype="float32", policy=policy,
-               kv=KVOptions(budget=0.2) if policy == "infinigen" else None)  # fmt: skip
-    tok = e.tokenizer
+    e = engine_for(smollm2_bundle, policy, KVOptions(budget=0.2) if policy == "infinigen" else None)
+    tok = e[0].tokenizer
     prompts = [tok.encode(t) for t in (
         "The old king stood upon the wall and looked across the valley where his army",
         "Once upon a time",
         "Water boils at a temperature of",
     )]  # fmt: skip
-    alone = [e.generate([p], max_new_tokens=12)[0][0].token_ids for p in prompts]
-    run = e.runner(max_batch=3, prefill_chunk=6)
+    alone = [generate(e[0], [p], 12, policy=e[1])[0][0].token_ids for p in prompts]
+    run = Runner(*e, max_batch=3, prefill_chunk=6)
     got, rids, step = {}, {}, 0
     while run.has_work or len(rids) < len(prompts):
         if step in (0, 3, 7):

@@ -21,8 +21,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from infinigen_rt.cache import KVReport
-from infinigen_rt.policies import KVOptions
+from infinigen_rt.cache import DenseCache, KVReport
+from infinigen_rt.policies import KVOptions, Policy
 from infinigen_rt.runner import Generation, Output, RunStats
 from infinigen_rt.sampling import SamplingParams
 from infinigen_rt.serve.metrics import Metrics
@@ -525,16 +525,18 @@ class FakeRunner:
 
 class FakeEngine:
     def __init__(self, hold=None, fail_at=None):
-        self.kv, self.hold, self.fail_at = KVOptions(), hold, fail_at
+        self.policy, self.hold, self.fail_at = Policy(DenseCache, KVOptions()), hold, fail_at
         self.cfg = SimpleNamespace(max_position_embeddings=64)
 
-    def pool_tokens(self, max_batch, kv_tokens, kv_memory):
-        return kv_tokens or max_batch * self.cfg.max_position_embeddings
-
-    def runner(self, max_batch, prefill_chunk, kv_tokens):
+    def runner(self, engine, policy, max_batch, prefill_chunk, kv_tokens):
         self.made = FakeRunner(max_batch, self.hold, self.fail_at)
         self.tokenizer = SimpleNamespace(decode=self.made.decode)
         return self.made
+
+
+def fake_scheduler(engine: FakeEngine, max_batch: int, max_queue: int) -> Scheduler:
+    return Scheduler(engine, engine.policy, max_batch=max_batch, max_queue=max_queue, kv_tokens=640,
+                     runner_class=engine.runner)  # fmt: skip
 
 
 def wait_for(cond, what: str):
@@ -546,22 +548,22 @@ def wait_for(cond, what: str):
 
 def test_requests_with_their_own_kv_options_share_steps_and_each_ends_in_its_own_step():
     engine, events = FakeEngine(), []
-    sched = Scheduler(engine, max_batch=2, max_queue=4)
-    other = KVOptions(budget=0.5)
+    sched = fake_scheduler(engine, 2, 4)
+    other = Policy(DenseCache, KVOptions(budget=0.5))
 
-    def job(kv, n=3, stream=False):
-        return Job([1, 2], n, SamplingParams(), [], kv, emit=lambda ev: events.append((n, ev)), stream=stream)
+    def job(policy, n=3, stream=False):
+        return Job([1, 2], n, SamplingParams(), [], policy, emit=lambda ev: events.append((n, ev)), stream=stream)
 
-    jobs = [job(engine.kv, 3, True), job(other, 5), job(engine.kv, 4), job(engine.kv, 6)]
+    jobs = [job(engine.policy, 3, True), job(other, 5), job(engine.policy, 4), job(engine.policy, 6)]
     for j in jobs:
         sched.submit(j)
     with pytest.raises(QueueFull):
-        sched.submit(job(engine.kv))
+        sched.submit(job(engine.policy))
     sched.cancel(jobs[3])  # a waiting request whose client left never runs
     sched.start()
     wait_for(lambda: sum(isinstance(ev, Done) for _, ev in events) == 3, "three answers")
     sched.stop()
-    assert [r.kv for r in engine.made.added] == [engine.kv, other, engine.kv]  # each request's own options
+    assert [r.policy for r in engine.made.added] == [engine.policy, other, engine.policy]  # each request's own
     assert [ev for n, ev in events if n == 3] == ["a", "b", "c", Done("", "length", 3)]  # streamed, then done
     dones = [n for n, ev in events if isinstance(ev, Done)]
     assert dones == [3, 5, 4]  # the 3-token one answered at step 3; the third request took its row at step 4
@@ -584,10 +586,10 @@ def scrape(metrics: Metrics) -> dict[str, float]:
 def test_scheduler_gauges_while_requests_wait_and_token_timings():
     release, ended = threading.Event(), []
     engine = FakeEngine(hold=release)  # the first step waits for `release`: one request runs, the others wait
-    sched = Scheduler(engine, max_batch=1, max_queue=4)
+    sched = fake_scheduler(engine, 1, 4)
     limits = [3, 5, 1]
     for n in limits:
-        sched.submit(Job([1, 2], n, SamplingParams(), [], engine.kv, emit=ended.append, stream=n == 3))
+        sched.submit(Job([1, 2], n, SamplingParams(), [], engine.policy, emit=ended.append, stream=n == 3))
     sched.start()
     wait_for(lambda: sched.batch_size == 1, "a running request")
     m = scrape(sched.metrics)
@@ -612,9 +614,9 @@ def test_scheduler_gauges_while_requests_wait_and_token_timings():
 def test_stop_ends_every_stream_at_once_and_a_failed_step_fails_only_its_requests():
     release, ended = threading.Event(), []
     engine = FakeEngine(hold=release)
-    sched = Scheduler(engine, max_batch=1, max_queue=4)
+    sched = fake_scheduler(engine, 1, 4)
     for n in (3, 4):
-        sched.submit(Job([1], n, SamplingParams(), [], engine.kv, emit=ended.append, stream=True))
+        sched.submit(Job([1], n, SamplingParams(), [], engine.policy, emit=ended.append, stream=True))
     sched.start()
     wait_for(lambda: sched.batch_size == 1, "a running request")
     sched.stop(wait=False)
@@ -623,12 +625,12 @@ def test_stop_ends_every_stream_at_once_and_a_failed_step_fails_only_its_request
     assert not sched.thread.is_alive()
     assert [e.status for e in ended if isinstance(e, Failed)] == [503, 503]  # the running one and the waiting one
     with pytest.raises(ShuttingDown):
-        sched.submit(Job([1], 2, SamplingParams(), [], engine.kv, emit=ended.append))
+        sched.submit(Job([1], 2, SamplingParams(), [], engine.policy, emit=ended.append))
 
     engine, ended = FakeEngine(fail_at=2), []
-    sched = Scheduler(engine, max_batch=1, max_queue=4)
+    sched = fake_scheduler(engine, 1, 4)
     for n in (3, 2):
-        sched.submit(Job([1], n, SamplingParams(), [], engine.kv, emit=ended.append))
+        sched.submit(Job([1], n, SamplingParams(), [], engine.policy, emit=ended.append))
     sched.start()
     wait_for(lambda: any(isinstance(e, Done) for e in ended), "the second request's answer")
     sched.stop()
@@ -679,7 +681,7 @@ def test_serve_help_and_lazy_imports(tmp_path):
 def test_a_request_is_counted_before_its_client_sees_its_end():
     """A scrape made as soon as a response ends includes that response's tokens."""
     engine, seen = FakeEngine(), []
-    sched = Scheduler(engine, max_batch=2, max_queue=4)
+    sched = fake_scheduler(engine, 2, 4)
 
     def emit(ev):
         if isinstance(ev, Done):
@@ -687,7 +689,7 @@ def test_a_request_is_counted_before_its_client_sees_its_end():
             seen.append((m["infinigen_generated_tokens_total"], m["infinigen_prompt_tokens_total"]))
 
     for n in (2, 3):
-        sched.submit(Job([1, 2], n, SamplingParams(), [], engine.kv, emit=emit))
+        sched.submit(Job([1, 2], n, SamplingParams(), [], engine.policy, emit=emit))
     sched.start()
     wait_for(lambda: len(seen) == 2, "two answers")
     sched.stop()

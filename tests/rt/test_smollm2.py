@@ -8,6 +8,7 @@ import torch
 
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.engine import Engine
+from infinigen_rt.generate import generate
 from infinigen_rt.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -44,7 +45,7 @@ def test_bundle_records_the_real_model(engine, smollm2_path):
 @torch.inference_mode()
 def test_32_greedy_tokens_match_transformers(engine, hf_model, prompt):
     ids = engine.tokenizer.encode(prompt)
-    (res,), _ = engine.generate([ids], max_new_tokens=32, sampling=SamplingParams())
+    (res,), _ = generate(engine, [ids], max_new_tokens=32, sampling=SamplingParams())
     ref = hf_model.generate(
         torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=list(engine.tokenizer.eos_ids)
     )[0, len(ids) :].tolist()
@@ -56,7 +57,7 @@ def test_32_greedy_tokens_match_transformers(engine, hf_model, prompt):
 @torch.inference_mode()
 def test_prefill_logits_close_to_transformers(engine, hf_model):
     from infinigen_rt.cache import DenseCache
-    from infinigen_rt.engine import pad_batch
+    from infinigen_rt.step import pad_batch
 
     ids = engine.tokenizer.encode(PROMPTS[0] + " the kingdom would be hers, and she")
     x, pos, valid = pad_batch([ids], 0, "cpu")
@@ -67,18 +68,18 @@ def test_prefill_logits_close_to_transformers(engine, hf_model):
 
 def test_batch_of_different_prompts_matches_single_runs(engine):
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS + ["Once upon a time"]]
-    batched, _ = engine.generate(prompts, max_new_tokens=12)
+    batched, _ = generate(engine, prompts, max_new_tokens=12)
     for p, b in zip(prompts, batched, strict=True):
-        (alone,), _ = engine.generate([p], max_new_tokens=12)
+        (alone,), _ = generate(engine, [p], max_new_tokens=12)
         assert b.token_ids == alone.token_ids
 
 
 def test_sampling_is_seeded(engine):
     ids = engine.tokenizer.encode(PROMPTS[0])
     p = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=7)
-    a, _ = engine.generate([ids], max_new_tokens=16, sampling=p)
-    b, _ = engine.generate([ids], max_new_tokens=16, sampling=p)
-    c, _ = engine.generate([ids], max_new_tokens=16, sampling=SamplingParams(temperature=0.9, seed=8))
+    a, _ = generate(engine, [ids], max_new_tokens=16, sampling=p)
+    b, _ = generate(engine, [ids], max_new_tokens=16, sampling=p)
+    c, _ = generate(engine, [ids], max_new_tokens=16, sampling=SamplingParams(temperature=0.9, seed=8))
     assert a[0].token_ids == b[0].token_ids
     assert a[0].token_ids != c[0].token_ids
 
@@ -87,10 +88,10 @@ def test_stop_strings_and_chat_template(engine):
     ids = engine.tokenizer.encode_chat([{"role": "user", "content": "Count from one to ten in words."}])
     text = engine.tokenizer.decode(ids, skip_special_tokens=False)
     assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n")
-    (full,), _ = engine.generate([ids], max_new_tokens=24)
+    (full,), _ = generate(engine, [ids], max_new_tokens=24)
     assert full.finish_reason == "length" and len(full.text) > 10
     stop = full.text[len(full.text) // 2 :][:3]  # a string the model is known to produce, mid-way
-    (cut,), _ = engine.generate([ids], max_new_tokens=24, stop=["never-produced", stop])
+    (cut,), _ = generate(engine, [ids], max_new_tokens=24, stop=["never-produced", stop])
     assert cut.finish_reason == "stop"
     assert cut.text == full.text[: full.text.index(stop)]
     assert len(cut.token_ids) < len(full.token_ids)

@@ -129,6 +129,7 @@ def test_serve_with_two_ranks_answers_what_one_process_generates(how, bundles, t
 
     from infinigen_rt.bundle import read_bundle
     from infinigen_rt.engine import Engine
+    from infinigen_rt.generate import generate
     from infinigen_rt.policies import KVOptions
     from tests.conftest import ServerProcess
 
@@ -159,9 +160,9 @@ def test_serve_with_two_ranks_answers_what_one_process_generates(how, bundles, t
         server.stop()
     assert server.proc.returncode is not None
     assert "tensor-parallel over 2 ranks" in server.log.read_text()
-    e = Engine(read_bundle(bundle), device="cpu", dtype="float32", policy="infinigen", kv=KVOptions(budget=0.3))
+    e = Engine(read_bundle(bundle), device="cpu", dtype="float32")
     tok = e.tokenizer
-    alone = [e.generate([tok.encode(p)], 8) for p in prompts]
+    alone = [generate(e, [tok.encode(p)], 8, policy="infinigen", kv=KVOptions(budget=0.3)) for p in prompts]
     want = [gens[0].text for gens, _ in alone]
     assert got == want and all(want)
     assert moved == sum(stats.extra["bytes_h2d"] for _, stats in alone) > 0  # the ranks' bytes, totalled

@@ -16,6 +16,7 @@ import torch
 
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.engine import Engine
+from infinigen_rt.generate import generate
 from infinigen_rt.policies import KVOptions
 from infinigen_rt.tp import from_env
 
@@ -36,8 +37,8 @@ def run(bundles: dict, tp, die: bool = False) -> dict:
     for model, path in bundles.items():
         b = read_bundle(path)
         for name, (policy, kv) in CASES.items():
-            e = Engine(b, device="cpu", dtype="float32", policy=policy, kv=kv, tp=tp)
-            gens, stats = e.generate(PROMPTS, max_new_tokens=8)
+            e = Engine(b, device="cpu", dtype="float32", tp=tp)
+            gens, stats = generate(e, PROMPTS, 8, policy=policy, kv=kv)
             keep = ("bytes_h2d", "bytes_d2h", "kv_fetched_share", "evictions")
             out[f"{model}/{name}"] = {
                 "tokens": [g.token_ids for g in gens], **{k: stats.extra.get(k) for k in keep},
