@@ -117,7 +117,7 @@ def convert(
         )
     seconds = time.perf_counter() - t0
     b = read_bundle(path, verify=False)
-    size = sum(f["size"] for f in b.meta["files"].values())
+    size = sum(f["size"] for f in b.manifest.files.values())
     summary = {
         "path": str(path),
         "architecture": b.config.arch,
@@ -125,20 +125,20 @@ def convert(
         "heads": b.config.num_attention_heads,
         "kv_heads": b.config.num_key_value_heads,
         "head_dim": b.config.head_dim,
-        "dtype": b.meta["dtype"],
+        "dtype": b.manifest.dtype,
         "shards": len(set(b.weight_map.values())),
         "bytes": size,
         "seconds": round(seconds, 2),
-        "source": b.meta["source"],
+        "source": b.manifest.source,
     }
-    ig = b.meta.get("infinigen")
+    ig = b.infinigen
     if ig:
         summary.update(
-            partial_dim=ig["partial_dim"],
-            partial_select=ig["partial_select"],
-            selection_recall=ig["selection_recall"],
-            energy_share_top=ig["energy_share_top"],
-            calibration=ig["calibration"],
+            partial_dim=ig.partial_dim,
+            partial_select=ig.partial_select,
+            selection_recall=ig.selection_recall,
+            energy_share_top=ig.energy_share_top,
+            calibration=ig.calibration,
         )
     if push_to:
         from infinigen_prep.push import push

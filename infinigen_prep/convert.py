@@ -29,6 +29,8 @@ from infinigen_rt.bundle import (
     MODEL_CARD,
     PARTIAL_JSON,
     TOKENIZER_JSON,
+    BundleMeta,
+    TokenizerMeta,
     is_bundle,
     read_bundle,
     sha256_file,
@@ -142,14 +144,14 @@ def clean_stale_partials(out: Path) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def write_meta(folder: Path, meta: dict, final: bool) -> None:
+def write_meta(folder: Path, meta: BundleMeta, final: bool) -> None:
     """Hash the bundle's files (weights, tokenizer, InfiniGen tensors) and write its manifest: PARTIAL_JSON while
     the bundle is built, bundle.json when `final` (last of all, so only a finished folder loads)."""
-    names = sorted(set(meta["weight_map"].values())) + [TOKENIZER_JSON]
-    if meta.get("infinigen"):
+    names = sorted(set(meta.weight_map.values())) + [TOKENIZER_JSON]
+    if meta.infinigen:
         names.append(INFINIGEN_FILE)
-    meta["files"] = {f: {"sha256": sha256_file(folder / f), "size": (folder / f).stat().st_size} for f in names}
-    text = json.dumps(meta, indent=2, sort_keys=True) + "\n"
+    meta.files = {f: {"sha256": sha256_file(folder / f), "size": (folder / f).stat().st_size} for f in names}
+    text = json.dumps(meta.to_dict(), indent=2, sort_keys=True) + "\n"
     (folder / (BUNDLE_JSON if final else PARTIAL_JSON)).write_text(text, encoding="utf-8")
     if final:
         (folder / PARTIAL_JSON).unlink(missing_ok=True)
@@ -233,29 +235,29 @@ def convert(
             save_file(tensors, str(tmp / name), metadata={"format": "pt"})
             del tensors
         (tmp / TOKENIZER_JSON).write_text(tok.tokenizer_json, encoding="utf-8")
-        meta = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "architecture": cfg.arch,
-            "model_type": src.config.get("model_type"),
-            "config": cfg.to_dict(),
-            "dtype": dtype_name,
-            "source": src.provenance,
-            "converter": {"name": "infinigen-prep", "version": __version__},
-            "tokenizer": {
-                "file": TOKENIZER_JSON,
-                "bos_token": tok.bos_token,
-                "eos_token": tok.eos_token,
-                "pad_token": tok.pad_token,
-                "add_bos_token": tok.add_bos_token,
-                "chat_template": tok.chat_template,
-            },
-            "weight_map": weight_map,
-            "files": {},
-        }
+        meta = BundleMeta(
+            format=FORMAT,
+            format_version=FORMAT_VERSION,
+            architecture=cfg.arch,
+            model_type=src.config.get("model_type"),
+            config=cfg,
+            dtype=dtype_name,
+            source=src.provenance,
+            converter={"name": "infinigen-prep", "version": __version__},
+            tokenizer=TokenizerMeta(
+                file=TOKENIZER_JSON,
+                bos_token=tok.bos_token,
+                eos_token=tok.eos_token,
+                pad_token=tok.pad_token,
+                add_bos_token=tok.add_bos_token,
+                chat_template=tok.chat_template,
+            ),
+            weight_map=weight_map,
+            files={},
+        )
         if infinigen:  # calibrate through the dense model just written, then add the InfiniGen tensors
             write_meta(tmp, meta, final=False)
-            meta["infinigen"] = add_infinigen(tmp, text, prep, progress)
+            meta.infinigen = add_infinigen(tmp, text, prep, progress)
         (tmp / MODEL_CARD).write_text(model_card(meta, src.license, src.base_model), encoding="utf-8")
         write_meta(tmp, meta, final=True)
         read_bundle(tmp, verify=False)  # what we wrote must load

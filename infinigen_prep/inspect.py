@@ -39,22 +39,21 @@ def inspect_bundle(path: str | Path, verify: bool = False) -> dict:
     Problems are the one-line InfinigenErrors of `read_bundle` (missing folder, no or corrupt bundle.json,
     unsupported format version, missing, truncated or, with `verify`, modified files)."""
     b = read_bundle(path, verify=verify)
-    meta, cfg = b.meta, b.config
+    meta, cfg = b.manifest, b.config
     params, tensors = count_parameters(b.path, b.weight_map)
-    hashed = meta["files"]
     files = {
-        name: {"size": (b.path / name).stat().st_size, "sha256": hashed.get(name, {}).get("sha256")}
-        for name in bundle_files(b.path, meta)
+        name: {"size": (b.path / name).stat().st_size, "sha256": meta.files.get(name, {}).get("sha256")}
+        for name in bundle_files(b)
         if (b.path / name).is_file()
     }
     rope = cfg.arch != "opt"  # OPT has learned positions
     tok = b.tokenizer
     return {
         "path": str(b.path),
-        "format_version": meta["format_version"],
-        "architecture": meta.get("architecture", cfg.arch),
-        "model_type": meta.get("model_type"),
-        "dtype": meta["dtype"],
+        "format_version": meta.format_version,
+        "architecture": meta.architecture or cfg.arch,
+        "model_type": meta.model_type,
+        "dtype": meta.dtype,
         "parameters": params,
         "tensors": tensors,
         "config": {
@@ -73,16 +72,16 @@ def inspect_bundle(path: str | Path, verify: bool = False) -> dict:
         },
         "files": files,
         "total_bytes": sum(f["size"] for f in files.values()),
-        "source": meta.get("source"),
-        "converter": meta.get("converter"),
+        "source": meta.source,
+        "converter": meta.converter,
         "tokenizer": {
-            "bos_token": tok.get("bos_token"),
-            "eos_token": tok.get("eos_token"),
+            "bos_token": tok.bos_token,
+            "eos_token": tok.eos_token,
             "bos_token_id": cfg.bos_token_id,
             "eos_token_ids": cfg.eos_token_ids,
-            "add_bos_token": tok.get("add_bos_token"),
-            "chat_template": bool(tok.get("chat_template")),
+            "add_bos_token": tok.add_bos_token,
+            "chat_template": bool(tok.chat_template),
         },
-        "infinigen": meta.get("infinigen"),
+        "infinigen": b.infinigen.to_dict() if b.infinigen else None,
         "verified": verify,
     }

@@ -28,6 +28,9 @@ from infinigen_prep.skew import (
 )
 from infinigen_rt.bundle import (
     INFINIGEN_FILE,
+    InfinigenDefaults,
+    InfinigenMeta,
+    dense_layers_for,
     partial_idx_name,
     partial_q_name,
     read_bundle,
@@ -40,7 +43,6 @@ from infinigen_rt.models import load_model
 # benchmarks/levers.py): alpha 5 +20.8 % ppl at 6.4 % fetched (under-fetches), 6 +6.4 % at 8.3 %, 8 +2.30 % at
 # 9.8 %, 12 and over +2.41 % at 9.9 % (the budget caps). opt: the paper's 4 (no trained OPT checkpoint here).
 DEFAULT_ALPHA = {"opt": 4.0, "llama": 8.0}
-DENSE_LAYERS = 2
 RECALL_KEEP = 0.1  # share of the context kept when comparing column selections
 EVAL_TOKENS = 1024
 # the mean true attention mass the calibrated per-layer margins keep (defaults.layer_alpha); on SmolLM2 (Macbeth)
@@ -70,13 +72,13 @@ def calib_dtype(bundle, device: torch.device) -> torch.dtype:
     """fp32 where it fits in half the host memory on CPU (half precision is slow there), else the bundle's."""
     if device.type == "cuda":
         return bundle.dtype
-    n_bytes = sum(f["size"] for name, f in bundle.meta["files"].items() if name.endswith(".safetensors"))
+    n_bytes = sum(f["size"] for name, f in bundle.manifest.files.items() if name.endswith(".safetensors"))
     fp32_bytes = n_bytes * 4 // torch.tensor([], dtype=bundle.dtype).element_size()
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return torch.float32 if fp32_bytes < ram // 2 else torch.bfloat16
 
 
-def add_infinigen(folder: Path, text: CalibText, opts: PrepOptions, progress=None) -> dict:
+def add_infinigen(folder: Path, text: CalibText, opts: PrepOptions, progress=None) -> InfinigenMeta:
     """Calibrate the bundle in `folder` (bundle.json written, not yet final) on `text`; return the
     `infinigen` section of bundle.json.
 
@@ -133,34 +135,34 @@ def add_infinigen(folder: Path, text: CalibText, opts: PrepOptions, progress=Non
         tensors.update(fold_opt(folder, bundle, skews, candidates[choice]))
     save_file(tensors, str(folder / INFINIGEN_FILE), metadata={"format": "pt"})
 
-    return {
-        "file": INFINIGEN_FILE,
-        "skew": "svd" if opts.skew else "identity",
-        "skew_group": "kv_head",
-        "skew_storage": "folded" if cfg.arch == "opt" else "tensor",
-        "partial_ratio": opts.partial_ratio,
-        "partial_dim": d_prime,
-        "partial_select": choice,
-        "selection_recall": recall,
-        "energy_share_top": {
+    return InfinigenMeta(
+        file=INFINIGEN_FILE,
+        skew="svd" if opts.skew else "identity",
+        skew_group="kv_head",
+        skew_storage="folded" if cfg.arch == "opt" else "tensor",
+        partial_ratio=opts.partial_ratio,
+        partial_dim=d_prime,
+        partial_select=choice,
+        selection_recall=recall,
+        energy_share_top={
             "ratio": opts.partial_ratio,
             "skewed": round(energy_share(grams, skews, opts.partial_ratio), 6),
             "unskewed": round(energy_share(grams, [skew_matrix(g, False) for g in grams.q], opts.partial_ratio), 6),
         },
-        "calibration": {"name": text.name, "sha256": text.sha256, "tokens": len(ids)},  # a file name, never a path
-        "defaults": {
-            "alpha": DEFAULT_ALPHA[cfg.arch],
-            "dense_layers": max(1, min(DENSE_LAYERS, n_layers - 1)),
+        calibration={"name": text.name, "sha256": text.sha256, "tokens": len(ids)},  # a file name, never a path
+        defaults=InfinigenDefaults(
+            alpha=DEFAULT_ALPHA[cfg.arch],
+            dense_layers=dense_layers_for(n_layers),
             # per layer, the mean share of the keys a query needs for MASS of its attention on the calibration
             # text: how spread the layer's attention is (KVOptions.layer_budget scales budgets by it)
-            "layer_key_share": grams.mass_share,
-            # per layer, the margin at which the speculated scores fetch as many keys as 90 % of the true attention
-            # needs (skew.calibrated_alpha, on the second pass's tokens): KVOptions.layer_alpha uses it
-            "layer_alpha": alphas[choice],
-            "layer_alpha_recall": ALPHA_RECALL,
-            "layer_alpha_tokens": len(eval_ids),
-        },
-    }
+            layer_key_share=grams.mass_share,
+            # per layer, the smallest margin at which the speculated set holds ALPHA_RECALL of the true attention
+            # mass (skew.calibrated_alpha, on the second pass's tokens): KVOptions.layer_alpha uses it
+            layer_alpha=alphas[choice],
+            layer_alpha_recall=ALPHA_RECALL,
+            layer_alpha_tokens=len(eval_ids),
+        ),
+    )
 
 
 def measure_selections(model, cfg, ids, skews, candidates, compare: bool, progress=None) -> tuple:

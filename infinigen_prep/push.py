@@ -5,15 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from infinigen_prep import __version__
-from infinigen_rt.bundle import BUNDLE_JSON, MODEL_CARD, TOKENIZER_JSON, read_bundle
+from infinigen_rt.bundle import BUNDLE_JSON, MODEL_CARD, TOKENIZER_JSON, Bundle, read_bundle
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.hub import hub_error, looks_like_repo_id
 
 
-def bundle_files(path: Path, meta: dict) -> list[str]:
+def bundle_files(bundle: Bundle) -> list[str]:
     """The files of a bundle folder: bundle.json, the model card, tokenizer.json, the *.safetensors files
     (weight shards, InfiniGen tensors) and whatever else bundle.json lists; never hidden files."""
-    names = {BUNDLE_JSON, *meta["files"]}
+    path = bundle.path
+    names = {BUNDLE_JSON, *bundle.manifest.files}
     names.update(p.name for p in path.glob("*.safetensors") if p.is_file() and not p.name.startswith("."))
     names.update(n for n in (MODEL_CARD, TOKENIZER_JSON) if (path / n).is_file())
     return sorted(names)
@@ -36,7 +37,7 @@ def push(
     if not looks_like_repo_id(repo_id):
         raise InfinigenError(f"{repo_id!r} is not a Hub repo id; use OWNER/NAME, e.g. my-user/smollm2-infinigen")
     bundle = read_bundle(bundle_dir, verify=True)  # never upload a broken bundle
-    files = bundle_files(bundle.path, bundle.meta)
+    files = bundle_files(bundle)
     name = bundle.path.resolve().name
     message = commit_message or f"Upload InfiniGen bundle {name} (infinigen-prep {__version__})"
 

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
+from types import UnionType
+from typing import ClassVar, get_args, get_origin, get_type_hints
 
 import torch
 
@@ -49,25 +51,187 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
+# the first layers whose KV stays on the device before speculation starts (layer 0 has no previous layer to
+# speculate from): 2 by the lever sweep (docs/accuracy.md: 1 layer +4.43 % perplexity, 2 +2.41 %; each more
+# attends 1/30 of the KV in full)
+DENSE_LAYERS = 2
+
+
+def dense_layers_for(n_layers: int) -> int:
+    """DENSE_LAYERS, less for a model too shallow to keep a speculated layer (at least 1: layer 0 is dense)."""
+    return max(1, min(DENSE_LAYERS, n_layers - 1))
+
+
+def _type_name(hint) -> str:
+    """A field's type as its annotation reads ("list[float] | None"), for an error."""
+    if get_origin(hint) is UnionType:
+        return " | ".join(map(_type_name, get_args(hint)))
+    if hint is type(None):
+        return "None"
+    return hint.__name__ if get_origin(hint) is None and isinstance(hint, type) else str(hint)
+
+
+def _at(where: str) -> str:
+    """A place in bundle.json, for an error: the file, or a key path in it."""
+    return f"{BUNDLE_JSON} {where}" if where else BUNDLE_JSON
+
+
+def _fits(value, hint) -> bool:
+    """Whether a JSON value has the annotated type: an int is a float too, a bool is no number."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is UnionType:
+        return any(_fits(value, a) for a in args)
+    if origin is list:
+        return isinstance(value, list) and all(_fits(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(_fits(v, args[1]) for v in value.values())
+    if hint in (int, float) and isinstance(value, bool):
+        return False
+    if hint is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, hint)
+
+
+def _parse(hint, value, where: str):
+    """`value` as the field's type: a section (or the model config) built from its object, anything else as
+    read once its type is checked; a one-line error otherwise."""
+    for t in get_args(hint) if get_origin(hint) is UnionType else (hint,):
+        if is_dataclass(t) and isinstance(value, dict):
+            return t.from_dict(value)
+        if _fits(value, t):
+            return value
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:36] + " ..."
+    raise InfinigenError(f"{_at(where)} is {shown}, not {_type_name(hint)}; re-convert the bundle")
+
+
+class Section:
+    """A dataclass for an object of bundle.json. from_dict drops keys it does not know (a newer converter's),
+    fills the fields that older bundles lack with their defaults, and turns a missing required key or a value
+    of the wrong type into a one-line InfinigenError."""
+
+    where: ClassVar[str]  # the object's key path in bundle.json ("" for the whole), for errors
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        hints = get_type_hints(cls)
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        missing = [name for name in required if name not in d]
+        if missing:
+            raise InfinigenError(f"{_at(cls.where)} lacks {missing[0]!r}; re-convert the bundle")
+        given = [f.name for f in fields(cls) if f.name in d]
+        key = f"{cls.where}." if cls.where else ""
+        return cls(**{name: _parse(hints[name], d[name], key + name) for name in given})
+
+
+@dataclass
+class TokenizerMeta(Section):
+    """bundle.json's `tokenizer`: the special tokens and chat template the tokenizer file does not carry."""
+
+    where: ClassVar[str] = "tokenizer"
+    file: str = TOKENIZER_JSON
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    add_bos_token: bool = False
+    chat_template: str | None = None  # Jinja, as in the source
+
+
+@dataclass
+class InfinigenDefaults(Section):
+    """bundle.json's `infinigen.defaults`: what a run uses for the KVOptions it leaves unset. The per-layer
+    statistics came with later converters: older bundles lack them (and a run asking for them says so)."""
+
+    where: ClassVar[str] = "infinigen.defaults"
+    alpha: float  # logit units
+    dense_layers: int = DENSE_LAYERS
+    layer_budget: float = 0.0  # the exponent of KVOptions.layer_budget; 0 = one budget for every layer
+    layer_key_share: list[float] | None = None  # per layer: the keys a query needs for 90 % of its attention
+    layer_alpha: list[float] | None = None  # per layer: the margin that holds layer_alpha_recall of the mass
+    layer_alpha_recall: float | None = None
+    layer_alpha_tokens: int | None = None
+
+
+@dataclass
+class InfinigenMeta(Section):
+    """bundle.json's `infinigen`: how infinigen.safetensors was made, and the run-time defaults."""
+
+    where: ClassVar[str] = "infinigen"
+    file: str
+    skew: str  # "svd" or "identity"
+    skew_group: str  # "kv_head"
+    skew_storage: str  # "tensor" or "folded" (OPT: into q_proj/k_proj)
+    partial_ratio: float
+    partial_dim: int
+    partial_select: str  # "qk" or "query"
+    defaults: InfinigenDefaults
+    selection_recall: dict | None = None  # with --partial-select auto: each selection's recall
+    energy_share_top: dict | None = None
+    calibration: dict | None = None  # {"name", "sha256", "tokens"}
+
+
+@dataclass
+class BundleMeta(Section):
+    """bundle.json: everything the runtime needs besides tensors."""
+
+    where: ClassVar[str] = ""
+    format: str
+    format_version: int
+    config: ModelConfig
+    dtype: str
+    weight_map: dict[str, str]  # tensor name -> shard file
+    files: dict[str, dict]  # file name -> {"sha256", "size"}
+    architecture: str | None = None
+    model_type: str | None = None
+    source: dict = field(default_factory=dict)  # {"kind": "hub" | "local" | "gguf", ...}: never a local path
+    converter: dict = field(default_factory=dict)  # {"name", "version"}
+    tokenizer: TokenizerMeta = field(default_factory=TokenizerMeta)
+    infinigen: InfinigenMeta | None = None  # None: converted with --no-infinigen
+
+    def to_dict(self) -> dict:
+        """A dense-only bundle has no `infinigen` key (rather than null), as ever."""
+        d = super().to_dict()
+        if self.infinigen is None:
+            del d["infinigen"]
+        return d
+
+
 @dataclass
 class Bundle:
     """A bundle on disk whose bundle.json has been read (and, by default, its files verified)."""
 
     path: Path
-    meta: dict
-    config: ModelConfig
+    meta: dict  # bundle.json as read, for the readers of its raw keys; `manifest` holds the same, typed
+    manifest: BundleMeta
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.manifest.config
 
     @property
     def dtype(self) -> torch.dtype:
-        return DTYPES[self.meta["dtype"]]
+        return DTYPES[self.manifest.dtype]
 
     @property
     def weight_map(self) -> dict[str, str]:
-        return self.meta["weight_map"]
+        return self.manifest.weight_map
 
     @property
-    def tokenizer(self) -> dict:
-        return self.meta.get("tokenizer", {})
+    def tokenizer(self) -> TokenizerMeta:
+        return self.manifest.tokenizer
+
+    @property
+    def infinigen(self) -> InfinigenMeta | None:
+        """The InfiniGen section; None for a bundle converted with --no-infinigen."""
+        return self.manifest.infinigen
+
+    @property
+    def dense_layers(self) -> int:
+        """The bundle's default dense layers; DENSE_LAYERS for one without InfiniGen tensors (the oracle
+        policies keep as many first layers dense as infinigen would)."""
+        return self.infinigen.defaults.dense_layers if self.infinigen else DENSE_LAYERS
 
 
 def is_bundle(path: Path) -> bool:
@@ -105,13 +269,11 @@ def read_bundle(path: str | Path, verify: bool = True, partial: bool = False) ->
             f"bundle format version {version} is not supported by this runtime (it reads {FORMAT_VERSION}); "
             "upgrade infinigen or re-convert"
         )
-    for key in ("config", "dtype", "weight_map", "files"):
-        if key not in meta:
-            raise InfinigenError(f"{meta_path} lacks {key!r}; re-convert the bundle")
-    if meta["dtype"] not in DTYPES:
-        raise InfinigenError(f"bundle dtype {meta['dtype']!r} is not one of {', '.join(DTYPES)}")
-    verify_files(path, meta["files"], hashes=verify)
-    return Bundle(path, meta, ModelConfig.from_dict(meta["config"]))
+    manifest = BundleMeta.from_dict(meta)
+    if manifest.dtype not in DTYPES:
+        raise InfinigenError(f"bundle dtype {manifest.dtype!r} is not one of {', '.join(DTYPES)}")
+    verify_files(path, manifest.files, hashes=verify)
+    return Bundle(path, meta, manifest)
 
 
 def verify_files(path: Path, files: dict, hashes: bool = True) -> None:
@@ -170,10 +332,9 @@ def load_infinigen(bundle: Bundle, device="cpu") -> dict[str, torch.Tensor]:
     """The bundle's InfiniGen tensors; a one-line error when it was converted without them."""
     from safetensors.torch import load_file
 
-    info = bundle.meta.get("infinigen")
-    if not info:
+    if bundle.infinigen is None:
         raise InfinigenError(
             f"bundle {bundle.path} has no InfiniGen tensors (converted with --no-infinigen); "
             "re-convert it without that flag, or use --policy full/offload"
         )
-    return load_file(bundle.path / info["file"], device=str(device))
+    return load_file(bundle.path / bundle.infinigen.file, device=str(device))

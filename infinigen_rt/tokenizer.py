@@ -29,8 +29,8 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library raises plain Exceptions
             raise InfinigenError(f"bundle tokenizer is not readable ({e}); re-convert the bundle") from None
         info = bundle.tokenizer
-        self.bos_token, self.eos_token = info.get("bos_token"), info.get("eos_token")
-        self.chat_template = info.get("chat_template")
+        self.bos_token, self.eos_token = info.bos_token, info.eos_token
+        self.chat_template = info.chat_template
         cfg = bundle.config
         self.eos_ids = set(cfg.eos_token_ids)
         if self.eos_token is not None and self.tok.token_to_id(self.eos_token) is not None:
