@@ -22,7 +22,6 @@ from infinigen_prep.prepare import PrepOptions, add_infinigen
 from infinigen_prep.sources.base import Source
 from infinigen_rt.bundle import (
     BUNDLE_JSON,
-    DTYPES,
     FORMAT,
     FORMAT_VERSION,
     INFINIGEN_FILE,
@@ -41,6 +40,7 @@ from infinigen_rt.errors import InfinigenError
 from infinigen_rt.files import check_writable_dir
 from infinigen_rt.hub import from_hub, looks_like_repo_id
 from infinigen_rt.models import MODELS
+from infinigen_rt.system import DTYPES
 
 DEFAULT_SHARD_BYTES = 4 * 1024**3
 PREFIXES = {"llama": "model.", "opt": "model.decoder."}

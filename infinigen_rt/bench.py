@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from infinigen_rt.config import ModelConfig
-from infinigen_rt.engine import Engine
+from infinigen_rt.engine import Engine, Speculation
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.files import pyplot, save_figure
 from infinigen_rt.kernels import GATHER_KERNEL
@@ -74,7 +74,7 @@ def preset_config(name: str) -> ModelConfig:
 @torch.no_grad()
 def synthetic_engine(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Engine:
     """A random-weight model of a preset's shapes, built straight on the device, with random orthogonal skews."""
-    from infinigen_rt.bundle import partial_idx_name, partial_q_name, skew_name
+    from infinigen_rt.bundle import InfinigenDefaults, dense_layers_for, partial_idx_name, partial_q_name, skew_name
     from infinigen_rt.models import MODELS
     from infinigen_rt.models.llama import Llama, rope_inv_freq
 
@@ -111,8 +111,8 @@ def synthetic_engine(name: str, device: torch.device, dtype: torch.dtype, seed: 
             tensors[partial_q_name(j, "weight")] = torch.randn(cfg.num_attention_heads * d_prime, cfg.hidden_size,
                                                                generator=cpu) * 0.02  # fmt: skip
             tensors[partial_q_name(j, "bias")] = torch.zeros(cfg.num_attention_heads * d_prime)
-    defaults = {"alpha": math.inf, "dense_layers": max(1, min(2, cfg.num_hidden_layers - 1))}
-    return Engine.from_model(cfg, model, device, dtype, speculation=(tensors, defaults))
+    defaults = InfinigenDefaults(alpha=math.inf, dense_layers=dense_layers_for(cfg.num_hidden_layers))
+    return Engine.from_model(cfg, model, device, dtype, speculation=Speculation(tensors, defaults))
 
 
 # ---------------------------------------------------------------------------------------------- bandwidth

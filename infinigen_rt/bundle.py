@@ -26,6 +26,7 @@ import torch
 
 from infinigen_rt.config import ModelConfig
 from infinigen_rt.errors import InfinigenError
+from infinigen_rt.system import DTYPES
 
 FORMAT = "infinigen-bundle"
 FORMAT_VERSION = 1
@@ -36,9 +37,6 @@ PARTIAL_JSON = "bundle.partial.json"
 TOKENIZER_JSON = "tokenizer.json"
 MODEL_CARD = "README.md"
 INFINIGEN_FILE = "infinigen.safetensors"
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
 def shard_name(i: int, n: int) -> str:
     return f"model-{i:05d}-of-{n:05d}.safetensors"
 

@@ -109,10 +109,9 @@ def bench_cmd(
 
     from infinigen_rt import __version__
     from infinigen_rt.bench import PRESETS, measure_bandwidths, plot, run_points, synthetic_engine
-    from infinigen_rt.engine import DTYPES
     from infinigen_rt.errors import InfinigenError
     from infinigen_rt.policies import RUNTIME_POLICIES
-    from infinigen_rt.system import resolve_device
+    from infinigen_rt.system import resolve_device, resolve_dtype
     from infinigen_rt.tp import check_tp_option, launch
 
     if tp > 1 and synthetic is not None:
@@ -148,13 +147,7 @@ def bench_cmd(
     quiet = json_out or follower_env()
     with console.status("building the model", spinner="dots") if not quiet else nullcontext():
         if synthetic is not None:
-            if dtype == "auto":
-                dt = torch.float16 if dev.type == "cuda" else torch.float32
-            elif dtype in DTYPES:
-                dt = DTYPES[dtype]
-            else:
-                raise InfinigenError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
-            engine = synthetic_engine(synthetic, dev, dt, seed)
+            engine = synthetic_engine(synthetic, dev, resolve_dtype(dtype, torch.float16, dev), seed)
             model_name = f"synthetic:{synthetic}"
             alpha = math.inf if alpha is None else alpha
         else:

@@ -93,7 +93,7 @@ def eval_cmd(
                           needle_tasks, seed, out, resume, plot_path, json_out)  # fmt: skip
     if any("alpha" in POLICIES[p].sweep for p in names) and not alpha_list:  # the bundle's (a one-line error
         engine.require_speculation()  # for a bundle converted with --no-infinigen)
-        alpha_list = [engine.speculation[1]["alpha"]]
+        alpha_list = [engine.speculation.defaults.alpha]
     ids, sha = text_ids(engine, text, seq_len, score_from)
     meta = {"bundle": str(path), "text": str(text), "text_sha256": sha, "seq_len": seq_len, "score_from": score_from,
             "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}  # fmt: skip
@@ -180,7 +180,7 @@ def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depth
         raise InfinigenError("--task needle takes one --alphas value (or none: the bundle's default)")
     if any("alpha" in POLICIES[p].sweep for p in names) and alpha is None:
         engine.require_speculation()
-        alpha = engine.speculation[1]["alpha"]
+        alpha = engine.speculation.defaults.alpha
     if not text.is_file():
         raise InfinigenError(f"--text {text} does not exist")
     hay, sha = read_utf8(text, f"--text {text}")

@@ -5,29 +5,26 @@ requests run through runner.py."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from infinigen_rt.bundle import DTYPES, Bundle, load_infinigen
+from infinigen_rt.bundle import DENSE_LAYERS, Bundle, InfinigenDefaults, load_infinigen
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.models import load_model
-from infinigen_rt.system import keep_host_heap, resolve_device
+from infinigen_rt.system import keep_host_heap, resolve_device, resolve_dtype
 from infinigen_rt.tokenizer import Tokenizer
 from infinigen_rt.tp import TP, shard_config, shard_speculation
 
-DENSE_LAYERS = 2  # layers attending to everything when a bundle does not say
 
-
-def resolve_dtype(dtype: str, bundle_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    if dtype == "auto":  # CPUs compute half precision slowly: use fp32 there
-        return bundle_dtype if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise InfinigenError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+class Speculation(NamedTuple):
+    tensors: dict[str, torch.Tensor]  # the InfiniGen tensors by bundle name, on the compute device
+    defaults: InfinigenDefaults  # what a run leaves unset
 
 
 class Engine:
-    """See the module docstring. `speculation`: (InfiniGen tensors by bundle name on the device, their defaults),
-    or None for a bundle converted without them; `dense_layers`: the bundle's default count of dense layers."""
+    """See the module docstring. `speculation`: None for a bundle converted without InfiniGen tensors;
+    `dense_layers`: the bundle's default count of dense layers."""
 
     def __init__(self, bundle: Bundle, device: str = "auto", dtype: str = "auto", tp: TP | None = None):
         """`tp`: this process is one rank of a tensor-parallel group (tp.py): its model, caches and speculation
@@ -38,29 +35,29 @@ class Engine:
         self.dtype = resolve_dtype(dtype, bundle.dtype, self.device)
         if self.device.type == "cpu":
             keep_host_heap()
-        info = bundle.meta.get("infinigen")
         self.speculation = None
-        if info:  # on the device once: every request's cache uses the same tensors
-            self.speculation = shard_speculation(load_infinigen(bundle, self.device), tp), info["defaults"]
-        self.dense_layers = self.speculation[1]["dense_layers"] if self.speculation else DENSE_LAYERS
+        if bundle.infinigen is not None:  # on the device once: every request's cache uses the same tensors
+            tensors = shard_speculation(load_infinigen(bundle, self.device), tp)
+            self.speculation = Speculation(tensors, bundle.infinigen.defaults)
+        self.dense_layers = bundle.dense_layers
         self.tokenizer = Tokenizer(bundle)
         self.model = load_model(bundle, self.device, self.dtype, tp)
 
     @classmethod
     def from_model(
-        cls, cfg, model, device: torch.device, dtype: torch.dtype, speculation: tuple[dict, dict] | None = None,
+        cls, cfg, model, device: torch.device, dtype: torch.dtype, speculation: Speculation | None = None,
     ) -> Engine:  # fmt: skip
-        """An engine around a model built in memory (synthetic benchmarks): no bundle and no tokenizer.
-        `speculation` is (InfiniGen tensors by bundle name, {"alpha", "dense_layers"})."""
+        """An engine around a model built in memory (synthetic benchmarks): no bundle and no tokenizer."""
         self = cls.__new__(cls)
         if torch.device(device).type == "cpu":
             keep_host_heap()
         self.bundle, self.cfg, self.device, self.dtype, self.tp = None, cfg, torch.device(device), dtype, None
         self.model, self.tokenizer = model, None
         if speculation is not None:  # on the device once, as a bundle's are
-            speculation = {k: t.to(self.device) for k, t in speculation[0].items()}, speculation[1]
+            speculation = Speculation({k: t.to(self.device) for k, t in speculation.tensors.items()},
+                                      speculation.defaults)  # fmt: skip
         self.speculation = speculation
-        self.dense_layers = speculation[1]["dense_layers"] if speculation else DENSE_LAYERS
+        self.dense_layers = speculation.defaults.dense_layers if speculation else DENSE_LAYERS
         return self
 
     def require_speculation(self) -> None:

@@ -16,6 +16,8 @@ import torch
 
 from infinigen_rt.errors import InfinigenError
 
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
 CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
 
 
@@ -251,3 +253,12 @@ def keep_host_heap() -> None:
     m_trim_threshold, m_mmap_threshold = -1, -3
     libc.mallopt(m_mmap_threshold, 32 << 20)
     libc.mallopt(m_trim_threshold, 1 << 30)
+
+
+def resolve_dtype(dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """--dtype: auto is the model's own on a GPU, float32 on a CPU (which computes half precision slowly)."""
+    if dtype == "auto":
+        return model_dtype if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise InfinigenError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]

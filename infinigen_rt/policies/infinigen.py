@@ -19,6 +19,7 @@ from dataclasses import replace
 
 import torch
 
+from infinigen_rt.bundle import InfinigenDefaults
 from infinigen_rt.cache import KVReport
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.policies.offload import POOL_KNOBS, OffloadCache, device_pairs
@@ -29,15 +30,15 @@ from infinigen_rt.speculation import Selection, Speculator, fetch_width, select
 BUCKET = 64  # the fetch size of a sync-free step is a multiple of this (fewer distinct shapes)
 
 
-def layer_options(opts: KVOptions, defaults: dict, dense: int, n_layers: int) -> dict[int, KVOptions]:
+def layer_options(opts: KVOptions, defaults: InfinigenDefaults, dense: int, n_layers: int) -> dict[int, KVOptions]:
     """Each speculated layer's options: one budget, or with layer_budget e (the option, else the bundle's default)
     budgets min(1, c * s_j^e) from the calibration's per-layer key shares s_j, c chosen so that their mean is the
     budget (the same bytes: spread layers fetch more, focused ones less; a full budget stays every token)."""
     layers = range(dense, n_layers)
-    e = defaults.get("layer_budget", 0.0) if opts.layer_budget is None else opts.layer_budget
+    e = defaults.layer_budget if opts.layer_budget is None else opts.layer_budget
     if not e:
         return dict.fromkeys(layers, opts)
-    shares = defaults.get("layer_key_share")
+    shares = defaults.layer_key_share
     if not shares or len(shares) != n_layers:
         raise InfinigenError("layer_budget needs the bundle's per-layer attention statistics (layer_key_share); "
                              "convert it again with this version of infinigen-prep")  # fmt: skip
@@ -55,13 +56,13 @@ def layer_options(opts: KVOptions, defaults: dict, dense: int, n_layers: int) ->
     return {j: replace(opts, budget=min(1.0, hi * x)) for j, x in zip(layers, w, strict=True)}
 
 
-def layer_alphas(opts: KVOptions, defaults: dict, dense: int, n_layers: int) -> dict[int, float]:
+def layer_alphas(opts: KVOptions, defaults: InfinigenDefaults, dense: int, n_layers: int) -> dict[int, float]:
     """Each speculated layer's margin: the option's alpha; else with layer_alpha the bundle's calibrated one per
     layer; else the bundle's alpha."""
     layers = range(dense, n_layers)
     if opts.alpha is not None or not opts.layer_alpha:
-        return dict.fromkeys(layers, defaults["alpha"] if opts.alpha is None else opts.alpha)
-    per = defaults.get("layer_alpha")
+        return dict.fromkeys(layers, defaults.alpha if opts.alpha is None else opts.alpha)
+    per = defaults.layer_alpha
     if not per or len(per) != n_layers:
         raise InfinigenError("layer_alpha needs the bundle's calibrated margins (layer_alpha); convert it again "
                              "with this version of infinigen-prep")  # fmt: skip
@@ -100,20 +101,21 @@ class InfinigenCache(OffloadCache):
     @classmethod
     def kv_bytes(cls, engine, opts, tokens, dtype_bytes):
         dense = opts.dense_layers
-        d_prime = next(t for k, t in engine.speculation[0].items() if k.endswith("partial_idx")).shape[-1]
+        d_prime = next(t for k, t in engine.speculation.tensors.items() if k.endswith("partial_idx")).shape[-1]
         device, host, read = cls.pool_bytes(engine, tokens, 2 * engine.cfg.head_dim * dtype_bytes, dense)
         partial = tokens * d_prime * dtype_bytes * (engine.cfg.num_hidden_layers - dense)  # read every step
         return device + partial, host, read + partial
 
     def __init__(
-        self, cfg, batch, max_len, device, dtype, opts, model, tensors: dict, defaults: dict, pages=None, tp=None,
+        self, cfg, batch, max_len, device, dtype, opts, model, tensors: dict, defaults: InfinigenDefaults, pages=None,
+        tp=None,
     ):  # fmt: skip
         """`tp`: one rank of a tensor-parallel group (cfg and tensors: its heads); the fetch count, a mean over every
         query head, is all-reduced, and on a CPU speculation runs inline (collectives in one order on every rank)."""
         dense = opts.dense_layers
         # the dense layers stay on the device
         super().__init__(cfg, batch, max_len, device, dtype, opts, resident=dense, pages=pages)
-        self.alpha = defaults["alpha"] if opts.alpha is None else opts.alpha
+        self.alpha = defaults.alpha if opts.alpha is None else opts.alpha
         self.alphas = layer_alphas(opts, defaults, dense, cfg.num_hidden_layers)
         self.dense_layers = dense
         self.spec = Speculator(cfg, model.speculation_taps(), tensors, self.device, dtype)

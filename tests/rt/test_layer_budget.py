@@ -12,7 +12,7 @@ import torch
 
 from infinigen_prep.calibrate import MASS, mass_share
 from infinigen_prep.skew import calibrated_alpha
-from infinigen_rt.bundle import read_bundle
+from infinigen_rt.bundle import InfinigenDefaults, read_bundle
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.policies import KVOptions
 from infinigen_rt.policies.infinigen import layer_alphas, layer_options
@@ -39,24 +39,27 @@ def test_convert_records_each_layers_key_share(bundles):
 
 def test_layer_options_share_the_budget_in_proportion():
     shares = [0.5, 0.4, 0.1, 0.2, 0.3]
+    stats = InfinigenDefaults(alpha=5.0, layer_key_share=shares)
+    stats_lb = InfinigenDefaults(alpha=5.0, layer_key_share=shares, layer_budget=1.0)  # a bundle's default exponent
+    before = InfinigenDefaults(alpha=5.0)  # a bundle converted before the statistics
     opts = KVOptions(budget=0.2)
-    assert all(o is opts for o in layer_options(opts, {"layer_key_share": shares}, 2, 5).values())  # default: 0
-    per = layer_options(opts, {"layer_key_share": shares, "layer_budget": 1.0}, 2, 5)  # the bundle's default
+    assert all(o is opts for o in layer_options(opts, stats, 2, 5).values())  # default: 0
+    per = layer_options(opts, stats_lb, 2, 5)  # the bundle's default
     assert [round(per[j].budget, 6) for j in per] == [0.1, 0.2, 0.3]
     off = KVOptions(budget=0.2, layer_budget=0.0)  # the option overrides the bundle's
-    assert all(o is off for o in layer_options(off, {"layer_key_share": shares, "layer_budget": 1.0}, 2, 5).values())
-    per = layer_options(KVOptions(budget=0.2, layer_budget=1.0), {"layer_key_share": shares}, 2, 5)
+    assert all(o is off for o in layer_options(off, stats_lb, 2, 5).values())
+    per = layer_options(KVOptions(budget=0.2, layer_budget=1.0), stats, 2, 5)
     assert sorted(per) == [2, 3, 4]
     assert [round(per[j].budget, 6) for j in per] == [0.1, 0.2, 0.3]  # 0.2 * s / mean(0.1, 0.2, 0.3): no layer capped
-    half = layer_options(KVOptions(budget=0.2, layer_budget=0.5), {"layer_key_share": shares}, 2, 5)
+    half = layer_options(KVOptions(budget=0.2, layer_budget=0.5), stats, 2, 5)
     assert per[2].budget < half[2].budget < 0.2 < half[4].budget < per[4].budget
-    capped = layer_options(KVOptions(budget=0.9, layer_budget=1.0), {"layer_key_share": shares}, 2, 5)
+    capped = layer_options(KVOptions(budget=0.9, layer_budget=1.0), stats, 2, 5)
     assert capped[4].budget == 1.0 and abs(sum(o.budget for o in capped.values()) / 3 - 0.9) < 1e-6  # the same mean
-    every = layer_options(KVOptions(budget=1.0, layer_budget=1.0), {"layer_key_share": shares}, 2, 5)
+    every = layer_options(KVOptions(budget=1.0, layer_budget=1.0), stats, 2, 5)
     assert all(o.budget == 1.0 for o in every.values())
     with pytest.raises(InfinigenError, match="convert it again"):
-        layer_options(KVOptions(layer_budget=1.0), {"alpha": 5.0}, 2, 5)
-    old = layer_options(KVOptions(budget=0.2), {"alpha": 5.0}, 2, 5)  # a bundle from before: one budget, no error
+        layer_options(KVOptions(layer_budget=1.0), before, 2, 5)
+    old = layer_options(KVOptions(budget=0.2), before, 2, 5)  # a bundle from before: one budget, no error
     assert {o.budget for o in old.values()} == {0.2}
     with pytest.raises(InfinigenError, match="layer_budget must be"):
         KVOptions(layer_budget=-1).check()
@@ -70,8 +73,9 @@ def test_each_layer_fetches_its_share_and_a_full_budget_stays_exact(bundles):
     _, _, cache = greedy_logits(*es["lb"], [PROMPTS[2]], 8)
     dense = es["lb"][1].opts.dense_layers
     got = cache.report().per_layer["kv_fetched_share"][dense:]
-    want = [o.budget for o in layer_options(KVOptions(budget=0.4, layer_budget=1.0), {"layer_key_share": shares},
-                                            dense, len(shares)).values()]  # fmt: skip
+    stats = InfinigenDefaults(alpha=5.0, layer_key_share=shares)
+    per = layer_options(KVOptions(budget=0.4, layer_budget=1.0), stats, dense, len(shares))
+    want = [o.budget for o in per.values()]
     assert abs(sum(want) / len(want) - 0.4) < 1e-6 and max(want) <= 1
     for g, w in zip(got, want, strict=True):  # the floor of budget x held, over ~20-28 held tokens
         assert w - 1 / 20 - 1e-6 <= g <= w + 1e-6, (got, want)
@@ -112,11 +116,11 @@ def test_calibrated_alpha_is_the_smallest_margin_holding_the_recall():
 
 
 def test_convert_records_each_layers_alpha_and_the_option_uses_it(bundles):
-    meta = json.loads((bundles["llama31_gqa"] / "bundle.json").read_text())["infinigen"]["defaults"]
-    per = meta["layer_alpha"]
-    assert len(per) == len(meta["layer_key_share"]) and all(0 < x <= 40 for x in per), per
+    meta = read_bundle(bundles["llama31_gqa"]).infinigen.defaults
+    per = meta.layer_alpha
+    assert len(per) == len(meta.layer_key_share) and all(0 < x <= 40 for x in per), per
     assert layer_alphas(KVOptions(layer_alpha=True), meta, 2, len(per)) == {j: per[j] for j in range(2, len(per))}
-    assert set(layer_alphas(KVOptions(), meta, 2, len(per)).values()) == {meta["alpha"]}  # off by default
+    assert set(layer_alphas(KVOptions(), meta, 2, len(per)).values()) == {meta.alpha}  # off by default
     assert set(layer_alphas(KVOptions(alpha=3.0, layer_alpha=True), meta, 2, len(per)).values()) == {3.0}
     with pytest.raises(InfinigenError, match="layer_alpha needs"):
-        layer_alphas(KVOptions(layer_alpha=True), {"alpha": 5.0}, 2, len(per))
+        layer_alphas(KVOptions(layer_alpha=True), InfinigenDefaults(alpha=5.0), 2, len(per))
