@@ -12,7 +12,7 @@ import time
 
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.engine import Engine
-from infinigen_rt.eval import perplexity, text_ids
+from infinigen_rt.measure.perplexity import perplexity, text_ids
 from infinigen_rt.policies import KVOptions, configure
 
 PAPER = {"sinks": 0, "recent": 0, "renorm": False, "group_agg": "max"}  # the reference's speculation

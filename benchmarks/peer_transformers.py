@@ -70,7 +70,7 @@ def hf_generate(model, ids, gen: int, cache: str | None, device, on_step=None) -
 def synthetic(a) -> list[dict]:
     import transformers
 
-    from infinigen_rt.bench import PRESETS
+    from infinigen_rt.measure.synthetic import PRESETS
 
     dev = torch.device(a.device)
     hf = dict(PRESETS[a.preset])

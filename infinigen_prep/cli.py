@@ -10,19 +10,11 @@ import typer
 
 from infinigen_prep import __version__
 from infinigen_prep.calibrate import DEFAULT_CALIB
-from infinigen_rt.console import add_version_option, console, err_console, print_json, run_app
+from infinigen_rt.cli.console import console, err_console, new_app, print_json, run_app
 
-app = typer.Typer(
-    name="infinigen-prep",
-    help="InfiniGen offline toolkit: convert Hugging Face checkpoints (Hub, folder or GGUF) into bundles.",
-    no_args_is_help=True,
-    context_settings={"help_option_names": ["-h", "--help"]},
-    pretty_exceptions_enable=False,
-    add_completion=False,
-)
-
-
-add_version_option(app, "infinigen-prep", __version__)
+app = new_app("infinigen-prep",
+              "InfiniGen offline toolkit: convert Hugging Face checkpoints (Hub, folder or GGUF) into bundles.",
+              __version__)  # fmt: skip
 
 
 def parse_size(text: str) -> int:

@@ -56,10 +56,6 @@ class ModelConfig:
         if rope_type not in ROPE_TYPES:
             raise InfinigenError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
 
-    @property
-    def n_rep(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.policies import BASELINE, KVOptions, Policy, configure
-from infinigen_rt.runner import BLOCK_TOKENS, Generation, Request, Runner, RunStats, blocks, reserved
+from infinigen_rt.runner import BLOCK_TOKENS, Generation, Request, Runner, RunStats, blocks_for, reserved
 from infinigen_rt.sampling import SamplingParams
 from infinigen_rt.system import memory_stats
 from infinigen_rt.tp import tp_time
@@ -37,7 +37,7 @@ def generate(
     stops = per_row(stop or [], b, "stop", nested=True)
     # a paged pool of exactly the blocks these requests take
     chunk = policy.opts.prefill_chunk
-    pool = sum(blocks(reserved(policy, len(p), n, chunk)) for p, n in zip(prompts, limits, strict=True))
+    pool = sum(blocks_for(reserved(policy, len(p), n, chunk)) for p, n in zip(prompts, limits, strict=True))
     run = Runner(engine, policy, max_batch=b, prefill_chunk=chunk, kv_tokens=pool * BLOCK_TOKENS)
     reduces = (engine.tp.reduces, engine.tp.reduce_s) if engine.tp else None
     rids = [run.add(Request(p, n, s, x)) for p, n, s, x in zip(prompts, limits, params, stops, strict=True)]

@@ -12,7 +12,7 @@ request's prompt and new tokens (`kv_tokens`, in blocks of `BLOCK_TOKENS`; a req
 the pool is taken), prefills up to `prefill_chunk` prompt tokens (a long prompt takes several steps, so the
 running streams keep getting a token every step), then runs one decode forward over every running request.
 
-The KV pool (blocks.HostBlocks, with `kv_tokens`) is one set of preallocated host buffers per layer, in blocks,
+The KV pool (kv/paged.py: a PagedStore, with `kv_tokens`) is one set of preallocated host buffers per layer, in blocks,
 that every request shares: an admitted request takes the blocks for its prompt and new tokens, or under a
 capacity for what its pools reach (its policy's `pool_slots`: eviction frees slots it reuses), its block table;
 the host-pool policies (offload, infinigen, int4) keep its rows there; the policies whose KV stays on the
@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infinigen_rt.blocks import HostBlocks
-from infinigen_rt.cache import KVReport, Rows, merge_reports
 from infinigen_rt.errors import InfinigenError
+from infinigen_rt.kv.cache import KVReport, Rows, merge_reports
+from infinigen_rt.kv.paged import PagedStore
 from infinigen_rt.policies import Policy
-from infinigen_rt.sampling import SamplingParams, sample
+from infinigen_rt.sampling import SamplingParams, sample, sample_rows
 from infinigen_rt.step import decode_step, prefill
 from infinigen_rt.system import Clock, host_available, to_device
 from infinigen_rt.tp import total_report
@@ -140,7 +140,7 @@ class Runner:
         check_pool_options(kv_tokens)
         self.engine, self.policy, self.max_batch, self.prefill_chunk = engine, policy, max_batch, prefill_chunk
         self.max_positions = max_positions or engine.cfg.max_position_embeddings
-        self.pool = None if kv_tokens is None else HostBlocks(kv_tokens // BLOCK_TOKENS, BLOCK_TOKENS, engine.device)
+        self.store = None if kv_tokens is None else PagedStore(kv_tokens // BLOCK_TOKENS, BLOCK_TOKENS, engine.device)
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []  # admitted: prefilling (done < prompt) or decoding, in arrival order
         self.ids = itertools.count()
@@ -168,10 +168,11 @@ class Runner:
         check_context(len(req.prompt_ids), req.max_new_tokens, self.max_positions)
         policy = req.policy or self.policy
         need = reserved(policy, len(req.prompt_ids), req.max_new_tokens, self.prefill_chunk)
-        if self.pool is not None and blocks(need) > self.pool.alloc.n_blocks:
+        if self.store is not None and blocks_for(need) > self.store.alloc.n_blocks:
             raise InfinigenError(
                 f"the request needs {need} tokens of KV (prompt + max-new-tokens) but the KV pool holds "
-                f"{self.pool.alloc.n_blocks * BLOCK_TOKENS}; raise --kv-tokens (or --kv-memory) or ask for fewer tokens"
+                f"{self.store.alloc.n_blocks * BLOCK_TOKENS}; raise --kv-tokens (or --kv-memory) or ask for fewer "
+                "tokens"
             )
         seed = req.sampling.seed
         gen = torch.Generator(device=eng.device).manual_seed(seed) if seed is not None else None
@@ -203,11 +204,11 @@ class Runner:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def blocks(self) -> tuple[int, int]:
+    def block_usage(self) -> tuple[int, int]:
         """KV blocks (used, free); without a pool: the blocks the running requests would take, and -1."""
-        if self.pool is None:
-            return sum(blocks(s.need) for s in self.running), -1
-        return self.pool.alloc.used, len(self.pool.alloc.free)
+        if self.store is None:
+            return sum(blocks_for(s.need) for s in self.running), -1
+        return self.store.alloc.used, len(self.store.alloc.free)
 
     def report(self) -> KVReport:
         """The KV report over the requests that have ended (see cache.merge_reports)."""
@@ -232,10 +233,10 @@ class Runner:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
-            if self.pool is not None and not self.pool.alloc.room(seq.id, seq.need):
+            if self.store is not None and not self.store.alloc.room(seq.id, seq.need):
                 break  # first come, first served: the next one waits for room too
             self.waiting.popleft()
-            pages = None if self.pool is None else self.pool.pages(seq.id, seq.need)
+            pages = None if self.store is None else self.store.pages(seq.id, seq.need)
             try:
                 seq.cache = seq.policy.build(self.engine, 1, len(seq.req.prompt_ids) + seq.req.max_new_tokens, pages)
             except Exception:
@@ -269,7 +270,7 @@ class Runner:
             if budget is not None:
                 budget -= n
             if seq.done == len(prompt):
-                self._take(seq, int(seq.pending), outs)  # the request's first token (a read, as any token)
+                self._accept(seq, int(seq.pending), outs)  # the request's first token (a read, as any token)
 
     def _decode(self, outs: dict[int, Output]) -> None:
         """One token for every request with a pending one. The step's one host sync is the read of the sampled
@@ -292,12 +293,12 @@ class Runner:
             raise
         for i, (seq, t) in enumerate(zip(rows, got, strict=True)):
             seq.pending, seq.pos = toks[i : i + 1], nxt[i : i + 1]
-            self._take(seq, t, outs)
+            self._accept(seq, t, outs)
         self._stats.decode_steps += 1
         self._stats.decode_tokens += len(rows)
         self._stats.decode_s += time.perf_counter() - t0
 
-    def _take(self, seq: _Seq, t: int, outs: dict[int, Output]) -> None:
+    def _accept(self, seq: _Seq, t: int, outs: dict[int, Output]) -> None:
         """A sampled token: the end (eos), or one more token, then maybe a stop string or the limit."""
         out = outs.setdefault(seq.id, Output(seq.id, [], seq.out))
         if t in self.eos and not seq.req.ignore_eos:
@@ -325,8 +326,8 @@ class Runner:
             finally:
                 seq.cache.close()
                 seq.cache, seq.pending, seq.pos = None, None, None
-        if self.pool is not None:
-            self.pool.release(seq.id)
+        if self.store is not None:
+            self.store.release(seq.id)
         if seq in self.running:
             self.running.remove(seq)
 
@@ -378,7 +379,7 @@ def pool_tokens(engine: Engine, policy: Policy, max_batch: int, kv_tokens: int |
     return kv_tokens
 
 
-def blocks(tokens: int) -> int:
+def blocks_for(tokens: int) -> int:
     return math.ceil(tokens / BLOCK_TOKENS)
 
 
@@ -391,11 +392,4 @@ def check_context(prompt_tokens: int, new_tokens: int, context: int) -> None:
             f"the prompt's {prompt_tokens} tokens + max-new-tokens {new_tokens} exceed the model's context of "
             f"{context} tokens; ask for at most {context - prompt_tokens}"
         )
-
-
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens) -> torch.Tensor:
-    """Next tokens [B]: one batched call when every row samples the same way, else row by row."""
-    if all(p == params[0] for p in params) and all(g is None for g in gens):
-        return sample(logits, params[0], None)
-    return torch.cat([sample(logits[i : i + 1], p, g) for i, (p, g) in enumerate(zip(params, gens, strict=True))])
 

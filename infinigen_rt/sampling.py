@@ -44,3 +44,10 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator |
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens) -> torch.Tensor:
+    """Next tokens [B]: one batched call when every row samples the same way, else row by row."""
+    if all(p == params[0] for p in params) and all(g is None for g in gens):
+        return sample(logits, params[0], None)
+    return torch.cat([sample(logits[i : i + 1], p, g) for i, (p, g) in enumerate(zip(params, gens, strict=True))])

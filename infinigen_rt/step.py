@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from infinigen_rt.cache import DenseCache, KVCache
+from infinigen_rt.kv.cache import DenseCache, KVCache
 
 
 def prefill(engine, cache: KVCache | list[KVCache], ids: torch.Tensor, positions: torch.Tensor,

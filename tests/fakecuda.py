@@ -663,7 +663,7 @@ class FakeCuda:
         finally:
             self.regions.remove(r)
 
-    # ---- launches: every Triton kernel of infinigen_rt._gather_kernel, at the call torch's launcher makes
+    # ---- launches: every Triton kernel of infinigen_rt.kv._gather_kernel, at the call torch's launcher makes
     def launch(self, kernel, grid, *args, **meta) -> None:
         """kernel[grid](*args, **meta) as Triton's launcher sees it: on the current device and stream."""
         self.raise_last_error()
@@ -843,8 +843,8 @@ def _patch_torch(h: FakeCuda) -> list:
     from torch import profiler
 
     put(profiler, "profile", _FakeProfile)
-    import infinigen_rt._gather_kernel as kernels
-    import infinigen_rt.kernels
+    import infinigen_rt.kv._gather_kernel as kernels
+    import infinigen_rt.kv.kernels
     import infinigen_rt.system
 
     h.kernel_runs = {}

@@ -177,7 +177,7 @@ def test_killed_convert_leaves_nothing_loadable(tmp_path, calib_file):
 def test_error_text_in_brackets_is_printed_not_taken_for_markup(capsys):
     import typer
 
-    from infinigen_rt.console import run_app
+    from infinigen_rt.cli.console import run_app
     from infinigen_rt.errors import InfinigenError
 
     app = typer.Typer()

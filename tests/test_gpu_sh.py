@@ -42,7 +42,7 @@ def option(args: list[str], name: str) -> str:
 
 def plan_seconds(line: str) -> tuple[int, float, str]:
     """(time-out, planned seconds at the real shapes, what) of one bench or peer line."""
-    from infinigen_rt.bench import preset_config
+    from infinigen_rt.measure.synthetic import preset_config
 
     words = line.split()
     kind, timeout = words[0], int(words[1])

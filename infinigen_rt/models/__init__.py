@@ -5,19 +5,12 @@ from __future__ import annotations
 import torch
 
 from infinigen_rt.bundle import Bundle, load_weights
-from infinigen_rt.config import ModelConfig
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.models.llama import Llama, rope_inv_freq
 from infinigen_rt.models.opt import OPT
 from infinigen_rt.tp import TP, shard_config
 
 MODELS = {"llama": Llama, "opt": OPT}
-
-
-def build_model(cfg: ModelConfig, device="cpu", dtype=torch.float32) -> torch.nn.Module:
-    """A randomly initialised model (tests and synthetic benchmarks)."""
-    with torch.device(device):
-        return MODELS[cfg.arch](cfg).to(dtype)
 
 
 def load_model(bundle: Bundle, device, dtype: torch.dtype, tp: TP | None = None) -> torch.nn.Module:

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infinigen_rt.cache import KVCache
 from infinigen_rt.config import ModelConfig
+from infinigen_rt.kv.cache import KVCache
 
 ACT = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
 

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infinigen_rt.cache import KVCache
 from infinigen_rt.config import ModelConfig
+from infinigen_rt.kv.cache import KVCache
 from infinigen_rt.models.llama import ACT, SpeculationTaps, identity
 
 

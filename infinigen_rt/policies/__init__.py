@@ -5,8 +5,8 @@ options, checked against the engine once (`configure`)."""
 
 from __future__ import annotations
 
-from infinigen_rt.cache import DenseCache, KVCache, KVReport, Policy
 from infinigen_rt.errors import InfinigenError
+from infinigen_rt.kv.cache import DenseCache, KVCache, KVReport, Policy
 from infinigen_rt.policies.h2o import H2OCache
 from infinigen_rt.policies.infinigen import InfinigenCache
 from infinigen_rt.policies.int4 import Int4Cache

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from infinigen_rt.cache import DenseCache, KVReport
+from infinigen_rt.kv.cache import DenseCache, KVReport
 from infinigen_rt.policies.options import KVOptions
 
 

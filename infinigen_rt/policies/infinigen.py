@@ -20,12 +20,12 @@ from dataclasses import replace
 import torch
 
 from infinigen_rt.bundle import InfinigenDefaults
-from infinigen_rt.cache import KVReport
 from infinigen_rt.errors import InfinigenError
+from infinigen_rt.kv.cache import KVReport
+from infinigen_rt.kv.prefetch import prefetcher
 from infinigen_rt.policies.offload import POOL_KNOBS, OffloadCache, device_pairs
 from infinigen_rt.policies.options import KVOptions
-from infinigen_rt.prefetch import prefetcher
-from infinigen_rt.speculation import Selection, Speculator, fetch_width, select
+from infinigen_rt.policies.speculation import Selection, Speculator, fetch_width, select
 
 BUCKET = 64  # the fetch size of a sync-free step is a multiple of this (fewer distinct shapes)
 
@@ -174,7 +174,7 @@ class InfinigenCache(OffloadCache):
         if layer not in self.prefetch:
             self.last_sel = None
             return super().fetch(layer, extra)
-        sel, k, v = self.prefetch.take(layer)
+        sel, k, v = self.prefetch.result(layer)
         pool, (b, h, n) = self.pools[layer], sel.slots.shape
         if pool.kernel:  # the kernel read the rows that count, on the device's count
             self.stats.h2d_rows[layer].append(sel.ok.sum())

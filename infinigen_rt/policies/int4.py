@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from infinigen_rt.cache import KVReport
+from infinigen_rt.kv.cache import KVReport
+from infinigen_rt.kv.pool import KVPool, copy_rows
 from infinigen_rt.policies.offload import OffloadCache
-from infinigen_rt.pool import KVPool, take
 
 GROUP = 64
 
@@ -68,7 +68,7 @@ class Int4Pool(KVPool):
             shape = (b, h, n + extra, self.meta[a].shape[-1])
             m[a] = torch.empty(shape, dtype=torch.float16, device=self.device)
             m[c] = torch.empty_like(m[a])
-            take(self.meta[a], self.meta[c], flat, ok, m[a], m[c], self.kernel)
+            copy_rows(self.meta[a], self.meta[c], flat, ok, m[a], m[c], self.kernel)
         k = dequantize(kq, m["k_scale"], m["k_min"], self.group, self.out_dtype)
         v = dequantize(vq, m["v_scale"], m["v_min"], self.group, self.out_dtype)
         return k, v

@@ -11,11 +11,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from infinigen_rt.cache import DenseCache, KVCache, KVReport, causal_mask
 from infinigen_rt.config import ModelConfig
+from infinigen_rt.kv.cache import DenseCache, KVCache, KVReport, causal_mask
+from infinigen_rt.kv.pool import KVPool
+from infinigen_rt.kv.prefetch import SideStream, prefetcher
 from infinigen_rt.policies.options import KVOptions
-from infinigen_rt.pool import KVPool
-from infinigen_rt.prefetch import SideStream, prefetcher
 
 POOL_KNOBS = frozenset({"capacity", "eviction", "window", "prefill_chunk"})
 
@@ -213,7 +213,7 @@ class OffloadCache(KVCache):
         slots, ok = pool.held_slots()
         b, h, n = slots.shape
         if self.ahead and extra == 1:  # the layer: the held rows only
-            k, v = self.prefetch.take(layer) if layer in self.prefetch else self.copy_layer(layer)
+            k, v = self.prefetch.result(layer) if layer in self.prefetch else self.copy_layer(layer)
             self.stats.h2d[layer] += b * h * n * pool.row_bytes
         else:  # rows by row; index_select (not the kernel) copies one for each new token too (overwritten)
             k, v = pool.gather(slots, None, extra)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from infinigen_rt.errors import InfinigenError
-from infinigen_rt.pool import EVICTIONS
+from infinigen_rt.kv.pool import EVICTIONS
 
 
 @dataclass

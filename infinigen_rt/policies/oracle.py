@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import torch
 
-from infinigen_rt.cache import DenseCache, KVReport
+from infinigen_rt.kv.cache import DenseCache, KVReport
 from infinigen_rt.policies.options import KVOptions
 
 

@@ -130,7 +130,7 @@ class Scheduler:
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="infinigen-scheduler", daemon=True)
         self.metrics.watch(
-            waiting=lambda: self.queue_depth, running=lambda: self.batch_size, kv_blocks=self.runner.blocks
+            waiting=lambda: self.queue_depth, running=lambda: self.batch_size, kv_blocks=self.runner.block_usage
         )
 
     def start(self) -> None:

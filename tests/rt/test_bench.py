@@ -9,13 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from infinigen_rt.bench import (
-    interval_overlap,
-    is_oom,
-    preset_config,
-    run_points,
-    synthetic_engine,
-)
+from infinigen_rt.measure.bench import interval_overlap, is_oom, run_points
+from infinigen_rt.measure.synthetic import preset_config, synthetic_engine
 from tests.conftest import RESULTS, render80, run_cli, shakespeare
 from tests.test_cli import one_line_error
 
@@ -111,8 +106,8 @@ def test_bench_bad_input(bundles, tmp_path):
 
 
 def test_bench_table_reads_at_80_columns():
-    from infinigen_rt.cli_bench import bench_table
-    from infinigen_rt.console import human_bytes
+    from infinigen_rt.cli.bench import bench_table
+    from infinigen_rt.cli.console import human_bytes
 
     points = json.loads((RESULTS / "bench-cpu-smollm2.json").read_text())["points"]
     # 7B-scale numbers

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from infinigen_rt.blocks import BlockAllocator, PoolFull
+from infinigen_rt.kv.paged import BlockAllocator, PoolFull
 
 
 def test_random_traffic_keeps_the_invariants():

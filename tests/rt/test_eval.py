@@ -12,7 +12,7 @@ import torch
 
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.engine import Engine
-from infinigen_rt.eval import perplexity, text_ids
+from infinigen_rt.measure.perplexity import perplexity, text_ids
 from infinigen_rt.policies import KVOptions, configure
 from tests.conftest import RESULTS, render80, run_cli, shakespeare
 from tests.test_cli import one_line_error
@@ -108,8 +108,8 @@ def test_eval_bad_inputs(bundles, tiny_text, tmp_path):
 
 
 def test_eval_table_reads_at_80_columns(bundles, tiny_text):
-    from infinigen_rt.cli_eval import eval_table
-    from infinigen_rt.eval import Row
+    from infinigen_rt.cli.eval import eval_table
+    from infinigen_rt.measure.perplexity import Row
 
     rows = [Row(**r) for r in json.loads((RESULTS / "accuracy-smollm2-hamlet.json").read_text())["rows"]]
     text = render80(eval_table(rows, "perplexity on hamlet_gut.txt (2048 tokens, scored from 1024)"))

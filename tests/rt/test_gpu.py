@@ -43,7 +43,9 @@ def test_cuda_policies_match_cpu(policy, bundles):
 @pytest.mark.parametrize("policy", ["infinigen", "offload", "full", "int4"])
 def test_one_host_sync_per_decode_step(policy):
     """The decode step's only sync is the sampled tokens' copy to the host (torch's sync debug mode, counted)."""
-    from infinigen_rt.bench import measure_bandwidths, run_points, synthetic_engine
+    from infinigen_rt.measure.bench import run_points
+    from infinigen_rt.measure.floor import measure_bandwidths
+    from infinigen_rt.measure.synthetic import synthetic_engine
 
     dev = torch.device("cuda")
     e = synthetic_engine("smollm2-135m", dev, torch.float16)
@@ -58,9 +60,9 @@ def test_one_host_sync_per_decode_step(policy):
 
 
 def test_a_paged_pools_buffers_are_pinned_at_their_exact_size_and_released():
-    from infinigen_rt.blocks import HostBlocks
+    from infinigen_rt.kv.paged import PagedStore
 
-    store = HostBlocks(10, 16, "cuda")
+    store = PagedStore(10, 16, "cuda")
     k = store.buffer("k", 0, (3, 64), torch.float16)
     assert k.is_pinned() and k.untyped_storage().nbytes() == 10 * 16 * 3 * 64 * 2 == store.nbytes
     store._unpin()
@@ -68,7 +70,7 @@ def test_a_paged_pools_buffers_are_pinned_at_their_exact_size_and_released():
 
 
 def test_pool_pages_are_pinned_at_their_exact_size_and_released(bundles):
-    from infinigen_rt.pool import KVPool
+    from infinigen_rt.kv.pool import KVPool
 
     pool = KVPool(2, 3, 64, 1000, torch.float16, "cuda")
     assert pool.k.is_pinned() and pool.k.untyped_storage().nbytes() == 1000 * 2 * 3 * 64 * 2
@@ -87,7 +89,7 @@ def test_the_gpus_numa_node_is_read_or_unknown():
 def test_one_host_sync_per_decode_step_through_the_runner(policy, bundles):
     """generate and serve's path (the runner, a paged pool): a decode step waits on the device once, for the sampled
     tokens (torch's sync debug mode counts what the fake-CUDA rehearsal counts on a CPU)."""
-    from infinigen_rt.bench import count_syncs
+    from infinigen_rt.measure.bench import count_syncs
     from infinigen_rt.policies import KVOptions, configure
     from infinigen_rt.runner import Request, Runner
 
@@ -104,7 +106,8 @@ def test_one_host_sync_per_decode_step_through_the_runner(policy, bundles):
 def test_a_decode_step_holds_no_more_device_memory_than_it_starts_with():
     """The device memory of offload's whole-layer copies and infinigen's speculated rows is preallocated: a step's
     peak is its start (what the rehearsal's allocator model says, checked against the real caching allocator)."""
-    from infinigen_rt.bench import start_runner, synthetic_engine
+    from infinigen_rt.measure.bench import start_runner
+    from infinigen_rt.measure.synthetic import synthetic_engine
     from infinigen_rt.policies import KVOptions, configure
 
     dev = torch.device("cuda")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infinigen_rt.kernels import available, gather_rows, gather_rows_reference, scatter_rows, scatter_rows_reference
+from infinigen_rt.kv.kernels import available, gather_rows, gather_rows_reference, scatter_rows, scatter_rows_reference
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs triton (pip install triton)")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from infinigen_rt import kernels
-from infinigen_rt.kernels import available
+from infinigen_rt.kv import kernels
+from infinigen_rt.kv.kernels import available
+from infinigen_rt.kv.pool import KVPool
 from infinigen_rt.policies.int4 import Int4Pool
-from infinigen_rt.pool import KVPool
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs triton (pip install triton)")
 HEAD_DIMS = (64, 128, 256)  # SmolLM2; Llama, Mistral, Qwen, OPT; Gemma 3's global layers

@@ -10,10 +10,10 @@ import re
 
 import pytest
 
-from infinigen_rt import needle
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.engine import Engine
 from infinigen_rt.generate import generate
+from infinigen_rt.measure import needle
 from infinigen_rt.policies import KVOptions
 from tests.conftest import TOKENIZER_TEXT, run_cli
 from tests.test_cli import one_line_error

@@ -9,15 +9,15 @@ import math
 import pytest
 import torch
 
-from infinigen_rt.blocks import HostBlocks
 from infinigen_rt.bundle import read_bundle
-from infinigen_rt.cache import DenseCache
 from infinigen_rt.engine import Engine
 from infinigen_rt.generate import generate
+from infinigen_rt.kv.cache import DenseCache
+from infinigen_rt.kv.paged import PagedStore
+from infinigen_rt.kv.pool import KVPool
+from infinigen_rt.kv.prefetch import Inline, WorkerThread
 from infinigen_rt.policies import KVOptions, Policy, configure
 from infinigen_rt.policies.int4 import dequantize, group_size, quantize
-from infinigen_rt.pool import KVPool
-from infinigen_rt.prefetch import Inline, WorkerThread
 from infinigen_rt.step import decode_step, pad_batch, prefill
 from tests.conftest import run_cli, shakespeare
 from tests.test_cli import one_line_error
@@ -165,7 +165,7 @@ def test_capacity_holds_through_generation(eviction, bundles):
         for step in range(20):
             pools = [pl for pl in cache.pools if pl is not None]  # the dense layers' KV is on the device
             assert len(pools) == e.cfg.num_hidden_layers - pol.opts.dense_layers
-            held = torch.stack([pl.held() for pl in pools])
+            held = torch.stack([torch.from_numpy(pl.n_held) for pl in pools])
             assert int(held.max()) <= 24
             newest = int(p)
             for pl in pools:  # the recent window survives in every (sequence, head)
@@ -327,7 +327,7 @@ def scattered_pages(tokens: int):
     """Pages for one request whose block table is not one run (blocks 0, 2, 3, ...: another request holds block
     1), in buffers filled with NaN (255 for bytes) as soon as they are made: a row read before it was written, or
     another request's, poisons the logits."""
-    store = HostBlocks(n_blocks=tokens // 16 + 2, block_size=16, device="cpu")
+    store = PagedStore(n_blocks=tokens // 16 + 2, block_size=16, device="cpu")
     store.pages(0, 16)
     store.pages(1, 16)
     pages = store.pages(0, tokens)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from infinigen_rt.pool import KVPool
+from infinigen_rt.kv.pool import KVPool
 
 
 def scenario(eviction: str) -> KVPool:
@@ -55,7 +55,7 @@ def test_evicted_tokens_are_never_fetched_and_a_prompts_tokens_take_fresh_slots(
     )
     assert new == 6 and pool.fill == 7  # arrival order: the freed slots stay free
     assert held_positions(pool) == [2, 3, 4, 5, 6] and pool.hits[0, 0, 6] == 0
-    assert pool.held().tolist() == [[5]]
+    assert pool.n_held.tolist() == [[5]]
     pool.evict(np.array([4]))
     assert held_positions(pool) == [3, 4, 5, 6] and pool.evicted == 3
 
@@ -65,9 +65,9 @@ def test_window_is_never_evicted_and_padding_takes_no_slot():
     valid = torch.tensor([[False, False, True, True, True, True], [True] * 6])
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
     pool.insert(torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4), positions, valid)
-    assert pool.held().tolist() == [[4, 4], [6, 6]]
+    assert pool.n_held.tolist() == [[4, 4], [6, 6]]
     assert pool.evict(np.array([1, 1])) == 8  # asks for less than the window: the window stays
-    assert pool.held().tolist() == [[3, 3], [3, 3]]
+    assert pool.n_held.tolist() == [[3, 3], [3, 3]]
     assert sorted(int(p) for p in pool.pos[1, 0] if p >= 0) == [3, 4, 5]
 
 
@@ -99,9 +99,9 @@ def test_a_sequence_reuses_the_slots_it_evicted_each_head_its_own(kernel):
     assert pool.pos[0, 0, 1] == 6 and pool.pos[0, 1, 2] == 6 and pool.hits[0, 0, 1] == 0 and pool.hits[0, 1, 2] == 0
     got, _ = pool.gather(*pool.held_slots())
     assert got[0, 0, 1, 0] == 9.0 and got[0, 1, 2, 0] == 9.0 and got[0, 1, 1, 0] == 1.0  # head 1 kept its slot 1
-    assert pool.held().tolist() == [[5, 5]]
+    assert pool.n_held.tolist() == [[5, 5]]
     assert decode(pool, 10.0, 7).tolist() == [[[2], [3]]]  # the last holes
-    assert pool.fill == 6 and pool.held().tolist() == [[6, 6]]
+    assert pool.fill == 6 and pool.n_held.tolist() == [[6, 6]]
     assert decode(pool, 11.0, 8) == 6 and pool.fill == 7  # no hole left: the pool grows again
     held = [sorted(int(p) for p in pool.pos[0, h] if p >= 0) for h in (0, 1)]
     assert held == [[0, 3, 4, 5, 6, 7, 8], [0, 1, 4, 5, 6, 7, 8]]  # every evicted position stays gone

@@ -67,8 +67,8 @@ def assert_one_read(decode_steps, requests: int = len(PROMPTS)) -> None:
 
 
 def test_the_fake_refuses_what_cuda_refuses():
-    from infinigen_rt._gather_kernel import gather_rows_kernel
-    from infinigen_rt.kernels import gather_rows
+    from infinigen_rt.kv._gather_kernel import gather_rows_kernel
+    from infinigen_rt.kv.kernels import gather_rows
 
     with FakeCuda(capacity=1 << 20) as gpu:
         x = torch.ones(4, 8, device="cuda")
@@ -199,9 +199,9 @@ def test_the_gpu_path_gives_the_cpus_tokens_on_other_models(name, bundles):
 @pytest.fixture
 def tiny_preset(monkeypatch):
     """A synthetic preset of a tiny Llama (GQA 2:1, 64-dim heads): bench's synthetic path at test speed."""
-    from infinigen_rt import bench
+    from infinigen_rt.measure import synthetic
 
-    monkeypatch.setitem(bench.PRESETS, "tiny", dict(
+    monkeypatch.setitem(synthetic.PRESETS, "tiny", dict(
         model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
     ))  # fmt: skip
@@ -212,7 +212,8 @@ def tiny_preset(monkeypatch):
 def test_bench_runs_its_batch_through_the_runner_on_the_gpu_path(policy, tiny_preset):
     """bench's steps (the runner's, two requests sharing them), with the profile's copy spans (defect 2: the kernel
     was looked up by another name)."""
-    from infinigen_rt.bench import run_points, synthetic_engine
+    from infinigen_rt.measure.bench import run_points
+    from infinigen_rt.measure.synthetic import synthetic_engine
 
     bw = {"device_bytes_per_s": 1e12, "h2d_bytes_per_s": 1e10, "gather_bytes_per_s": 1e10}
     with FakeCuda() as gpu:
@@ -231,7 +232,7 @@ def test_bench_runs_its_batch_through_the_runner_on_the_gpu_path(policy, tiny_pr
 def test_a_cache_holding_two_sequences_on_the_gpu_path(policy, tiny_preset):
     """One cache of batch 2 through step.py's prefill and decode steps (infinigen with a finite alpha: defect 3, an
     expanded `ok` viewed as flat rows): finite logits, no race."""
-    from infinigen_rt.bench import synthetic_engine
+    from infinigen_rt.measure.synthetic import synthetic_engine
     from infinigen_rt.step import decode_step, prefill
 
     with FakeCuda() as gpu:
@@ -255,9 +256,9 @@ def test_the_profile_knows_the_gather_kernel_by_its_name():
     Triton function."""
     import types
 
-    from infinigen_rt._gather_kernel import gather_rows_kernel
-    from infinigen_rt.bench import profile_spans
-    from infinigen_rt.kernels import GATHER_KERNEL
+    from infinigen_rt.kv._gather_kernel import gather_rows_kernel
+    from infinigen_rt.kv.kernels import GATHER_KERNEL
+    from infinigen_rt.measure.bench import profile_spans
 
     assert getattr(gather_rows_kernel, "fn", gather_rows_kernel).__name__ == GATHER_KERNEL
 
@@ -274,7 +275,8 @@ def test_the_kernels_do_not_specialise_on_counts_that_grow(tiny_preset):
     """Defect 6: Triton specialised n_sel, n_out and total on divisibility by 16 (and on 1): a new compile inside
     timed steps each time a growing count crossed one. A long decode (offload's paged gathers of every held row,
     infinigen's speculated rows below one bucket) gives one key per layout, whatever the counts."""
-    from infinigen_rt.bench import run_points, synthetic_engine
+    from infinigen_rt.measure.bench import run_points
+    from infinigen_rt.measure.synthetic import synthetic_engine
 
     bw = {"device_bytes_per_s": 1e12, "h2d_bytes_per_s": 1e10, "gather_bytes_per_s": 1e10}
     with FakeCuda(values=False) as gpu:  # (the keys need no values: the kernels are not run)
@@ -325,7 +327,8 @@ def test_a_device_that_does_not_exist_is_a_one_line_error(bundles):
 
 def test_bench_writes_an_oom_host_row_when_the_pool_cannot_be_pinned(tiny_preset):
     """Defect 7 through bench: the failed registration is an `oom-host` row, and the next point runs."""
-    from infinigen_rt.bench import run_points, synthetic_engine
+    from infinigen_rt.measure.bench import run_points
+    from infinigen_rt.measure.synthetic import synthetic_engine
 
     bw = {"device_bytes_per_s": 1e12, "h2d_bytes_per_s": 1e10, "gather_bytes_per_s": 1e10}
     with FakeCuda(host_limit=1 << 16) as gpu:
@@ -339,7 +342,7 @@ def test_bench_writes_an_oom_host_row_when_the_pool_cannot_be_pinned(tiny_preset
 
 def test_the_gather_rate_is_measured_on_256_byte_rows():
     """Defect 9: the zero-copy gather rate was measured on 128-byte rows where Llama's are 256."""
-    from infinigen_rt.bench import GATHER_ROW_BYTES, measure_bandwidths
+    from infinigen_rt.measure.floor import GATHER_ROW_BYTES, measure_bandwidths
 
     with FakeCuda() as gpu:
         bw = measure_bandwidths(CUDA, 1 << 16)
@@ -375,7 +378,7 @@ def test_convert_calibrates_on_a_gpu(name, checkpoints, calib_file, tmp_path, bu
 
 
 def _synthetic(preset: str, dtype, context: int):
-    from infinigen_rt.bench import synthetic_engine
+    from infinigen_rt.measure.synthetic import synthetic_engine
 
     engine = synthetic_engine(preset, CUDA, dtype)
     engine.cfg.max_position_embeddings = max(engine.cfg.max_position_embeddings, context + 64)  # Llama-2 past 4k
@@ -413,7 +416,7 @@ def test_the_runner_at_real_shapes(preset, dtype, batch, context, policy, capaci
                 run.step()
             if pure:
                 decode.append((r, r.peak - base))
-        pinned = run.pool.nbytes
+        pinned = run.store.nbytes
         del run, engine
     assert_one_read([r for r, _ in decode], batch)
     growth = max(g for _, g in decode)
@@ -439,7 +442,8 @@ def test_bench_at_real_shapes_within_its_memory_prediction(preset, dtype, batch,
     """bench's points at the GPU benchmarks' shapes: the device peak and the page-locked host pool within what bench
     predicts (its out-of-memory rows come from that prediction), no decode-step growth (defect 4: offload's
     per-layer blocks piled up to 76 GiB at Llama-2-7B 4 x 32k against 34 GiB predicted), one sync a step."""
-    from infinigen_rt.bench import memory_needs, run_points
+    from infinigen_rt.measure.bench import run_points
+    from infinigen_rt.measure.floor import memory_needs
 
     bw = {"device_bytes_per_s": 3e12, "h2d_bytes_per_s": 25e9, "gather_bytes_per_s": 20e9}
     with FakeCuda(values=False) as gpu:
@@ -487,7 +491,7 @@ def test_calibration_at_llama31_shapes_on_a_gpu():
 def test_offload_memory_per_decode_step_is_fixed_at_a_real_shape():
     """Defect 4, quickly: Llama-2-7B at batch 4 x 32k, one decode step of offload (bench's runner) holds no more at
     its peak than at its start (a fresh block per layer would hold up to 32 x 2 GiB)."""
-    from infinigen_rt.bench import start_runner
+    from infinigen_rt.measure.bench import start_runner
 
     with FakeCuda(values=False) as gpu:
         engine = _synthetic("llama-2-7b", torch.float16, 32768)

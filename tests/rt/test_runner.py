@@ -10,11 +10,11 @@ import random
 import pytest
 
 from infinigen_rt.bundle import read_bundle
-from infinigen_rt.cache import KVReport, merge_reports
-from infinigen_rt.console import parse_bytes
+from infinigen_rt.cli.console import parse_bytes
 from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.generate import generate
+from infinigen_rt.kv.cache import KVReport, merge_reports
 from infinigen_rt.policies import KVOptions, Policy, configure
 from infinigen_rt.runner import BLOCK_TOKENS, Request, Runner, pool_tokens
 
@@ -75,12 +75,12 @@ def joined(setup, join_at: int, n: int = 10, prefill_chunk: int = 8, policy: Pol
         for out in run.step():
             if out.id == target and out.finished:
                 end = out
-        run.pool.alloc.check()
-        table = run.pool.alloc.tables.get(target, table)
+        run.store.alloc.check()
+        table = run.store.alloc.tables.get(target, table)
         step += 1
         if step == join_at + 1000:
             raise AssertionError("the runner never finished")
-    assert run.pool.alloc.used == 0  # every block back
+    assert run.store.alloc.used == 0  # every block back
     assert table is not None and sorted(table) != list(range(min(table), min(table) + len(table))), table
     return end
 
@@ -133,18 +133,18 @@ def test_the_kv_budget_makes_requests_wait_and_frees_at_once(bundles):
     first, second = run.add(Request(TARGET, 10)), run.add(Request(TARGET[:20], 5))
     run.step()
     assert [s.id for s in run.running] == [first] and [s.id for s in run.waiting] == [second]
-    assert run.blocks() == (3, 0)
+    assert run.block_usage() == (3, 0)
     for _ in range(3):  # the second keeps waiting while the first runs
         run.step()
         assert [s.id for s in run.waiting] == [second]
     gen = run.abort(first)
     assert gen.finish_reason == "cancelled" and len(gen.token_ids) == 5
-    assert run.blocks() == (0, 3) and not run.running  # given back at once, before any step
+    assert run.block_usage() == (0, 3) and not run.running  # given back at once, before any step
     outs = run.step()
-    assert [s.id for s in run.running] == [second] and run.blocks() == (2, 1)
+    assert [s.id for s in run.running] == [second] and run.block_usage() == (2, 1)
     while run.has_work:
         outs = run.step()
-    assert outs[0].finished and run.blocks() == (0, 3)
+    assert outs[0].finished and run.block_usage() == (0, 3)
 
 
 def test_random_traffic_keeps_the_paged_pool_whole(bundles):
@@ -157,7 +157,7 @@ def test_random_traffic_keeps_the_paged_pool_whole(bundles):
     live: set[int] = set()
 
     def check():
-        alloc = run.pool.alloc
+        alloc = run.store.alloc
         alloc.check()
         assert set(alloc.tables) == {s.id for s in run.running}
         for s in run.running:
@@ -180,7 +180,7 @@ def test_random_traffic_keeps_the_paged_pool_whole(bundles):
     while run.has_work:
         run.step()
         check()
-    assert run.pool.alloc.used == 0 and waited > 0 and cancelled > 0
+    assert run.store.alloc.used == 0 and waited > 0 and cancelled > 0
 
 
 @pytest.mark.parametrize("capacity, window, chunk", [(24, 4, 8), (0.5, 4, 8), (0.3, 8, 16), (40, 16, 64)])
@@ -234,12 +234,12 @@ def test_the_pool_is_sized_in_tokens_or_in_bytes_and_holds_that_much_memory(bund
     assert pool_tokens(*int4, 8, kv_memory=10**6) > 3 * pool_tokens(*e, 8, kv_memory=10**6)  # 4-bit rows
     # the memory is the pool's: one shared buffer per layer and tensor, made when the first request needs it
     run = Runner(*e, kv_tokens=pool_tokens(*e, 8, kv_memory=5 * BLOCK_TOKENS * per_token))
-    assert run.pool.nbytes == 0
+    assert run.store.nbytes == 0
     run.add(Request(TARGET, 3))
     run.add(Request(TARGET, 3))
     run.step()
-    assert run.pool.nbytes == 5 * BLOCK_TOKENS * per_token and len(run.pool.buffers) == 2 * cfg.num_hidden_layers
-    assert run.blocks() == (4, 1)
+    assert run.store.nbytes == 5 * BLOCK_TOKENS * per_token and len(run.store.buffers) == 2 * cfg.num_hidden_layers
+    assert run.block_usage() == (4, 1)
 
 
 def test_a_batchs_shares_weigh_each_request_by_the_rows_it_held(bundles):
@@ -273,7 +273,7 @@ def test_a_finished_request_closes_its_cache_in_the_step_it_ends(bundles):
     run.step()  # both prefilled and decoded once: the short one has its 2 tokens
     assert [s.id for s in run.running] == [long]
     assert run.abort(short) is None  # already over: the runner does not know it any more
-    assert run.blocks()[0] == 1
+    assert run.block_usage()[0] == 1
 
 
 def test_bad_requests_fail_when_added(bundles):

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from infinigen_rt.cache import DenseCache, KVReport
+from infinigen_rt.kv.cache import DenseCache, KVReport
 from infinigen_rt.policies import KVOptions, Policy
 from infinigen_rt.runner import Generation, Output, RunStats
 from infinigen_rt.sampling import SamplingParams
@@ -482,7 +482,7 @@ class FakeRunner:
     def has_work(self):
         return bool(self.waiting or self.running)
 
-    def blocks(self):
+    def block_usage(self):
         return len(self.running), 10 - len(self.running)
 
     def add(self, req):

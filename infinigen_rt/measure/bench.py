@@ -5,20 +5,12 @@ the path `serve` takes. For each: a real prefill through the policy's caches, wa
 timed steps (runner.step: a synchronised clock around each; the step ends with the sampled tokens on the host),
 reported as the median. Bytes moved each way come from the caches' own counters of the copies they made.
 
-The floor of a step is what memory alone allows: the device reads its weights and whatever KV lives on it
-(all of it for `full` and `h2o`, the partial keys for `infinigen`) at the measured device bandwidth, and
-the fetched KV crosses at the measured host-to-device bandwidth. On a GPU the two overlap (floor = max);
-on a CPU they share one memory system (floor = sum).
-
-Synthetic presets are random-weight models of real shapes built straight on the device (fixed seed, no
-download). Speculation on random weights selects nothing meaningful, so their fetch share is pinned by
-`budget` (alpha = inf: every speculated layer fetches exactly budget x context rows per head).
+Each point is set against its floor (floor.py: what memory alone allows); synthetic models: synthetic.py.
 """
 
 from __future__ import annotations
 
 import gc
-import math
 import statistics
 import time
 import warnings
@@ -26,169 +18,16 @@ from dataclasses import dataclass
 
 import torch
 
-from infinigen_rt.config import ModelConfig
-from infinigen_rt.engine import Engine, Speculation
+from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.files import pyplot, save_figure
-from infinigen_rt.kernels import GATHER_KERNEL
+from infinigen_rt.kv.kernels import GATHER_KERNEL
+from infinigen_rt.measure.floor import floor_seconds, memory_needs
 from infinigen_rt.policies import KVOptions, Policy, configure
-from infinigen_rt.runner import BLOCK_TOKENS, Request, Runner, blocks, reserved
-from infinigen_rt.system import host_available, host_rss, sync
+from infinigen_rt.runner import BLOCK_TOKENS, Request, Runner, blocks_for, reserved
+from infinigen_rt.system import host_available, host_rss
 
-# Hugging Face config.json fields of the real models (the peer script builds transformers models from these)
-PRESETS: dict[str, dict] = {
-    "llama-2-7b": dict(
-        model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5,
-        rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
-    ),
-    "llama-3.1-8b": dict(
-        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
-        rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192},
-    ),
-    "opt-13b": dict(
-        model_type="opt", vocab_size=50272, hidden_size=5120, ffn_dim=20480, num_hidden_layers=40,
-        num_attention_heads=40, max_position_embeddings=2048, word_embed_proj_dim=5120, do_layer_norm_before=True,
-        activation_function="relu", bos_token_id=2, eos_token_id=2, pad_token_id=1,
-    ),
-    "smollm2-135m": dict(
-        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
-        rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-    ),
-}  # fmt: skip
-PARTIAL_RATIO = 0.3  # synthetic partial columns per head, as in converted bundles
 OOM_STATUS = ("oom-device", "oom-host")
-GATHER_ROW_BYTES = 256  # the zero-copy gather rate is measured on Llama's K or V rows: 128 fp16 values
-
-
-def preset_config(name: str) -> ModelConfig:
-    if name not in PRESETS:
-        raise InfinigenError(f"unknown --synthetic preset {name!r}; available: {', '.join(PRESETS)}")
-    return ModelConfig.from_hf(PRESETS[name])
-
-
-@torch.no_grad()
-def synthetic_engine(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Engine:
-    """A random-weight model of a preset's shapes, built straight on the device, with random orthogonal skews."""
-    from infinigen_rt.bundle import InfinigenDefaults, dense_layers_for, partial_idx_name, partial_q_name, skew_name
-    from infinigen_rt.models import MODELS
-    from infinigen_rt.models.llama import Llama, rope_inv_freq
-
-    cfg = preset_config(name)
-    with torch.device("meta"):
-        model = MODELS[cfg.arch](cfg)
-    need = sum(p.numel() for p in model.parameters()) * torch.empty(0, dtype=dtype).element_size()
-    have = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host_available()
-    if need > 0.9 * have:
-        where = "free on the GPU" if device.type == "cuda" else "available in host memory"
-        raise InfinigenError(
-            f"{name} in {str(dtype).removeprefix('torch.')} needs {need / 2**30:.1f} GiB of weights, "
-            f"{have / 2**30:.1f} GiB is {where}; use a smaller preset or another device"
-        )
-    model = model.to_empty(device=device).to(dtype)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for pname, p in model.named_parameters():
-        if p.dim() >= 2:
-            p.normal_(0.0, 0.02, generator=gen)
-        else:  # norm weights 1, biases 0
-            p.fill_(1.0 if "norm" in pname and pname.endswith("weight") else 0.0)
-    if isinstance(model, Llama):
-        model.inv_freq = rope_inv_freq(cfg).to(device)
-    model.eval()
-    hkv, d = cfg.num_key_value_heads, cfg.head_dim
-    d_prime = max(1, math.ceil(PARTIAL_RATIO * d))
-    cpu = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for j in range(cfg.num_hidden_layers):
-        tensors[partial_idx_name(j)] = torch.arange(d_prime).repeat(hkv, 1)
-        if cfg.arch == "llama":
-            tensors[skew_name(j)] = torch.linalg.qr(torch.randn(hkv, d, d, generator=cpu))[0]
-        else:
-            tensors[partial_q_name(j, "weight")] = torch.randn(cfg.num_attention_heads * d_prime, cfg.hidden_size,
-                                                               generator=cpu) * 0.02  # fmt: skip
-            tensors[partial_q_name(j, "bias")] = torch.zeros(cfg.num_attention_heads * d_prime)
-    defaults = InfinigenDefaults(alpha=math.inf, dense_layers=dense_layers_for(cfg.num_hidden_layers))
-    return Engine.from_model(cfg, model, device, dtype, speculation=Speculation(tensors, defaults))
-
-
-# ---------------------------------------------------------------------------------------------- bandwidth
-def _median_seconds(fn, device, reps: int = 5) -> float:
-    fn()
-    sync(device)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def measure_bandwidths(device: torch.device, n_bytes: int | None = None) -> dict:
-    """The three rates a step's floor is made of: device memory (a large device copy: bytes read + written per
-    second), host to device by DMA (a large pinned copy; on a CPU a host memory copy), and the zero-copy gather
-    of GATHER_ROW_BYTES rows (Llama's K or V row in fp16) from pinned host memory by the row kernel, at random rows (on
-    a CPU: index_select, as the CPU path gathers)."""
-    n = n_bytes or (1 << 30 if device.type == "cuda" else 1 << 28)
-    a = torch.empty(n, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    a.fill_(1)
-    t_dev = _median_seconds(lambda: b.copy_(a), device)
-    if device.type == "cuda":
-        host = torch.empty(n, dtype=torch.uint8, pin_memory=True).fill_(1)
-        t_h2d = _median_seconds(lambda: b.copy_(host, non_blocking=True), device)
-    else:
-        host, t_h2d = a, t_dev
-    gather = gather_rate(host.view(torch.float16).view(-1, GATHER_ROW_BYTES // 2), device)
-    return {"device_bytes_per_s": 2 * n / t_dev, "h2d_bytes_per_s": n / t_h2d, "gather_bytes_per_s": gather,
-            "probe_bytes": n}  # fmt: skip
-
-
-def gather_rate(src: torch.Tensor, device: torch.device) -> float:
-    """Bytes per second of gathering a quarter of `src`'s rows, at random, into device memory (K and V each)."""
-    from infinigen_rt.pool import take
-
-    rows = src.shape[0] // 2  # K in the first half, V in the second
-    k, v = src[:rows], src[rows:]
-    n = rows // 4
-    idx = torch.randperm(rows, generator=torch.Generator().manual_seed(0))[:n].to(device).view(1, 1, n)
-    out_k = torch.empty(1, 1, n, src.shape[1], dtype=src.dtype, device=device)
-    out_v = torch.empty_like(out_k)
-    t = _median_seconds(lambda: take(k, v, idx, None, out_k, out_v, device.type == "cuda"), device)
-    return 2 * n * src.shape[1] * src.element_size() / t
-
-
-# -------------------------------------------------------------------------------------------- the model
-def weight_bytes(engine: Engine) -> int:
-    """Bytes a decode step reads from the weights: every matrix once (the embedding table only as the head)."""
-    m, total = engine.model, 0
-    for name, p in m.named_parameters():
-        if name.startswith(("embed_tokens", "embed_positions")) and not engine.cfg.tie_word_embeddings:
-            continue
-        total += p.numel() * p.element_size()
-    return total
-
-
-def memory_needs(engine: Engine, policy: Policy, batch: int, context: int, gen: int, chunk: int) -> dict:
-    """Predicted peak bytes on the device and in host memory for one point (to report what cannot fit
-    as an out-of-memory row before allocating it). The policy states its own KV needs (KVCache.kv_bytes)."""
-    cls = policy.cls
-    cfg, esz = engine.cfg, torch.empty(0, dtype=engine.dtype).element_size()
-    seq, step = context + gen + 1, min(chunk, context)
-    tokens = batch * cfg.num_key_value_heads * seq  # (sequence, KV head, slot) triples per layer
-    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    # a prefill chunk's activations (the runner prefills one request at a time); the [1, H, chunk, T] score matrix
-    # only where the policy builds it itself (SDPA's fused kernels never do: counting it predicted 117 GiB for full
-    # at Llama-2-7B, batch 8 x 8k): fp32 probabilities and two boolean masks of that shape live at its peak (the
-    # fake-CUDA rehearsal's count)
-    scores = cfg.num_attention_heads * step * seq * (4 + 2) if cls.scores else 0
-    act = step * (cfg.intermediate_size * 3 + cfg.hidden_size * 8) * esz + scores
-    kv_device, kv_host, _ = policy.kv_bytes(engine, tokens, esz)
-    return {"device": weights + act + kv_device, "host": kv_host}
 
 
 # -------------------------------------------------------------------------------------------- the points
@@ -222,16 +61,6 @@ class Point:
     h2d_bytes_per_step_per_rank: list | None = None
     allreduce_ms_per_step: float | None = None  # rank 0's time in all-reduces per step (NCCL: enqueueing only)
     error: str | None = None
-
-
-def floor_seconds(engine: Engine, policy: Policy, batch: int, context: int, h2d_bytes: float, bw: dict) -> float:
-    """The memory-bound floor of one decode step (see the module docstring)."""
-    esz = torch.empty(0, dtype=engine.dtype).element_size()
-    tokens = batch * engine.cfg.num_key_value_heads * context
-    dev = weight_bytes(engine) + policy.kv_bytes(engine, tokens, esz)[2]
-    t_dev = dev / bw["device_bytes_per_s"]
-    t_h2d = h2d_bytes / bw["h2d_bytes_per_s"]
-    return max(t_dev, t_h2d) if engine.device.type == "cuda" else t_dev + t_h2d
 
 
 def is_oom(e: BaseException) -> str | None:
@@ -401,7 +230,7 @@ def start_runner(engine: Engine, policy: Policy, prompts: list[list[int]], new: 
     decode steps (the first is the one the step finishing the prefills makes): its every `step` now decodes the whole
     batch (greedy requests of `new` tokens that ignore end-of-sequence). Returns (the runner, prefill seconds)."""
     context, chunk = len(prompts[0]), policy.opts.prefill_chunk
-    pool = blocks(reserved(policy, context, new, chunk)) * len(prompts) * BLOCK_TOKENS
+    pool = blocks_for(reserved(policy, context, new, chunk)) * len(prompts) * BLOCK_TOKENS
     # positions past the model's trained context compute the same work: bench measures any length
     runner = Runner(engine, policy, max_batch=len(prompts), prefill_chunk=None, kv_tokens=pool,
                     max_positions=context + new)  # fmt: skip

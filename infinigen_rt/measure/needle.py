@@ -24,10 +24,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from infinigen_rt.cache import KVCache
 from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.files import pyplot, save_figure
+from infinigen_rt.kv.cache import KVCache
 from infinigen_rt.policies import BASELINE, POLICIES, KVOptions, configure
 from infinigen_rt.step import decode_step, prefill
 

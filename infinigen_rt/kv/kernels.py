@@ -62,7 +62,7 @@ def gather_rows(src_a, src_b, rows, ok, out_a, out_b) -> None:
         return
     import triton  # here, not at import: a CPU never needs it
 
-    from infinigen_rt._gather_kernel import gather_rows_kernel
+    from infinigen_rt.kv._gather_kernel import gather_rows_kernel
 
     rows = rows.reshape(-1).contiguous()
     launch(
@@ -81,7 +81,7 @@ def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> No
         return
     import triton
 
-    from infinigen_rt._gather_kernel import scatter_rows_kernel
+    from infinigen_rt.kv._gather_kernel import scatter_rows_kernel
 
     d, s = words(dst), words(src.contiguous())
     w = d.shape[-1]

@@ -1,6 +1,6 @@
 """How a speculated layer's rows move while the layer before it computes.
 
-`start(layer, fn, *args)` runs fn (the selection and the copy it starts) off the critical path; `take(layer)`
+`start(layer, fn, *args)` runs fn (the selection and the copy it starts) off the critical path; `result(layer)`
 returns fn's result once the layer may use it. Three ways, one interface:
   Inline        fn runs at once (a CPU with one thread: nothing to overlap with)
   WorkerThread  fn runs on this cache's own worker thread (a CPU with a core to spare: torch ops release the
@@ -28,7 +28,7 @@ class Prefetch:
     def start(self, layer: int, fn, *args) -> None:
         self.pending[layer] = fn(*args)
 
-    def take(self, layer: int):
+    def result(self, layer: int):
         return self.pending.pop(layer)
 
     def close(self) -> None:
@@ -49,7 +49,7 @@ class WorkerThread(Prefetch):
     def start(self, layer: int, fn, *args) -> None:
         self.pending[layer] = self.pool.submit(fn, *args)
 
-    def take(self, layer: int):
+    def result(self, layer: int):
         out = self.pending.pop(layer)
         return out.result() if isinstance(out, Future) else out
 
@@ -79,7 +79,7 @@ class SideStream(Prefetch):
             done.record(self.stream)
         self.pending[layer] = (out, done)
 
-    def take(self, layer: int):
+    def result(self, layer: int):
         out, done = self.pending.pop(layer)
         compute = torch.cuda.current_stream(self.device)
         compute.wait_event(done)

@@ -69,8 +69,13 @@ def print_wide(table: Table) -> None:
     Console(highlight=False, width=max(width, console.width)).print(table)  # print(width=) caps at the terminal
 
 
-def add_version_option(app: typer.Typer, name: str, version: str) -> None:
-    """Give `app` a `--version` flag."""
+def new_app(name: str, help: str, version: str) -> typer.Typer:
+    """A command-line app as both CLIs make theirs: help on -h too, no completion installer, errors as one line
+    (run_app), and a `--version` flag."""
+    app = typer.Typer(
+        name=name, help=help, no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]},
+        pretty_exceptions_enable=False, add_completion=False,
+    )  # fmt: skip
 
     def show(value: bool):
         if value:
@@ -83,6 +88,8 @@ def add_version_option(app: typer.Typer, name: str, version: str) -> None:
     ):
         # a plain default, not Annotated: annotations are strings here and `show` is a local
         pass
+
+    return app
 
 
 def show_notices() -> None:

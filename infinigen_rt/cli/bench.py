@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from infinigen_rt.console import console, err_console, human_bytes, print_json, print_wide, results_table
+from infinigen_rt.cli.console import console, err_console, human_bytes, print_json, print_wide, results_table
 from infinigen_rt.files import check_outputs, write_atomic
 
 
@@ -108,8 +108,10 @@ def bench_cmd(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from infinigen_rt import __version__
-    from infinigen_rt.bench import PRESETS, measure_bandwidths, plot, run_points, synthetic_engine
     from infinigen_rt.errors import InfinigenError
+    from infinigen_rt.measure.bench import plot, run_points
+    from infinigen_rt.measure.floor import measure_bandwidths
+    from infinigen_rt.measure.synthetic import PRESETS, synthetic_engine
     from infinigen_rt.policies import RUNTIME_POLICIES
     from infinigen_rt.system import resolve_device, resolve_dtype
     from infinigen_rt.tp import check_tp_option, launch
@@ -162,7 +164,7 @@ def bench_cmd(
             model_name = Path(str(path)).name
         prompt = None
         if text is not None:
-            from infinigen_rt.eval import text_ids
+            from infinigen_rt.measure.perplexity import text_ids
 
             prompt, _ = text_ids(engine, text, max(contexts), max(contexts) - 1)
         bw = measure_bandwidths(dev, probe)

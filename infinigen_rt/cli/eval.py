@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from infinigen_rt.console import console, err_console, print_json, results_table
+from infinigen_rt.cli.console import console, err_console, print_json, results_table
 from infinigen_rt.files import check_outputs
 
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from infinigen_rt.eval import Row
+    from infinigen_rt.measure.perplexity import Row
 
 
 def _floats(text: str | None, name: str) -> list[float]:
@@ -70,8 +70,8 @@ def eval_cmd(
     from infinigen_rt.bundle import read_bundle
     from infinigen_rt.engine import Engine
     from infinigen_rt.errors import InfinigenError
-    from infinigen_rt.eval import configs, load_done, plot, run_sweep, save, text_ids
     from infinigen_rt.hub import resolve_bundle
+    from infinigen_rt.measure.perplexity import configs, load_done, plot, run_sweep, save, text_ids
     from infinigen_rt.policies import POLICIES
 
     names = [p.strip() for p in policies.split(",") if p.strip()]
@@ -148,10 +148,10 @@ def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depth
     """eval --task needle: build the cases, answer them with every policy, print, save, plot."""
     import json
 
-    from infinigen_rt import needle
     from infinigen_rt.errors import InfinigenError
-    from infinigen_rt.eval import load_finished
     from infinigen_rt.files import read_utf8, write_atomic
+    from infinigen_rt.measure import needle
+    from infinigen_rt.measure.perplexity import load_finished
     from infinigen_rt.policies import POLICIES
 
     task_list = [t.strip() for t in tasks.split(",") if t.strip()]

@@ -10,7 +10,7 @@ Mechanism only: which slots a layer fetches is the policy's business. Layout and
 Tokens take slots in arrival order, the same slot for every (sequence, KV head), until eviction frees some: then
 a sequence's new tokens go first into the slots it freed, each (sequence, KV head) into its own (see `insert`),
 so under a capacity the pool stops growing (policies' `pool_slots` says how far it gets). A pool of one sequence
-may live in a paged pool's shared buffers (blocks.HostBlocks): its slots are then looked up in its block table,
+may live in a paged pool's shared buffers (blocks.PagedStore): its slots are then looked up in its block table,
 on the host for the copies in and on the device for the gather's row numbers. The host keeps what every decision
 needs (`fill`, the held counts, whether a slot was ever freed), so nothing here reads the device during a decode
 step.
@@ -31,7 +31,7 @@ import weakref
 import numpy as np
 import torch
 
-from infinigen_rt.kernels import gather_rows, scatter_rows
+from infinigen_rt.kv.kernels import gather_rows, scatter_rows
 from infinigen_rt.system import host_buffer, retire, to_device, unpin
 
 EVICTIONS = ("counter", "lru", "fifo")
@@ -79,10 +79,6 @@ class KVPool:
     def row_bytes(self) -> int:
         """Bytes of one token's K and V for one KV head."""
         return 2 * self.k.shape[-1] * self.k.element_size()
-
-    def held(self) -> torch.Tensor:
-        """Tokens held per (sequence, KV head): [B, Hkv] (host)."""
-        return torch.from_numpy(self.n_held.copy())
 
     def insert(self, k, v, positions, valid, n_valid: np.ndarray | None = None) -> int | torch.Tensor:
         """Write s new tokens; k, v: [B, Hkv, s, D] on the compute device; positions, valid: [B, s]. Padding tokens
@@ -190,7 +186,7 @@ class KVPool:
         else:
             out_k, out_v = out
             assert self.kernel and out_k.shape[2] >= n + extra, "a buffer of rows: the kernel's, large enough"
-        take(self.k, self.v, self.flat_rows(slots), ok, out_k, out_v, self.kernel)
+        copy_rows(self.k, self.v, self.flat_rows(slots), ok, out_k, out_v, self.kernel)
         return out_k[:, :, : n + extra], out_v[:, :, : n + extra]
 
     def block(self, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
@@ -244,7 +240,7 @@ class KVPool:
             self.pinned = False
 
 
-def take(src_k, src_v, rows, ok, out_k, out_v, kernel: bool) -> None:
+def copy_rows(src_k, src_v, rows, ok, out_k, out_v, kernel: bool) -> None:
     """out_x[b, h, :n] = rows `rows` [B, Hkv, n] of src_x ([S, B, Hkv, X] host) for x = k, v; out [B, Hkv, n', X].
 
     `kernel` (a GPU computes, from pinned pages): the gather kernel reads the rows from the device, skipping those

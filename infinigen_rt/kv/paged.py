@@ -1,7 +1,7 @@
 """The paged KV pool: fixed-size blocks of token slots taken from one preallocated pool that every request shares,
 and per request a block table (its blocks, in order).
 
-BlockAllocator is the bookkeeping (host-side and small); HostBlocks is the memory: per layer, host buffers of
+BlockAllocator is the bookkeeping (host-side and small); PagedStore is the memory: per layer, host buffers of
 every block's slots, which the runner's requests share. A request's caches get `Pages` (its physical slot for each
 of its token slots, from its table) and read and write the shared buffers through them (pool.KVPool).
 
@@ -93,7 +93,7 @@ class BlockAllocator:
 class Pages:
     """Where one request's KV lives in shared host buffers: `slots[i]` is the physical slot of its token slot i."""
 
-    store: HostBlocks
+    store: PagedStore
     slots: np.ndarray  # int64 [tokens]
     _on: dict = field(default_factory=dict, repr=False)
 
@@ -104,7 +104,7 @@ class Pages:
         return self._on[device]
 
 
-class HostBlocks:
+class PagedStore:
     """The shared host memory of a paged pool: for each layer and tensor a [blocks * block_size, 1, Hkv, X] buffer,
     allocated the first time a cache asks for it (so a server running one policy holds one layout), page-locked at
     its exact size when a GPU computes. Every request's blocks are slices of the same buffers."""

@@ -1,0 +1,3 @@
+from infinigen_rt.cli.main import main
+
+main()

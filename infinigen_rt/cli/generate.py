@@ -1,0 +1,187 @@
+"""`infinigen-rt generate`: text from a prompt with a bundle, streamed or as JSON."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import nullcontext
+from dataclasses import replace
+from typing import Annotated, Optional
+
+import typer
+
+from infinigen_rt.cli.console import console, err_console, print_json
+from infinigen_rt.cli.options import BundleArg, Device, Dtype, JsonOut, PolicyName, Revision, TPSize, Verify, kv_options
+
+
+@kv_options
+def generate(
+    bundle: BundleArg,
+    prompt: Annotated[str, typer.Argument(help="The prompt text ('-' reads standard input).")],
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate at most.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="0 = off.")] = 0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    policy: PolicyName = "full",
+    prefill_chunk: Annotated[Optional[int], typer.Option(help="Prefill in chunks of this many tokens.")] = None,
+    trace_recall: Annotated[
+        bool,
+        typer.Option(
+            "--trace-recall", help="infinigen: measure the attention mass the fetched tokens hold (slow; diagnosis)."
+        ),
+    ] = False,
+    chat: Annotated[
+        bool, typer.Option("--chat", help="Wrap the prompt as a user message with the chat template.")
+    ] = False,
+    stream: Annotated[bool, typer.Option("--stream", help="Print tokens as they come.")] = False,
+    json_out: JsonOut = False,
+    revision: Revision = None,
+    verify: Verify = True,
+    tp: TPSize = 1,
+    kv=None,  # the KV options, one KVOptions (kv_options)
+):
+    """Generate text from PROMPT with a bundle.
+
+    Examples:
+      infinigen-rt generate artifacts/bundles/smollm2-135m "The king said" -n 64
+      infinigen-rt generate artifacts/bundles/smollm2-135m "Write a haiku" --chat --stream
+      infinigen-rt generate user/my-bundle "Hello" --json
+      infinigen-rt generate bundles/smol - --policy infinigen --budget 0.1 --capacity 0.5 --json < book.txt
+
+    Tensor parallelism (each rank its share of the heads; rank 0 prints):
+      torchrun --nproc-per-node 2 -m infinigen_rt.cli generate BUNDLE "Hello" --device cpu
+    """
+    from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.engine import Engine
+    from infinigen_rt.errors import InfinigenError, notice
+    from infinigen_rt.generate import generate as run
+    from infinigen_rt.hub import resolve_bundle
+    from infinigen_rt.policies import configure, policy_class
+    from infinigen_rt.runner import check_context
+    from infinigen_rt.sampling import SamplingParams
+    from infinigen_rt.system import resolve_device
+    from infinigen_rt.tokenizer import check_text
+    from infinigen_rt.tp import check_tp_option, follower_env, from_env, launch
+
+    if check_tp_option(tp):
+        if prompt == "-":
+            raise InfinigenError("--tp with the prompt on standard input: give it as an argument, or run torchrun")
+        raise typer.Exit(launch(tp, sys.argv[1:]))
+
+    if prompt == "-":
+        try:
+            prompt = sys.stdin.buffer.read().decode("utf-8")
+        except UnicodeDecodeError as e:
+            byte = e.object[e.start]
+            raise InfinigenError(f"standard input is not UTF-8 text (byte 0x{byte:02X} at {e.start})") from None
+    check_text(prompt, "the prompt")
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    path = resolve_bundle(bundle, revision)
+    quiet = json_out or follower_env()
+    with console.status("loading bundle", spinner="dots") if not quiet else nullcontext():
+        b = read_bundle(path, verify=verify)
+        tp = from_env(resolve_device(device), b.config)  # under torchrun: one rank of a tensor-parallel group
+        follower = tp is not None and tp.rank != 0  # runs every step with rank 0, prints nothing
+        kv = replace(kv, prefill_chunk=prefill_chunk, trace_recall=trace_recall)
+        policy_class(policy)  # before loading: a bad name or option fails fast
+        kv.check()
+        engine = Engine(b, device=device, dtype=dtype, tp=tp)
+        run_policy = configure(engine, policy, kv)
+    tok = engine.tokenizer
+    ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
+    context = engine.cfg.max_position_embeddings
+    room = context - len(ids)
+    if 0 < room < max_new_tokens:  # a prompt that leaves no room at all is refused below
+        notice(f"--max-new-tokens {max_new_tokens} capped to {room}: what the prompt leaves of the {context} positions")
+        max_new_tokens = room
+    check_context(len(ids), max_new_tokens, context)
+
+    printer = _StreamPrinter(tok) if stream and not quiet else None
+    if printer is None and not quiet:
+        progress = _progress(max_new_tokens)
+    else:
+        progress = None
+    on_step = printer.update if printer else (progress.step if progress else None)
+    if progress:
+        progress.start()
+    try:
+        results, stats = run(engine, [ids], max_new_tokens, sampling, stop, on_step, policy=run_policy)
+    finally:
+        if progress:
+            progress.stop()
+    res = results[0]
+    if follower:
+        return
+    if json_out:
+        print_json(
+            {
+                "text": res.text,
+                "token_ids": res.token_ids,
+                "prompt_token_ids": res.prompt_token_ids,
+                "finish_reason": res.finish_reason,
+                "stats": stats.to_dict(),
+            }
+        )
+        return
+    if printer:
+        printer.finish(res.text)
+    else:
+        console.print(prompt if not chat else "", end="", markup=False)
+        console.print(res.text, markup=False)
+    s = stats.to_dict()
+    err_console.print(
+        f"[dim]{len(res.prompt_token_ids)} prompt tokens, {len(res.token_ids)} generated ({res.finish_reason}) | "
+        f"prefill {s['prefill_tokens_per_s']} tok/s | decode {s['decode_tokens_per_s']} tok/s, "
+        f"{s['ms_per_step']} ms/step | {s['policy']} on {s['device']} ({s['dtype']})[/]"
+    )
+
+
+class _StreamPrinter:
+    """Prints the new text of sequence 0 after each step, holding back half-decoded UTF-8."""
+
+    def __init__(self, tok):
+        self.tok, self.shown = tok, ""
+
+    def update(self, generated):
+        text = self.tok.decode(generated[0])
+        if text.endswith("\ufffd"):
+            return
+        if text.startswith(self.shown):
+            sys.stdout.write(text[len(self.shown) :])
+            sys.stdout.flush()
+            self.shown = text
+
+    def finish(self, final: str):
+        if final.startswith(self.shown):
+            sys.stdout.write(final[len(self.shown) :])
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+class _progress:
+    """A progress bar over generated tokens (on stderr, so stdout stays the text)."""
+
+    def __init__(self, total: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.p = Progress(
+            TextColumn("generating"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            console=err_console,
+            transient=True,
+        )
+        self.task = self.p.add_task("gen", total=total)
+
+    def start(self):
+        self.p.start()
+
+    def stop(self):
+        self.p.stop()
+
+    def step(self, generated):
+        self.p.update(self.task, completed=max(len(g) for g in generated))

@@ -1,0 +1,57 @@
+"""Option types the commands share (one declaration each, as huggingface_hub's CLI keeps them), and `kv_options`:
+the KV policy's options, declared once for every command that runs a policy."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Annotated, Optional
+
+import typer
+
+BundleArg = Annotated[str, typer.Argument(help="Bundle folder, or a Hub repo id to pull.")]
+Revision = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) for a repo id.")]
+Verify = Annotated[bool, typer.Option(help="Check every bundle file's sha256 before loading.")]
+Device = Annotated[str, typer.Option(help="auto (cuda when present), cpu, cuda, cuda:N.")]
+Dtype = Annotated[str, typer.Option(help="auto (bundle dtype on GPU, float32 on CPU), float32, float16, bfloat16.")]
+TPSize = Annotated[
+    int, typer.Option("--tp", help="Tensor-parallel ranks: starts this many processes (torchrun) on this machine.")
+]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+PolicyName = Annotated[str, typer.Option("--policy", help="KV policy: full, offload, infinigen, h2o, int4.")]
+Alpha = Annotated[Optional[float], typer.Option(help="infinigen: logit margin below each head's max (bundle default).")]
+MaxKV = Annotated[Optional[int], typer.Option("--max-kv", help="infinigen: most tokens fetched per head.")]
+
+# the KV options of a command that runs one policy: (name, annotation, default), in KVOptions' terms
+KV_PARAMS = (
+    ("alpha", Alpha, None),
+    ("budget", Annotated[float, typer.Option(help="infinigen: most tokens fetched per head, share of the context.")],
+     0.2),
+    ("max_kv", MaxKV, None),
+    ("capacity", Annotated[
+        Optional[float], typer.Option(help="Host pool tokens per (sequence, KV head): share <= 1 or count.")], None),
+    ("eviction", Annotated[str, typer.Option(help="Pool eviction: counter, lru, fifo.")], "counter"),
+    ("window", Annotated[int, typer.Option(help="Most recent positions never evicted.")], 16),
+    ("dense_layers", Annotated[
+        Optional[int], typer.Option(help="infinigen: first layers attending to everything (bundle default).")], None),
+)  # fmt: skip
+
+
+def kv_options(command):
+    """The command gets the KV policy's options (KV_PARAMS) as options of its own, after the ones it declares; they
+    reach it as one KVOptions, its `kv` parameter, checked (a one-line error before anything loads)."""
+    from infinigen_rt.policies import KVOptions
+
+    own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "kv"]
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=hint)
+             for name, hint, default in KV_PARAMS]  # fmt: skip
+
+    @functools.wraps(command)
+    def run(**given):
+        kv = KVOptions(**{name: given.pop(name) for name, _, _ in KV_PARAMS})
+        kv.check()
+        return command(kv=kv, **given)
+
+    run.__signature__ = inspect.Signature([p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + added)
+    run.__annotations__ = {p.name: p.annotation for p in run.__signature__.parameters.values()}
+    return run
