@@ -45,55 +45,79 @@ def save(path: Path, obj: dict) -> None:
     write_atomic(path, json.dumps(obj, indent=2) + "\n", "--out")
 
 
-def bench_cmd(
-    bundle: Annotated[Optional[str], typer.Argument(help="Bundle folder or Hub repo id (or use --synthetic).")] = None,
-    synthetic: Annotated[
-        Optional[str],
-        typer.Option(help="Random weights of real shapes: llama-2-7b, llama-3.1-8b, opt-13b, smollm2-135m."),
-    ] = None,
-    batch: Annotated[str, typer.Option(help="Batch sizes, comma-separated.")] = "1,4,16",
-    context: Annotated[str, typer.Option(help="Context lengths (prompt tokens), comma-separated.")] = "2048,8192,32768",
-    gen: Annotated[int, typer.Option(help="Timed decode steps per point (after the warm-up).")] = 128,
-    warmup: Annotated[int, typer.Option(help="Untimed decode steps first.")] = 3,
-    policies: Annotated[str, typer.Option(help="Comma-separated: full, offload, infinigen, h2o, int4.")] = (
-        "full,offload,infinigen,h2o,int4"
+# the options of `bench`
+Bundle = Annotated[Optional[str], typer.Argument(help="Bundle folder or Hub repo id (or use --synthetic).")]
+Synthetic = Annotated[
+    Optional[str],
+    typer.Option(help="Random weights of real shapes: llama-2-7b, llama-3.1-8b, opt-13b, smollm2-135m."),
+]
+Batch = Annotated[str, typer.Option(help="Batch sizes, comma-separated.")]
+Context = Annotated[str, typer.Option(help="Context lengths (prompt tokens), comma-separated.")]
+Gen = Annotated[int, typer.Option(help="Timed decode steps per point (after the warm-up).")]
+Warmup = Annotated[int, typer.Option(help="Untimed decode steps first.")]
+Policies = Annotated[str, typer.Option(help="Comma-separated: full, offload, infinigen, h2o, int4.")]
+Budget = Annotated[float, typer.Option(help="infinigen/h2o: share of the context fetched or kept.")]
+MaxKv = Annotated[Optional[int], typer.Option("--max-kv", help="infinigen: most rows fetched per head.")]
+Alpha = Annotated[
+    Optional[float], typer.Option(help="infinigen alpha [bundle default; inf for --synthetic].")
+]
+Text = Annotated[
+    Optional[Path], typer.Option(help="Prompt from this UTF-8 text (a bundle) [random tokens].")
+]
+PrefillChunk = Annotated[Optional[int], typer.Option(help="Prefill in chunks of this many tokens per row.")]
+Device = Annotated[str, typer.Option(help="auto, cpu, cuda.")]
+Dtype = Annotated[
+    str, typer.Option(help="auto (fp16 synthetic on GPU, fp32 on CPU), float32, float16, bfloat16.")
+]
+Seed = Annotated[int, typer.Option(help="Seed of the synthetic weights and prompts.")]
+Probe = Annotated[
+    Optional[int], typer.Option(help="Bytes each bandwidth probe moves [1 GiB on a GPU, 256 MiB on a CPU].")
+]
+Trace = Annotated[bool, typer.Option(help="CUDA: profile one step per point for copy/compute overlap.")]
+Interleave = Annotated[
+    bool, typer.Option(help="Time the policies side by side: per (batch, context) all caches at once, one "
+                       "decode step of each in turn (for a machine whose speed drifts).")
+]
+Out = Annotated[Optional[Path], typer.Option(help="Write results JSON here (after every point).")]
+PlotPath = Annotated[Optional[Path], typer.Option("--plot", help="Write the plot (PNG) here.")]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print the results as one JSON object.")]
+Wide = Annotated[
+    bool,
+    typer.Option(
+        "--wide",
+        help="Table: every column (prefill, floor, H2D rate, syncs, overlap, memory), at full "
+        "width, even past the terminal's.",
     ),
-    budget: Annotated[float, typer.Option(help="infinigen/h2o: share of the context fetched or kept.")] = 0.1,
-    max_kv: Annotated[Optional[int], typer.Option("--max-kv", help="infinigen: most rows fetched per head.")] = None,
-    alpha: Annotated[
-        Optional[float], typer.Option(help="infinigen alpha [bundle default; inf for --synthetic].")
-    ] = None,
-    text: Annotated[
-        Optional[Path], typer.Option(help="Prompt from this UTF-8 text (a bundle) [random tokens].")
-    ] = None,
-    prefill_chunk: Annotated[Optional[int], typer.Option(help="Prefill in chunks of this many tokens per row.")] = None,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda.")] = "auto",
-    dtype: Annotated[
-        str, typer.Option(help="auto (fp16 synthetic on GPU, fp32 on CPU), float32, float16, bfloat16.")
-    ] = "auto",
-    seed: Annotated[int, typer.Option(help="Seed of the synthetic weights and prompts.")] = 0,
-    probe: Annotated[
-        Optional[int], typer.Option(help="Bytes each bandwidth probe moves [1 GiB on a GPU, 256 MiB on a CPU].")
-    ] = None,
-    trace: Annotated[bool, typer.Option(help="CUDA: profile one step per point for copy/compute overlap.")] = True,
-    interleave: Annotated[
-        bool, typer.Option(help="Time the policies side by side: per (batch, context) all caches at once, one "
-                           "decode step of each in turn (for a machine whose speed drifts).")
-    ] = False,
-    out: Annotated[Optional[Path], typer.Option(help="Write results JSON here (after every point).")] = None,
-    plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Write the plot (PNG) here.")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the results as one JSON object.")] = False,
-    wide: Annotated[
-        bool,
-        typer.Option(
-            "--wide",
-            help="Table: every column (prefill, floor, H2D rate, syncs, overlap, memory), at full "
-            "width, even past the terminal's.",
-        ),
-    ] = False,
-    tp: Annotated[
-        int, typer.Option("--tp", help="Tensor-parallel ranks: starts this many processes (torchrun); needs a BUNDLE.")
-    ] = 1,
+]
+Tp = Annotated[
+    int, typer.Option("--tp", help="Tensor-parallel ranks: starts this many processes (torchrun); needs a BUNDLE.")
+]
+
+
+def bench_cmd(
+    bundle: Bundle = None,
+    synthetic: Synthetic = None,
+    batch: Batch = "1,4,16",
+    context: Context = "2048,8192,32768",
+    gen: Gen = 128,
+    warmup: Warmup = 3,
+    policies: Policies = "full,offload,infinigen,h2o,int4",
+    budget: Budget = 0.1,
+    max_kv: MaxKv = None,
+    alpha: Alpha = None,
+    text: Text = None,
+    prefill_chunk: PrefillChunk = None,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    seed: Seed = 0,
+    probe: Probe = None,
+    trace: Trace = True,
+    interleave: Interleave = False,
+    out: Out = None,
+    plot_path: PlotPath = None,
+    json_out: JsonOut = False,
+    wide: Wide = False,
+    tp: Tp = 1,
 ):
     """Decode speed of each KV policy for every batch x context, with bytes moved, memory and the floor.
 
@@ -104,22 +128,65 @@ def bench_cmd(
     """
     import math
 
-    import torch
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from infinigen_rt.tp import check_tp_option, follower_env, launch
 
-    from infinigen_rt import __version__
+    names, batches, contexts = _check(bundle, synthetic, policies, batch, context, gen, warmup, budget, probe, text,
+                                      tp)  # fmt: skip
+    check_outputs(out, plot_path)
+    if check_tp_option(tp):
+        raise typer.Exit(launch(tp, sys.argv[1:]))
+    quiet = json_out or follower_env()
+    with console.status("building the model", spinner="dots") if not quiet else nullcontext():
+        engine, model_name, tp = _load(bundle, synthetic, device, dtype, seed)
+        prompt = None
+        if text is not None:
+            from infinigen_rt.measure.perplexity import text_ids
+
+            prompt, _ = text_ids(engine, text, max(contexts), max(contexts) - 1)
+        from infinigen_rt.measure.floor import measure_bandwidths
+
+        bw = measure_bandwidths(engine.device, probe)
+    if synthetic is not None and alpha is None:
+        alpha = math.inf  # random weights: the budget alone sets the fetch (measure/synthetic.py)
+    shown = None if alpha is None or math.isinf(alpha) else alpha
+    meta = _meta(engine, model_name, bw, tp, budget=budget, max_kv=max_kv, alpha=shown, gen=gen, warmup=warmup,
+                 interleave=interleave, prompt=str(text) if text else "random tokens")  # fmt: skip
+    if not quiet:
+        err_console.print(
+            f"[dim]{meta['device_name']}: device copy {bw['device_bytes_per_s'] / 1e9:.1f} GB/s, "
+            f"host-to-device {bw['h2d_bytes_per_s'] / 1e9:.1f} GB/s (measured)[/]"
+        )
+    groups = [names] if interleave else [[p] for p in names]
+    todo = [(g, b, c) for c in contexts for b in batches for g in groups]
+    follower = tp is not None and tp.rank != 0  # under torchrun: every rank runs every point, rank 0 reports
+    kw = dict(budget=budget, max_kv=max_kv, alpha=alpha, warmup=warmup, chunk=prefill_chunk, prompt=prompt, seed=seed,
+              trace=trace)  # fmt: skip
+    _sweep(engine, model_name, bw, todo, gen, kw, meta, None if follower else out, quiet)
+    if follower:
+        return
+    if plot_path:
+        from infinigen_rt.measure.bench import plot
+
+        plot(meta["points"], plot_path, f"{model_name} on {meta['device_name']} ({meta['dtype']})")
+    if json_out:
+        print_json(meta)
+        return
+    table = bench_table(meta["points"], wide)
+    print_wide(table) if wide else console.print(table)
+
+
+def _check(bundle, synthetic, policies: str, batch: str, context: str, gen: int, warmup: int, budget: float, probe,
+           text, tp: int) -> tuple[list[str], list[int], list[int]]:  # fmt: skip
+    """One-line errors for arguments that cannot work, before anything loads: (policies, batches, contexts)."""
     from infinigen_rt.errors import InfinigenError
-    from infinigen_rt.measure.bench import plot, run_points
-    from infinigen_rt.measure.floor import measure_bandwidths
-    from infinigen_rt.measure.synthetic import PRESETS, synthetic_engine
+    from infinigen_rt.measure.synthetic import PRESETS
     from infinigen_rt.policies import RUNTIME_POLICIES
-    from infinigen_rt.system import resolve_device, resolve_dtype
-    from infinigen_rt.tp import check_tp_option, launch
+    from infinigen_rt.tp import world_size
 
     if tp > 1 and synthetic is not None:
         raise InfinigenError("bench --tp needs a BUNDLE (each rank reads its slices of it), not --synthetic")
-    if check_tp_option(tp):
-        raise typer.Exit(launch(tp, sys.argv[1:]))
+    if world_size() > 1 and synthetic is not None:
+        raise InfinigenError("bench under torchrun needs a BUNDLE (each rank reads its slices of it), not --synthetic")
     if (bundle is None) == (synthetic is None):
         raise InfinigenError("give a BUNDLE or --synthetic PRESET (one of them)")
     names = [p.strip() for p in policies.split(",") if p.strip()]
@@ -138,75 +205,62 @@ def bench_cmd(
         raise InfinigenError(f"unknown --synthetic preset {synthetic!r}; available: {', '.join(PRESETS)}")
     if text is not None and synthetic is not None:
         raise InfinigenError("--text needs a BUNDLE (a synthetic model has no tokenizer)")
-    check_outputs(out, plot_path)
+    return names, batches, contexts
+
+
+def _load(bundle, synthetic, device: str, dtype: str, seed: int):
+    """(engine, the model's name in the results, this rank's tensor-parallel group under torchrun or None)."""
+    import torch
+
+    from infinigen_rt.system import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
-    from infinigen_rt.tp import follower_env, from_env, world_size
+    if synthetic is not None:
+        from infinigen_rt.measure.synthetic import synthetic_engine
 
-    if world_size() > 1 and synthetic is not None:
-        raise InfinigenError("bench under torchrun needs a BUNDLE (each rank reads its slices of it), not --synthetic")
-    tp = None  # under torchrun: every rank runs every point, rank 0 reports
-    quiet = json_out or follower_env()
-    with console.status("building the model", spinner="dots") if not quiet else nullcontext():
-        if synthetic is not None:
-            engine = synthetic_engine(synthetic, dev, resolve_dtype(dtype, torch.float16, dev), seed)
-            model_name = f"synthetic:{synthetic}"
-            alpha = math.inf if alpha is None else alpha
-        else:
-            from infinigen_rt.bundle import read_bundle
-            from infinigen_rt.engine import Engine
-            from infinigen_rt.hub import resolve_bundle
+        engine = synthetic_engine(synthetic, dev, resolve_dtype(dtype, torch.float16, dev), seed)
+        return engine, f"synthetic:{synthetic}", None
+    from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.engine import Engine
+    from infinigen_rt.hub import resolve_bundle
+    from infinigen_rt.tp import from_env
 
-            path = resolve_bundle(bundle)
-            b = read_bundle(path)
-            tp = from_env(dev, b.config)
-            engine = Engine(b, device=str(dev), dtype=dtype, tp=tp)
-            model_name = Path(str(path)).name
-        prompt = None
-        if text is not None:
-            from infinigen_rt.measure.perplexity import text_ids
+    path = resolve_bundle(bundle)
+    b = read_bundle(path)
+    tp = from_env(dev, b.config)
+    return Engine(b, device=str(dev), dtype=dtype, tp=tp), Path(str(path)).name, tp
 
-            prompt, _ = text_ids(engine, text, max(contexts), max(contexts) - 1)
-        bw = measure_bandwidths(dev, probe)
 
-    meta = {
-        "model": model_name, "device": str(dev), "device_name": device_name(dev),
-        "dtype": str(engine.dtype).removeprefix("torch."), "torch": torch.__version__, "infinigen": __version__,
-        "bandwidth": bw, "budget": budget, "max_kv": max_kv, "alpha": None if alpha is None or math.isinf(alpha)
-        else alpha, "gen": gen, "warmup": warmup, "interleave": interleave,
-        "prompt": str(text) if text else "random tokens", "points": [],
-    }  # fmt: skip
-    follower = tp is not None and tp.rank != 0
+def _meta(engine, model_name: str, bw: dict, tp, **run) -> dict:
+    """The results file's head: the model, the machine and the run's settings; its points follow."""
+    import torch
+
+    from infinigen_rt import __version__
+
+    meta = {"model": model_name, "device": str(engine.device), "device_name": device_name(engine.device),
+            "dtype": str(engine.dtype).removeprefix("torch."), "torch": torch.__version__, "infinigen": __version__,
+            "bandwidth": bw, **run, "points": []}  # fmt: skip
     if tp is not None:
         meta["tensor_parallel"] = tp.size
-    if not quiet:
-        err_console.print(
-            f"[dim]{meta['device_name']}: device copy {bw['device_bytes_per_s'] / 1e9:.1f} GB/s, "
-            f"host-to-device {bw['h2d_bytes_per_s'] / 1e9:.1f} GB/s (measured)[/]"
-        )
-    groups = [names] if interleave else [[p] for p in names]
-    todo = [(g, b, c) for c in contexts for b in batches for g in groups]
+    return meta
+
+
+def _sweep(engine, model_name: str, bw: dict, todo, gen: int, kw: dict, meta: dict, out, quiet: bool) -> None:
+    """Every (policies, batch, context) of `todo`, its points added to meta (and saved to `out` after each)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from infinigen_rt.measure.bench import run_points
+
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    console=err_console, transient=True, disable=quiet)  # fmt: skip
     with bar:
         task = bar.add_task("bench", total=len(todo))
         for g, b, c in todo:
             bar.update(task, description=f"{','.join(g)} batch {b} context {c}")
-            pts = run_points(engine, model_name, g, b, c, gen, bw, budget=budget, max_kv=max_kv, alpha=alpha,
-                             warmup=warmup, chunk=prefill_chunk, prompt=prompt, seed=seed, trace=trace)  # fmt: skip
-            meta["points"] += [asdict(pt) for pt in pts]
-            if out and not follower:
+            meta["points"] += [asdict(pt) for pt in run_points(engine, model_name, g, b, c, gen, bw, **kw)]
+            if out:
                 save(out, meta)
             bar.advance(task)
-    if follower:
-        return
-    if plot_path:
-        plot(meta["points"], plot_path, f"{model_name} on {meta['device_name']} ({meta['dtype']})")
-    if json_out:
-        print_json(meta)
-        return
-    table = bench_table(meta["points"], wide)
-    print_wide(table) if wide else console.print(table)
 
 
 def _fmt(x, fmt: str, scale: float = 1.0) -> str:

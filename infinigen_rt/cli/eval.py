@@ -71,7 +71,6 @@ def eval_cmd(
     from infinigen_rt.engine import Engine
     from infinigen_rt.errors import InfinigenError
     from infinigen_rt.hub import resolve_bundle
-    from infinigen_rt.measure.perplexity import configs, load_done, plot, run_sweep, save, text_ids
     from infinigen_rt.policies import POLICIES
 
     names = [p.strip() for p in policies.split(",") if p.strip()]
@@ -91,14 +90,24 @@ def eval_cmd(
     if task == "needle":
         return needle_cmd(engine, path, text, names, budget_list, alpha_list, contexts, depths, needles,
                           needle_tasks, seed, out, resume, plot_path, json_out)  # fmt: skip
-    if any("alpha" in POLICIES[p].sweep for p in names) and not alpha_list:  # the bundle's (a one-line error
+    perplexity_cmd(engine, path, text, names, budget_list, alpha_list, seq_len, score_from, out, resume, recall,
+                   plot_path, json_out)  # fmt: skip
+
+
+def perplexity_cmd(engine, path, text: Path, names, budgets, alphas, seq_len, score_from, out, resume, recall,
+                   plot_path, json_out) -> None:  # fmt: skip
+    """--task perplexity: the sweep of every (policy, budget, alpha) on the text, saved after every row."""
+    from infinigen_rt.measure.perplexity import configs, load_done, plot, run_sweep, save, text_ids
+    from infinigen_rt.policies import POLICIES
+
+    if any("alpha" in POLICIES[p].sweep for p in names) and not alphas:  # the bundle's (a one-line error
         engine.require_speculation()  # for a bundle converted with --no-infinigen)
-        alpha_list = [engine.speculation.defaults.alpha]
+        alphas = [engine.speculation.defaults.alpha]
     ids, sha = text_ids(engine, text, seq_len, score_from)
     meta = {"bundle": str(path), "text": str(text), "text_sha256": sha, "seq_len": seq_len, "score_from": score_from,
             "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}  # fmt: skip
     done = load_done(out, meta) if resume and out else []
-    todo = configs(names, budget_list, alpha_list)
+    todo = configs(names, budgets, alphas)
 
     bar = _progress_bar(json_out)
     tasks: dict[str, int] = {}

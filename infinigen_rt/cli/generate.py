@@ -54,22 +54,34 @@ def generate(
     Tensor parallelism (each rank its share of the heads; rank 0 prints):
       torchrun --nproc-per-node 2 -m infinigen_rt.cli generate BUNDLE "Hello" --device cpu
     """
-    from infinigen_rt.bundle import read_bundle
-    from infinigen_rt.engine import Engine
-    from infinigen_rt.errors import InfinigenError, notice
-    from infinigen_rt.generate import generate as run
-    from infinigen_rt.hub import resolve_bundle
-    from infinigen_rt.policies import configure, policy_class
-    from infinigen_rt.runner import check_context
+    from infinigen_rt.errors import InfinigenError
+    from infinigen_rt.policies import policy_class
     from infinigen_rt.sampling import SamplingParams
-    from infinigen_rt.system import resolve_device
-    from infinigen_rt.tokenizer import check_text
-    from infinigen_rt.tp import check_tp_option, follower_env, from_env, launch
+    from infinigen_rt.tp import check_tp_option, follower_env, launch
 
+    policy_class(policy)  # a bad name or option fails before anything loads
+    kv = replace(kv, prefill_chunk=prefill_chunk, trace_recall=trace_recall)
+    kv.check()
     if check_tp_option(tp):
         if prompt == "-":
             raise InfinigenError("--tp with the prompt on standard input: give it as an argument, or run torchrun")
         raise typer.Exit(launch(tp, sys.argv[1:]))
+    prompt = _read_prompt(prompt)
+    quiet = json_out or follower_env()
+    engine, run_policy, follower = _load(bundle, revision, verify, device, dtype, policy, kv, quiet)
+    ids, max_new_tokens = _prompt_ids(engine, prompt, chat, max_new_tokens)
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    printer = _StreamPrinter(engine.tokenizer) if stream and not quiet else None
+    progress = _progress(max_new_tokens) if printer is None and not quiet else None
+    res, stats = _run(engine, run_policy, ids, max_new_tokens, sampling, stop, printer, progress)
+    if not follower:  # a tensor-parallel rank other than 0 runs every step with rank 0 and prints nothing
+        _show(res, stats, prompt if not chat else "", json_out, printer)
+
+
+def _read_prompt(prompt: str) -> str:
+    """The prompt argument, or standard input for '-': UTF-8 text (a one-line error otherwise)."""
+    from infinigen_rt.errors import InfinigenError
+    from infinigen_rt.tokenizer import check_text
 
     if prompt == "-":
         try:
@@ -78,18 +90,31 @@ def generate(
             byte = e.object[e.start]
             raise InfinigenError(f"standard input is not UTF-8 text (byte 0x{byte:02X} at {e.start})") from None
     check_text(prompt, "the prompt")
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    return prompt
+
+
+def _load(bundle, revision, verify, device, dtype, policy, kv, quiet: bool):
+    """(the engine, its policy, whether this process is a tensor-parallel follower) for the bundle."""
+    from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.engine import Engine
+    from infinigen_rt.hub import resolve_bundle
+    from infinigen_rt.policies import configure
+    from infinigen_rt.system import resolve_device
+    from infinigen_rt.tp import from_env
+
     path = resolve_bundle(bundle, revision)
-    quiet = json_out or follower_env()
     with console.status("loading bundle", spinner="dots") if not quiet else nullcontext():
         b = read_bundle(path, verify=verify)
         tp = from_env(resolve_device(device), b.config)  # under torchrun: one rank of a tensor-parallel group
-        follower = tp is not None and tp.rank != 0  # runs every step with rank 0, prints nothing
-        kv = replace(kv, prefill_chunk=prefill_chunk, trace_recall=trace_recall)
-        policy_class(policy)  # before loading: a bad name or option fails fast
-        kv.check()
         engine = Engine(b, device=device, dtype=dtype, tp=tp)
-        run_policy = configure(engine, policy, kv)
+        return engine, configure(engine, policy, kv), tp is not None and tp.rank != 0
+
+
+def _prompt_ids(engine, prompt: str, chat: bool, max_new_tokens: int) -> tuple[list[int], int]:
+    """The prompt's token ids, and the new tokens it leaves room for (capped, with a notice, to the context)."""
+    from infinigen_rt.errors import notice
+    from infinigen_rt.runner import check_context
+
     tok = engine.tokenizer
     ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
     context = engine.cfg.max_position_embeddings
@@ -98,38 +123,34 @@ def generate(
         notice(f"--max-new-tokens {max_new_tokens} capped to {room}: what the prompt leaves of the {context} positions")
         max_new_tokens = room
     check_context(len(ids), max_new_tokens, context)
+    return ids, max_new_tokens
 
-    printer = _StreamPrinter(tok) if stream and not quiet else None
-    if printer is None and not quiet:
-        progress = _progress(max_new_tokens)
-    else:
-        progress = None
+
+def _run(engine, policy, ids, max_new_tokens, sampling, stop, printer, progress):
+    """Generate, showing the text as it comes (`printer`) or a progress bar (`progress`); (result, stats)."""
+    from infinigen_rt.generate import generate as run
+
     on_step = printer.update if printer else (progress.step if progress else None)
     if progress:
         progress.start()
     try:
-        results, stats = run(engine, [ids], max_new_tokens, sampling, stop, on_step, policy=run_policy)
+        results, stats = run(engine, [ids], max_new_tokens, sampling, stop, on_step, policy=policy)
     finally:
         if progress:
             progress.stop()
-    res = results[0]
-    if follower:
-        return
+    return results[0], stats
+
+
+def _show(res, stats, shown_prompt: str, json_out: bool, printer) -> None:
+    """The result: one JSON object, or the text (after the prompt) and a line of figures on stderr."""
     if json_out:
-        print_json(
-            {
-                "text": res.text,
-                "token_ids": res.token_ids,
-                "prompt_token_ids": res.prompt_token_ids,
-                "finish_reason": res.finish_reason,
-                "stats": stats.to_dict(),
-            }
-        )
+        print_json({"text": res.text, "token_ids": res.token_ids, "prompt_token_ids": res.prompt_token_ids,
+                    "finish_reason": res.finish_reason, "stats": stats.to_dict()})  # fmt: skip
         return
     if printer:
         printer.finish(res.text)
     else:
-        console.print(prompt if not chat else "", end="", markup=False)
+        console.print(shown_prompt, end="", markup=False)
         console.print(res.text, markup=False)
     s = stats.to_dict()
     err_console.print(

@@ -63,46 +63,27 @@ def serve(
       infinigen-rt serve artifacts/bundles/smollm2-135m --policy infinigen --max-batch 16 --port 8080
       INFINIGEN_API_KEY=secret infinigen-rt serve bundles/smol --host 0.0.0.0
     """
+    from pathlib import Path
+
+    from infinigen_rt.engine import Engine
     from infinigen_rt.errors import InfinigenError
+    from infinigen_rt.policies import configure, policy_class
+    from infinigen_rt.tp import check_tp_option, launch
 
     try:  # the serve extra: imported only here, so the rest of the runtime works without it
         import fastapi  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
 
         from infinigen_rt.serve.app import create_app
     except ImportError as e:
         raise InfinigenError(f"serve needs {e.name or 'fastapi'}: pip install 'infinigen[serve]'") from None
-    from pathlib import Path
-
-    from infinigen_rt.bundle import read_bundle
-    from infinigen_rt.engine import Engine
-    from infinigen_rt.hub import resolve_bundle
-    from infinigen_rt.policies import configure, policy_class
-    from infinigen_rt.runner import check_pool_options
-    from infinigen_rt.serve.ranks import control_group, follow
-    from infinigen_rt.system import resolve_device
-    from infinigen_rt.tp import check_tp_option, from_env, launch
-
     if check_tp_option(tp):
         raise typer.Exit(launch(tp, sys.argv[1:]))
-
-    if max_batch < 1 or max_queue < 1 or prefill_chunk < 1:
-        raise InfinigenError(
-            f"--max-batch, --max-queue and --prefill-chunk must be >= 1, got {max_batch}, {max_queue}, {prefill_chunk}"
-        )
-    check_pool_options(kv_tokens, kv_memory)  # before loading: a bad size fails fast
-    kv_bytes = None if kv_memory is None else parse_bytes(kv_memory, "--kv-memory")
-    if max_body is not None and max_body < 1024:
-        raise InfinigenError(f"--max-body must be at least 1024 bytes, got {max_body}")
-    path = resolve_bundle(bundle, revision)
-    policy_class(policy)  # before loading: a bad name or option fails fast
-    kv.check()
-    b = read_bundle(path, verify=verify)
-    tp = from_env(resolve_device(device), b.config)  # under torchrun: rank 0 serves, the others replay its steps
-    if tp is not None and tp.rank != 0:
-        engine = Engine(b, device=device, dtype=dtype, tp=tp)
-        configure(engine, policy, kv)  # the leader's checks: it fails alike
-        follow(engine, tp, control_group())
+    kv_bytes = _check_sizes(max_batch, max_queue, prefill_chunk, kv_tokens, kv_memory, max_body)
+    policy_class(policy)  # before loading: a bad name or option fails fast (the options: kv_options)
+    b, tp = _read(bundle, revision, verify, device)
+    if tp is not None and tp.rank != 0:  # under torchrun: rank 0 serves, the others replay its steps
+        _follow(b, device, dtype, tp, policy, kv)
         return
     sock = _listen_socket(host, port)  # before loading: a taken port fails fast
     with err_console.status("loading bundle", spinner="dots"):
@@ -113,6 +94,50 @@ def serve(
         engine, server_policy, name, max_batch=max_batch, max_queue=max_queue, api_key=api_key, max_body=max_body,
         prefill_chunk=prefill_chunk, kv_tokens=kv_tokens, kv_memory=kv_bytes,
     )  # fmt: skip
+    _run(server_app, sock, host, name, policy, engine, max_batch, tp, api_key)
+
+
+def _check_sizes(max_batch, max_queue, prefill_chunk, kv_tokens, kv_memory, max_body) -> int | None:
+    """One-line errors for sizes that cannot work, before anything loads; --kv-memory in bytes."""
+    from infinigen_rt.errors import InfinigenError
+    from infinigen_rt.runner import check_pool_options
+
+    if max_batch < 1 or max_queue < 1 or prefill_chunk < 1:
+        raise InfinigenError(
+            f"--max-batch, --max-queue and --prefill-chunk must be >= 1, got {max_batch}, {max_queue}, {prefill_chunk}"
+        )
+    check_pool_options(kv_tokens, kv_memory)
+    if max_body is not None and max_body < 1024:
+        raise InfinigenError(f"--max-body must be at least 1024 bytes, got {max_body}")
+    return None if kv_memory is None else parse_bytes(kv_memory, "--kv-memory")
+
+
+def _read(bundle: str, revision, verify: bool, device: str):
+    """The bundle, read, and under torchrun this rank's tensor-parallel group (else None)."""
+    from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.hub import resolve_bundle
+    from infinigen_rt.system import resolve_device
+    from infinigen_rt.tp import from_env
+
+    b = read_bundle(resolve_bundle(bundle, revision), verify=verify)
+    return b, from_env(resolve_device(device), b.config)
+
+
+def _follow(b, device: str, dtype: str, tp, policy: str, kv) -> None:
+    """A rank other than 0: replay rank 0's runner calls until the server stops."""
+    from infinigen_rt.engine import Engine
+    from infinigen_rt.policies import configure
+    from infinigen_rt.serve.ranks import control_group, follow
+
+    engine = Engine(b, device=device, dtype=dtype, tp=tp)
+    configure(engine, policy, kv)  # the leader's checks: it fails alike
+    follow(engine, tp, control_group())
+
+
+def _run(server_app, sock, host: str, name: str, policy: str, engine, max_batch: int, tp, api_key) -> None:
+    """Say where it serves, then serve until Ctrl+C or SIGTERM."""
+    import uvicorn
+
     port = sock.getsockname()[1]
     shown, dt = f"[{host}]" if ":" in host else host, str(engine.dtype).removeprefix("torch.")
     pool = server_app.state.scheduler.runner.store.alloc
