@@ -15,8 +15,8 @@ import torch
 
 from infinigen_rt.errors import InfinigenError, notice
 from infinigen_rt.files import read_utf8
-from infinigen_rt.kv.cache import DenseCache
 from infinigen_rt.models.llama import Llama, apply_rope, rope_cos_sin
+from infinigen_rt.policies.full import DenseCache
 from infinigen_rt.step import pad_batch
 
 DEFAULT_CALIB = "hf://datasets/roneneldan/TinyStories/TinyStories-valid.txt"

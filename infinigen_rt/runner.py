@@ -175,6 +175,8 @@ class Runner:
                 "tokens"
             )
         seed = req.sampling.seed
+        if seed is not None and not -(2**63) <= seed < 2**64:
+            raise InfinigenError(f"seed must be a 64-bit integer, got {seed}")
         gen = torch.Generator(device=eng.device).manual_seed(seed) if seed is not None else None
         seq = _Seq(next(self.ids), req, policy, need, gen)
         self.waiting.append(seq)
@@ -363,19 +365,21 @@ def pool_tokens(engine: Engine, policy: Policy, max_batch: int, kv_tokens: int |
     (host memory for a host-pool policy, device memory for the others); or by default room for `max_batch`
     requests of the model's whole context, for a host-pool policy at most half the host memory available now."""
     check_pool_options(kv_tokens, kv_memory)
+    if kv_tokens is not None:
+        return kv_tokens
     device, host, _ = policy.kv_bytes(engine, engine.cfg.num_key_value_heads, engine.dtype.itemsize)
     per_token = host or device
-    if kv_tokens is None and kv_memory is not None:
+    if kv_memory is not None:
         kv_tokens = kv_memory // per_token
         if kv_tokens < BLOCK_TOKENS:
             raise InfinigenError(
                 f"--kv-memory {kv_memory} bytes holds {kv_tokens} tokens of KV ({per_token} bytes each under "
                 f"{policy.name}); give at least {BLOCK_TOKENS * per_token} bytes (one block)"
             )
-    if kv_tokens is None:
-        kv_tokens = max_batch * engine.cfg.max_position_embeddings
-        if host:
-            kv_tokens = max(BLOCK_TOKENS, min(kv_tokens, host_available() // 2 // per_token))
+        return kv_tokens
+    kv_tokens = max_batch * engine.cfg.max_position_embeddings
+    if host:
+        kv_tokens = max(BLOCK_TOKENS, min(kv_tokens, host_available() // 2 // per_token))
     return kv_tokens
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from infinigen_rt.kv.cache import DenseCache, KVCache
+from infinigen_rt.kv.cache import KVCache
+from infinigen_rt.policies.full import DenseCache
 
 
 def prefill(engine, cache: KVCache | list[KVCache], ids: torch.Tensor, positions: torch.Tensor,

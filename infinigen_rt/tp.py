@@ -9,7 +9,7 @@ bundle's safetensors (`get_slice`), builds its caches for its own KV heads (its 
 `infinigen`, its own partial keys and speculation tensors), and where the method needs a value over every query
 head (the fetch count of a sequence) the ranks all-reduce a small tensor.
 
-    torchrun --nproc-per-node 2 -m infinigen_rt.cli generate BUNDLE --prompt ...
+    torchrun --nproc-per-node 2 -m infinigen_rt.cli generate BUNDLE "The king said" --device cpu
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """KV policies by name: how one engine treats KV. A policy is one KVCache subclass; everything a caller needs
 (its options, what it reports, its memory needs, whether it speculates) is on the class, so adding a policy
-adds an entry here and touches no model code and no caller. A request runs a `Policy` value: the class with its
-options, checked against the engine once (`configure`)."""
+adds a module and an entry here, and no model code or caller changes (the CLIs' help texts list the names). A
+request runs a `Policy` value: the class with its options, checked against the engine once (`configure`)."""
 
 from __future__ import annotations
 
 from infinigen_rt.errors import InfinigenError
-from infinigen_rt.kv.cache import DenseCache, KVCache, KVReport, Policy
+from infinigen_rt.kv.cache import KVCache, KVReport, Policy
+from infinigen_rt.policies.full import DenseCache
 from infinigen_rt.policies.h2o import H2OCache
 from infinigen_rt.policies.infinigen import InfinigenCache
 from infinigen_rt.policies.int4 import Int4Cache

@@ -14,7 +14,8 @@ import math
 
 import torch
 
-from infinigen_rt.kv.cache import DenseCache, KVReport
+from infinigen_rt.kv.cache import KVReport
+from infinigen_rt.policies.full import DenseCache
 from infinigen_rt.policies.options import KVOptions
 
 

@@ -12,9 +12,10 @@ import numpy as np
 import torch
 
 from infinigen_rt.config import ModelConfig
-from infinigen_rt.kv.cache import DenseCache, KVCache, KVReport, causal_mask
+from infinigen_rt.kv.cache import KVCache, KVReport, causal_mask
 from infinigen_rt.kv.pool import KVPool
 from infinigen_rt.kv.prefetch import SideStream, prefetcher
+from infinigen_rt.policies.full import DenseCache
 from infinigen_rt.policies.options import KVOptions
 
 POOL_KNOBS = frozenset({"capacity", "eviction", "window", "prefill_chunk"})

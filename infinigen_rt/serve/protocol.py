@@ -75,7 +75,7 @@ class BaseRequest(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what a torch generator takes
     stream: bool = False
     stream_options: StreamOptions | None = None
     infinigen: KVOverrides | None = None

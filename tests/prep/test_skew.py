@@ -65,7 +65,7 @@ def test_opt_folded_model_equals_original_and_partial_query_is_real(checkpoints,
     b, t = check_tensors(folded)
     assert b.meta["infinigen"]["skew_storage"] == "folded" and not any(k.endswith(".skew") for k in t)
     m0, m1 = load_model(read_bundle(dense), "cpu", torch.float32), load_model(b, "cpu", torch.float32)
-    from infinigen_rt.kv.cache import DenseCache
+    from infinigen_rt.policies.full import DenseCache
     from infinigen_rt.step import pad_batch
 
     ids, pos, valid = pad_batch([list(range(5, 40))], 1, "cpu")

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from infinigen_rt.bundle import read_bundle
-from infinigen_rt.kv.cache import DenseCache
 from infinigen_rt.models import load_model
+from infinigen_rt.policies.full import DenseCache
 from infinigen_rt.step import pad_batch
 from tests.conftest import TINY_CONFIGS
 

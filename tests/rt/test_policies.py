@@ -12,11 +12,11 @@ import torch
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.engine import Engine
 from infinigen_rt.generate import generate
-from infinigen_rt.kv.cache import DenseCache
 from infinigen_rt.kv.paged import PagedStore
 from infinigen_rt.kv.pool import KVPool
 from infinigen_rt.kv.prefetch import Inline, WorkerThread
 from infinigen_rt.policies import KVOptions, Policy, configure
+from infinigen_rt.policies.full import DenseCache
 from infinigen_rt.policies.int4 import dequantize, group_size, quantize
 from infinigen_rt.step import decode_step, pad_batch, prefill
 from tests.conftest import run_cli, shakespeare

@@ -17,6 +17,7 @@ from infinigen_rt.generate import generate
 from infinigen_rt.kv.cache import KVReport, merge_reports
 from infinigen_rt.policies import KVOptions, Policy, configure
 from infinigen_rt.runner import BLOCK_TOKENS, Request, Runner, pool_tokens
+from infinigen_rt.sampling import SamplingParams
 
 TARGET = list(range(40, 63))  # 23 tokens: three chunks of 8
 OTHERS = {  # name: (prompt, max new tokens)
@@ -289,6 +290,8 @@ def test_bad_requests_fail_when_added(bundles):
         run.add(Request([5], 4, policy=configure(e[0], "infinigen", KVOptions(budget=2.0))))
     with pytest.raises(InfinigenError, match="--max-batch"):
         Runner(*e, max_batch=0)
+    with pytest.raises(InfinigenError, match="64-bit"):  # a torch generator's range (the server's fuzz found it)
+        run.add(Request([5], 4, SamplingParams(seed=2**64)))
     assert not run.has_work
 
 

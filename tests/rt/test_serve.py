@@ -21,8 +21,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from infinigen_rt.kv.cache import DenseCache, KVReport
+from infinigen_rt.kv.cache import KVReport
 from infinigen_rt.policies import KVOptions, Policy
+from infinigen_rt.policies.full import DenseCache
 from infinigen_rt.runner import Generation, Output, RunStats
 from infinigen_rt.sampling import SamplingParams
 from infinigen_rt.serve.metrics import Metrics

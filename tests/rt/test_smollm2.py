@@ -56,7 +56,7 @@ def test_32_greedy_tokens_match_transformers(engine, hf_model, prompt):
 
 @torch.inference_mode()
 def test_prefill_logits_close_to_transformers(engine, hf_model):
-    from infinigen_rt.kv.cache import DenseCache
+    from infinigen_rt.policies.full import DenseCache
     from infinigen_rt.step import pad_batch
 
     ids = engine.tokenizer.encode(PROMPTS[0] + " the kingdom would be hers, and she")
