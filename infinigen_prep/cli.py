@@ -70,31 +70,12 @@ def convert(
       infinigen-prep convert ./ckpt --out bundles/dense --no-infinigen
       infinigen-prep convert meta-llama/Llama-2-7b-hf --out bundles/llama-2-7b --push-to me/llama-2-7b-infinigen
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     from infinigen_prep.convert import convert as do_convert
     from infinigen_prep.prepare import PrepOptions
-    from infinigen_rt.bundle import read_bundle
 
+    bar, progress = _stage_bars(source, disable=json_out)
     t0 = time.perf_counter()
-    bar = Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        TextColumn("[dim]{task.fields[tensor]}"),
-        console=err_console,
-        transient=True,
-        disable=json_out,
-    )
-    tasks: dict[str, int] = {}
     with bar:
-
-        def progress(stage, done, total, label):
-            if stage not in tasks:  # one bar per stage: weights, calibration, skewing, comparison
-                tasks[stage] = bar.add_task(f"{stage} ({Path(source).name})", total=total, tensor="")
-            bar.update(tasks[stage], completed=done, total=total, tensor=label)
-
         prep = PrepOptions(calib_text, calib_tokens, partial_ratio, skew, partial_select, device)
         path = do_convert(
             source,
@@ -107,7 +88,46 @@ def convert(
             infinigen=infinigen,
             prep=prep,
         )
-    seconds = time.perf_counter() - t0
+    summary = bundle_summary(path, time.perf_counter() - t0)
+    if push_to:
+        from infinigen_prep.push import push
+
+        commit = push(path, push_to)
+        summary["pushed"] = {"repo_id": push_to, "commit": getattr(commit, "oid", None), "url": str(commit)}
+    if json_out:
+        print_json(summary)
+        return
+    console.print(summary_table(path, summary))
+
+
+def _stage_bars(source: str, disable: bool):
+    """A transient progress bar on stderr and the `progress` callback convert feeds it: one bar per stage."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        TextColumn("[dim]{task.fields[tensor]}"),
+        console=err_console,
+        transient=True,
+        disable=disable,
+    )
+    tasks: dict[str, int] = {}
+
+    def progress(stage, done, total, label):
+        if stage not in tasks:  # one bar per stage: weights, calibration, skewing, comparison
+            tasks[stage] = bar.add_task(f"{stage} ({Path(source).name})", total=total, tensor="")
+        bar.update(tasks[stage], completed=done, total=total, tensor=label)
+
+    return bar, progress
+
+
+def bundle_summary(path: Path, seconds: float) -> dict:
+    """What convert prints: the bundle as written (read back from its manifest), with the InfiniGen figures."""
+    from infinigen_rt.bundle import read_bundle
+
     b = read_bundle(path, verify=False)
     size = sum(f["size"] for f in b.manifest.files.values())
     summary = {
@@ -132,14 +152,11 @@ def convert(
             energy_share_top=ig.energy_share_top,
             calibration=ig.calibration,
         )
-    if push_to:
-        from infinigen_prep.push import push
+    return summary
 
-        commit = push(path, push_to)
-        summary["pushed"] = {"repo_id": push_to, "commit": getattr(commit, "oid", None), "url": str(commit)}
-    if json_out:
-        print_json(summary)
-        return
+
+def summary_table(path: Path, summary: dict):
+    """convert's summary as a rich table, sizes in MB and dicts as k=v."""
     from rich.table import Table
 
     table = Table(title=f"bundle {path}", show_header=False)
@@ -149,9 +166,9 @@ def convert(
         if k == "bytes":
             v = f"{v / 1e6:.1f} MB"
         elif isinstance(v, dict):
-            v = ", ".join(f"{a}={b_}" for a, b_ in v.items())
+            v = ", ".join(f"{a}={b}" for a, b in v.items())
         table.add_row(k, str(v))
-    console.print(table)
+    return table
 
 
 def _human(n: float, units=("", "K", "M", "B", "T"), base=1000.0) -> str:

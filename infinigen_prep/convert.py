@@ -19,7 +19,7 @@ from infinigen_prep import __version__
 from infinigen_prep.calibrate import read_calib_text
 from infinigen_prep.card import model_card
 from infinigen_prep.prepare import PrepOptions, add_infinigen
-from infinigen_prep.sources.base import Source
+from infinigen_prep.sources.base import Source, TokenizerInfo
 from infinigen_rt.bundle import (
     BUNDLE_JSON,
     FORMAT,
@@ -182,6 +182,67 @@ def check_out(out: Path, source: str, force: bool) -> None:
         )
 
 
+def write_weights(
+    folder: Path, src: Source, mapping: dict[str, str], dtype: torch.dtype, shard_bytes: int, progress=None
+) -> dict[str, str]:
+    """Write the weights as safetensors shards (one shard in memory at a time); return the weight map."""
+    from safetensors.torch import save_file
+
+    groups = shards(mapping, src, dtype, shard_bytes)
+    weight_map, done = {}, 0
+    for i, group in enumerate(groups, 1):
+        name = shard_name(i, len(groups))
+        tensors = {}
+        for ours in group:
+            tensors[ours] = src.load(mapping[ours]).to(dtype).contiguous()
+            weight_map[ours] = name
+            done += 1
+            if progress:
+                progress("writing weights", done, len(mapping), ours)
+        save_file(tensors, str(folder / name), metadata={"format": "pt"})
+        del tensors
+    return weight_map
+
+
+def bundle_meta(
+    src: Source, cfg: ModelConfig, dtype_name: str, tok: TokenizerInfo, weight_map: dict[str, str]
+) -> BundleMeta:
+    """The manifest of the dense bundle, its files not yet hashed (write_meta does)."""
+    return BundleMeta(
+        format=FORMAT,
+        format_version=FORMAT_VERSION,
+        architecture=cfg.arch,
+        model_type=src.config.get("model_type"),
+        config=cfg,
+        dtype=dtype_name,
+        source=src.provenance,
+        converter={"name": "infinigen-prep", "version": __version__},
+        tokenizer=TokenizerMeta(
+            file=TOKENIZER_JSON,
+            bos_token=tok.bos_token,
+            eos_token=tok.eos_token,
+            pad_token=tok.pad_token,
+            add_bos_token=tok.add_bos_token,
+            chat_template=tok.chat_template,
+        ),
+        weight_map=weight_map,
+        files={},
+    )
+
+
+def move_into_place(tmp: Path, target: Path, out: Path, source: str, force: bool) -> None:
+    """Rename the finished `tmp` to `target` (--out made absolute): the bundle appears whole or not at all. With
+    --force the old bundle there is swapped out, then dropped."""
+    if os.path.lexists(target):  # --force: swap, then drop the old bundle
+        check_out(out, source, force)  # still a bundle, not something put there meanwhile
+        old = target.parent / f".{target.name}.old-{os.getpid()}"
+        target.rename(old)
+        tmp.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(target)
+
+
 def convert(
     source: str,
     out: str | Path,
@@ -217,58 +278,17 @@ def convert(
         # fetch the calibration text before any weight is written: no network fails fast
         text = read_calib_text(prep.calib_text) if infinigen else None
         dtype_name = choose_dtype(dtype, src)
-        tdtype = DTYPES[dtype_name]
         tok = src.tokenizer()
-        groups = shards(mapping, src, tdtype, shard_bytes)
-        weight_map, done = {}, 0
-        from safetensors.torch import save_file
-
-        for i, group in enumerate(groups, 1):
-            name = shard_name(i, len(groups))
-            tensors = {}
-            for ours in group:
-                tensors[ours] = src.load(mapping[ours]).to(tdtype).contiguous()
-                weight_map[ours] = name
-                done += 1
-                if progress:
-                    progress("writing weights", done, len(mapping), ours)
-            save_file(tensors, str(tmp / name), metadata={"format": "pt"})
-            del tensors
+        weight_map = write_weights(tmp, src, mapping, DTYPES[dtype_name], shard_bytes, progress)
         (tmp / TOKENIZER_JSON).write_text(tok.tokenizer_json, encoding="utf-8")
-        meta = BundleMeta(
-            format=FORMAT,
-            format_version=FORMAT_VERSION,
-            architecture=cfg.arch,
-            model_type=src.config.get("model_type"),
-            config=cfg,
-            dtype=dtype_name,
-            source=src.provenance,
-            converter={"name": "infinigen-prep", "version": __version__},
-            tokenizer=TokenizerMeta(
-                file=TOKENIZER_JSON,
-                bos_token=tok.bos_token,
-                eos_token=tok.eos_token,
-                pad_token=tok.pad_token,
-                add_bos_token=tok.add_bos_token,
-                chat_template=tok.chat_template,
-            ),
-            weight_map=weight_map,
-            files={},
-        )
+        meta = bundle_meta(src, cfg, dtype_name, tok, weight_map)
         if infinigen:  # calibrate through the dense model just written, then add the InfiniGen tensors
             write_meta(tmp, meta, final=False)
             meta.infinigen = add_infinigen(tmp, text, prep, progress)
         (tmp / MODEL_CARD).write_text(model_card(meta, src.license, src.base_model), encoding="utf-8")
         write_meta(tmp, meta, final=True)
         read_bundle(tmp, verify=False)  # what we wrote must load
-        if os.path.lexists(target):  # --force: swap, then drop the old bundle
-            check_out(out, source, force)  # still a bundle, not something put there meanwhile
-            old = target.parent / f".{target.name}.old-{os.getpid()}"
-            target.rename(old)
-            tmp.rename(target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(target)
+        move_into_place(tmp, target, out, source, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

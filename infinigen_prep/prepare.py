@@ -83,8 +83,6 @@ def add_infinigen(folder: Path, text: CalibText, opts: PrepOptions, progress=Non
     `infinigen` section of bundle.json.
 
     Writes infinigen.safetensors and, for OPT, rewrites the shards holding q/k projections (folded)."""
-    from safetensors.torch import save_file
-
     from infinigen_rt.system import resolve_device
     from infinigen_rt.tokenizer import Tokenizer
 
@@ -104,36 +102,12 @@ def add_infinigen(folder: Path, text: CalibText, opts: PrepOptions, progress=Non
     grams = calibrate(model, cfg, ids, progress=lambda d, t: step("calibrating", d, t))
     n_layers, d = cfg.num_hidden_layers, cfg.head_dim
     d_prime = partial_dim(d, opts.partial_ratio)
-    skews, candidates = [], {how: [] for how in SELECTIONS}
-    for i in range(n_layers):
-        a = skew_matrix(grams.q[i], opts.skew)
-        eq, ek = column_energy(grams.q[i], a), column_energy(grams.k[i], a)
-        for how in SELECTIONS:
-            candidates[how].append(select_columns(eq, ek, d_prime, how))
-        skews.append(a)
-        step("skewing", i + 1, n_layers)
-
-    # a second pass over tokens calibration did not fit (the text's next EVAL_TOKENS, else its first): each column
-    # selection's recall ("auto" keeps the better) and the margin alpha per layer for the selection kept
-    held_out = all_ids[len(ids) : len(ids) + EVAL_TOKENS]
-    in_sample = len(held_out) < 128
-    eval_ids = (ids[:EVAL_TOKENS] if in_sample else held_out)[: cfg.max_position_embeddings]
-    compare = opts.partial_select == "auto"
-    kept = candidates if compare else {opts.partial_select: candidates[opts.partial_select]}
-    recall, alphas = measure_selections(model, cfg, eval_ids, skews, kept, compare, progress)
-    choice = max(SELECTIONS, key=lambda how: recall[how]) if compare else opts.partial_select  # ties keep "qk"
-    if recall is not None:
-        recall.update(keep=RECALL_KEEP, tokens=len(eval_ids), held_out=not in_sample)
+    skews, candidates = skew_layers(grams, n_layers, d_prime, opts.skew, step)
+    choice, recall, layer_alpha, eval_tokens = choose_selection(
+        model, cfg, all_ids, ids, skews, candidates, opts.partial_select, progress
+    )
     del model
-
-    tensors: dict[str, torch.Tensor] = {}  # on the CPU, to be written
-    for i in range(n_layers):
-        tensors[partial_idx_name(i)] = candidates[choice][i].to("cpu", torch.int64).contiguous()
-        if cfg.arch == "llama":
-            tensors[skew_name(i)] = skews[i].to("cpu", torch.float32).contiguous()
-    if cfg.arch == "opt":
-        tensors.update(fold_opt(folder, bundle, skews, candidates[choice]))
-    save_file(tensors, str(folder / INFINIGEN_FILE), metadata={"format": "pt"})
+    write_infinigen_file(folder, bundle, skews, candidates[choice])
 
     return InfinigenMeta(
         file=INFINIGEN_FILE,
@@ -158,11 +132,57 @@ def add_infinigen(folder: Path, text: CalibText, opts: PrepOptions, progress=Non
             layer_key_share=grams.mass_share,
             # per layer, the smallest margin at which the speculated set holds ALPHA_RECALL of the true attention
             # mass (skew.calibrated_alpha, on the second pass's tokens): KVOptions.layer_alpha uses it
-            layer_alpha=alphas[choice],
+            layer_alpha=layer_alpha,
             layer_alpha_recall=ALPHA_RECALL,
-            layer_alpha_tokens=len(eval_ids),
+            layer_alpha_tokens=eval_tokens,
         ),
     )
+
+
+def skew_layers(grams, n_layers: int, d_prime: int, skew: bool, step) -> tuple[list[torch.Tensor], dict]:
+    """Per layer, the skewing matrix and, under it, each selection's `d_prime` partial columns: all are kept, for
+    the second pass to compare."""
+    skews, candidates = [], {how: [] for how in SELECTIONS}
+    for i in range(n_layers):
+        a = skew_matrix(grams.q[i], skew)
+        eq, ek = column_energy(grams.q[i], a), column_energy(grams.k[i], a)
+        for how in SELECTIONS:
+            candidates[how].append(select_columns(eq, ek, d_prime, how))
+        skews.append(a)
+        step("skewing", i + 1, n_layers)
+    return skews, candidates
+
+
+def choose_selection(model, cfg, all_ids, ids, skews, candidates, partial_select: str, progress=None) -> tuple:
+    """The column selection kept, its recall comparison (None unless "auto"), its calibrated alpha per layer, and
+    the number of tokens they were measured on."""
+    # a second pass over tokens calibration did not fit (the text's next EVAL_TOKENS, else its first): each column
+    # selection's recall ("auto" keeps the better) and the margin alpha per layer for the selection kept
+    held_out = all_ids[len(ids) : len(ids) + EVAL_TOKENS]
+    in_sample = len(held_out) < 128
+    eval_ids = (ids[:EVAL_TOKENS] if in_sample else held_out)[: cfg.max_position_embeddings]
+    compare = partial_select == "auto"
+    kept = candidates if compare else {partial_select: candidates[partial_select]}
+    recall, alphas = measure_selections(model, cfg, eval_ids, skews, kept, compare, progress)
+    choice = max(SELECTIONS, key=lambda how: recall[how]) if compare else partial_select  # ties keep "qk"
+    if recall is not None:
+        recall.update(keep=RECALL_KEEP, tokens=len(eval_ids), held_out=not in_sample)
+    return choice, recall, alphas[choice], len(eval_ids)
+
+
+def write_infinigen_file(folder: Path, bundle, skews, idx) -> None:
+    """Write infinigen.safetensors: per layer the partial columns and, for llama, the skew (OPT's is folded)."""
+    from safetensors.torch import save_file
+
+    cfg = bundle.config
+    tensors: dict[str, torch.Tensor] = {}  # on the CPU, to be written
+    for i in range(cfg.num_hidden_layers):
+        tensors[partial_idx_name(i)] = idx[i].to("cpu", torch.int64).contiguous()
+        if cfg.arch == "llama":
+            tensors[skew_name(i)] = skews[i].to("cpu", torch.float32).contiguous()
+    if cfg.arch == "opt":
+        tensors.update(fold_opt(folder, bundle, skews, idx))
+    save_file(tensors, str(folder / INFINIGEN_FILE), metadata={"format": "pt"})
 
 
 def measure_selections(model, cfg, ids, skews, candidates, compare: bool, progress=None) -> tuple:
