@@ -1,7 +1,7 @@
 """The GPU path rehearsed on a CPU (tests/fakecuda.py): what the runtime does on a CUDA device, run here.
 
 With values (tiny models): the GPU path's tokens equal the CPU path's for every policy, through the runner
-(generate and serve), private and paged pools, with and without eviction, and through bench's batched caches; no
+(generate, serve and bench), private and paged pools, with and without eviction, and a cache of two sequences; no
 race between streams; one host sync per decode step. Shapes only (slow): Llama-2-7B and Llama-3.1-8B at 8k to 128k,
 their memory against what bench predicts. Each of the defects found by the first rehearsal has its test here."""
 
