@@ -326,13 +326,18 @@ def partial_q_name(layer: int, kind: str) -> str:
     return f"layers.{layer}.partial_q.{kind}"
 
 
+def no_infinigen(bundle: Bundle) -> InfinigenError:
+    """The one-line error for a bundle converted without InfiniGen tensors."""
+    return InfinigenError(
+        f"bundle {bundle.path} has no InfiniGen tensors (converted with --no-infinigen); "
+        "re-convert it without that flag, or use --policy full/offload"
+    )
+
+
 def load_infinigen(bundle: Bundle, device="cpu") -> dict[str, torch.Tensor]:
     """The bundle's InfiniGen tensors; a one-line error when it was converted without them."""
     from safetensors.torch import load_file
 
     if bundle.infinigen is None:
-        raise InfinigenError(
-            f"bundle {bundle.path} has no InfiniGen tensors (converted with --no-infinigen); "
-            "re-convert it without that flag, or use --policy full/offload"
-        )
+        raise no_infinigen(bundle)
     return load_file(bundle.path / bundle.infinigen.file, device=str(device))

@@ -9,8 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from infinigen_rt.bundle import DENSE_LAYERS, Bundle, InfinigenDefaults, load_infinigen
-from infinigen_rt.errors import InfinigenError
+from infinigen_rt.bundle import DENSE_LAYERS, Bundle, InfinigenDefaults, load_infinigen, no_infinigen
 from infinigen_rt.models import load_model
 from infinigen_rt.system import keep_host_heap, resolve_device, resolve_dtype
 from infinigen_rt.tokenizer import Tokenizer
@@ -62,7 +61,5 @@ class Engine:
 
     def require_speculation(self) -> None:
         """A one-line error when the bundle has no InfiniGen tensors (a speculating policy needs them)."""
-        if self.speculation is None:
-            where = f"bundle {self.bundle.path}" if self.bundle is not None else "this model"
-            raise InfinigenError(f"{where} has no InfiniGen tensors (converted with --no-infinigen); re-convert it "
-                                 "without that flag, or use --policy full/offload")  # fmt: skip
+        if self.speculation is None:  # (a synthetic model always has them)
+            raise no_infinigen(self.bundle)
