@@ -15,6 +15,7 @@ from infinigen_rt.engine import Engine
 from infinigen_rt.measure.perplexity import perplexity, text_ids
 from infinigen_rt.policies import KVOptions, configure
 
+INF = float("inf")
 PAPER = {"sinks": 0, "recent": 0, "renorm": False, "group_agg": "max"}  # the reference's speculation
 LEVERS = {  # each relative to KVOptions' defaults (every winning lever on)
     "paper": PAPER,
@@ -33,7 +34,19 @@ LEVERS = {  # each relative to KVOptions' defaults (every winning lever on)
     "layer_budget0.5": {"layer_budget": 0.5},  # per-layer budgets from the calibration's attention spread
     "layer_budget1": {"layer_budget": 1.0},
     "layer_alpha": {"layer_alpha": True},  # per-layer margins calibrated at convert time (needs --alphas "")
+    # the count rule (alpha = inf: the budget alone), the speculation keys at about equal device bytes, and the
+    # correction step (a share of the budget fetched with layer j's true query); a lever's alpha beats --alphas
+    "budget_only": {"alpha": INF},
+    "int4": {"spec_keys": "int4"},
+    "int4_budget": {"spec_keys": "int4", "alpha": INF},
+    "int2_budget": {"spec_keys": "int2", "alpha": INF},
+    "correct25_budget": {"correct": 0.25, "alpha": INF},
+    "int4_correct25_budget": {"spec_keys": "int4", "correct": 0.25, "alpha": INF},
+    "int4_correct50_budget": {"spec_keys": "int4", "correct": 0.5, "alpha": INF},
+    "int2_correct25_budget": {"spec_keys": "int2", "correct": 0.25, "alpha": INF},
+    "int4_correct25": {"spec_keys": "int4", "correct": 0.25},
 }
+ORACLES = ("oracle", "oracle-per-head")  # the bound at equal bytes, and the published per-query-head one
 
 
 def main():
@@ -54,21 +67,24 @@ def main():
     full, _, _ = perplexity(engine, configure(engine), ids, a.score_from)
     print(f"full ppl {full:.4f}", flush=True)
     alphas = [float(x) for x in a.alphas.split(",")] if a.alphas else [None]
-    runs = [("oracle", None)] * (not a.no_oracle) + [(n, al) for al in alphas for n in a.levers.split(",")]
+    runs = [(o, None) for o in ORACLES] * (not a.no_oracle) + [(n, al) for al in alphas for n in a.levers.split(",")]
     for name, alpha in runs:
         t0 = time.perf_counter()
-        if name == "oracle":
-            policy = configure(engine, "oracle", KVOptions(budget=a.budget))
+        if name in ORACLES:
+            policy = configure(engine, name, KVOptions(budget=a.budget))
         else:
-            policy = configure(engine, "infinigen", KVOptions(alpha=alpha, budget=a.budget, **LEVERS[name]))
+            opts = {"alpha": alpha, **LEVERS[name]}
+            alpha = opts["alpha"]
+            policy = configure(engine, "infinigen", KVOptions(budget=a.budget, **opts))
         ppl, rep, _ = perplexity(engine, policy, ids, a.score_from)
         row = {
             "lever": name,
             "budget": a.budget,
-            "alpha": None if alpha is None or math.isinf(alpha) else alpha,
+            "alpha": None if alpha is None else "inf" if math.isinf(alpha) else alpha,  # None: the bundle's
             "perplexity": round(ppl, 4),
             "delta_pct": round(100 * (ppl / full - 1), 2),
             "kv_fetched_share": rep.kv_fetched_share,
+            "kv_corrected_share": rep.kv_corrected_share,
             "seconds": round(time.perf_counter() - t0, 1),
         }
         rows.append(row)

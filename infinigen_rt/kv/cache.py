@@ -35,6 +35,7 @@ class KVReport:
     tokens_per_head_max: float | None = None
     per_layer: dict | None = None
     share_rows: int | None = None  # the rows the shares are a fraction of (held over the measured steps)
+    kv_corrected_share: float | None = None  # of kv_fetched_share, what infinigen's correction step fetched
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}

@@ -13,12 +13,14 @@ from infinigen_rt.policies.infinigen import InfinigenCache
 from infinigen_rt.policies.int4 import Int4Cache
 from infinigen_rt.policies.offload import OffloadCache
 from infinigen_rt.policies.options import KVOptions
-from infinigen_rt.policies.oracle import OracleCache
+from infinigen_rt.policies.oracle import OracleCache, PerHeadOracleCache
 
 POLICIES: dict[str, type[KVCache]] = {
-    cls.name: cls for cls in (DenseCache, OffloadCache, InfinigenCache, H2OCache, Int4Cache, OracleCache)
+    cls.name: cls
+    for cls in (DenseCache, OffloadCache, InfinigenCache, H2OCache, Int4Cache, OracleCache, PerHeadOracleCache)
 }
-# oracle: eval only, the true top-k per query head (an upper bound, a mask over dense attention)
+# oracle, oracle-per-head: eval only, the true top-k at equal bytes (per KV head) and per query head (masks over
+# dense attention)
 RUNTIME_POLICIES = tuple(name for name, cls in POLICIES.items() if cls.runtime)
 BASELINE = DenseCache.name  # what eval and needle measure every other policy against
 

@@ -25,7 +25,15 @@ from infinigen_rt.kv.cache import KVReport
 from infinigen_rt.kv.prefetch import prefetcher
 from infinigen_rt.policies.offload import POOL_KNOBS, OffloadCache, device_pairs
 from infinigen_rt.policies.options import KVOptions
-from infinigen_rt.policies.speculation import Selection, Speculator, fetch_width, select
+from infinigen_rt.policies.speculation import (
+    Selection,
+    Speculator,
+    fetch_count,
+    fetch_width,
+    select,
+    spec_key_bytes,
+    spec_keys,
+)
 
 BUCKET = 64  # the fetch size of a sync-free step is a multiple of this (fewer distinct shapes)
 
@@ -76,7 +84,7 @@ class InfinigenCache(OffloadCache):
     sweep = ("budget", "alpha")
     knobs = POOL_KNOBS | {
         "alpha", "budget", "max_kv", "dense_layers", "trace_recall", "sinks", "recent", "renorm", "per_head",
-        "group_agg", "layer_budget", "layer_alpha",
+        "group_agg", "layer_budget", "layer_alpha", "spec_keys", "correct",
     }  # fmt: skip
 
     @classmethod
@@ -101,10 +109,12 @@ class InfinigenCache(OffloadCache):
     @classmethod
     def kv_bytes(cls, engine, opts, tokens, dtype_bytes):
         dense = opts.dense_layers
+        cfg = engine.cfg
         d_prime = next(t for k, t in engine.speculation.tensors.items() if k.endswith("partial_idx")).shape[-1]
-        device, host, read = cls.pool_bytes(engine, tokens, 2 * engine.cfg.head_dim * dtype_bytes, dense)
-        partial = tokens * d_prime * dtype_bytes * (engine.cfg.num_hidden_layers - dense)  # read every step
-        return device + partial, host, read + partial
+        device, host, read = cls.pool_bytes(engine, tokens, 2 * cfg.head_dim * dtype_bytes, dense)
+        row = spec_key_bytes(opts.spec_keys, cfg.head_dim, d_prime, dtype_bytes)
+        keys = tokens * cfg.num_key_value_heads * row * (cfg.num_hidden_layers - dense)  # read every step
+        return device + keys, host, read + keys
 
     def __init__(
         self, cfg, batch, max_len, device, dtype, opts, model, tensors: dict, defaults: InfinigenDefaults, pages=None,
@@ -119,14 +129,18 @@ class InfinigenCache(OffloadCache):
         self.alphas = layer_alphas(opts, defaults, dense, cfg.num_hidden_layers)
         self.dense_layers = dense
         self.spec = Speculator(cfg, model.speculation_taps(), tensors, self.device, dtype)
-        hkv, d_prime = cfg.num_key_value_heads, self.spec.d_prime
-        # the speculated layers' partial keys, transposed [B, Hkv, d', S], in the pool's slots
-        self.pk = {j: torch.zeros(batch, hkv, d_prime, max_len, device=self.device, dtype=dtype)
-                   for j in range(dense, cfg.num_hidden_layers)}  # fmt: skip
+        # the speculated layers' speculation keys (the skewed partial columns, or every column at a few bits), in
+        # the pool's slots, on the device
+        self.keys = spec_keys(opts.spec_keys, self.spec, range(dense, cfg.num_hidden_layers), batch, max_len,
+                              self.device, dtype)  # fmt: skip
         self.tp = tp
         self.prefetch = prefetcher(self.device, overlap=tp is None or self.device.type == "cuda")
         self.sync_free = self.device.type == "cuda"  # no device read for the fetch size (see the docstring)
         self.layer_opts = layer_options(opts, defaults, dense, cfg.num_hidden_layers)
+        # with a correction step, speculation fetches 1 - correct of each layer's budget and the correction the rest
+        c = opts.correct
+        self.spec_opts = {j: replace(o, budget=o.budget * (1 - c), max_kv=o.max_kv and max(1, int(o.max_kv * (1 - c))))
+                          for j, o in self.layer_opts.items()} if c else self.layer_opts  # fmt: skip
         self.last_sel: Selection | None = None  # of the layer being computed
         # on a GPU the speculated rows land in two device buffers used in turn (layer j reads one while layer j+1's
         # rows arrive in the other): a new tensor per layer, made on the side stream and freed on the compute stream
@@ -137,7 +151,7 @@ class InfinigenCache(OffloadCache):
     def row_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Two (keys, values) buffers [B, Hkv, N + 1, D], N the widest fetch any speculated layer can make."""
         pool = next(p for p in self.pools if p is not None)
-        n = max(fetch_width(pool.slots, pool.slots, o, BUCKET) for o in self.layer_opts.values())
+        n = max(fetch_width(pool.slots, pool.slots, o, BUCKET) for o in self.spec_opts.values())
         return device_pairs((pool.batch, pool.n_kv, n + 1, pool.k.shape[-1]), pool.k.dtype, self.device)
 
     def begin(self, valid, positions) -> None:
@@ -156,7 +170,7 @@ class InfinigenCache(OffloadCache):
     def speculate(self, j: int, x: torch.Tensor) -> tuple:
         """Choose layer j's rows from layer j-1's normalised input x and copy them: (selection, keys, values),
         each [B, Hkv, n + 1, D] with the last row for the new token."""
-        q = self.spec.query(j, x, self.cos_sin, self.opts.renorm)  # [B, Hkv, G, d'], scaled
+        q = self.spec.query(j, x, self.cos_sin, self.opts.renorm, self.keys.full)  # [B, Hkv, G, d' or D], scaled
         pool = self.pools[j]
         t = pool.fill
         # the common case: no eviction yet and no padding, so the held slots are exactly 0..t-1 in position order
@@ -164,13 +178,13 @@ class InfinigenCache(OffloadCache):
         if not self.every_slot_held(j):
             pos = pool.pos[..., :t]
             held = pos >= 0
-        opts = self.layer_opts[j]
+        opts = self.spec_opts[j]
         width = fetch_width(int(pool.n_held.max()), t, opts, BUCKET) if self.sync_free else None
-        sel = select(q, self.pk[j][..., :t], self.alphas[j], opts, held, pos, width, self.tp)
+        sel = select(self.keys.scores(j, q, t), self.alphas[j], opts, held, pos, width, self.tp)
         k, v = pool.gather(sel.slots, None if sel.every else sel.ok, extra=1, out=self.rows and self.rows[j % 2])
         return sel, k, v
 
-    def fetch(self, layer: int, extra: int = 0):
+    def fetch(self, layer: int, extra: int = 0, q: torch.Tensor | None = None):
         if layer not in self.prefetch:
             self.last_sel = None
             return super().fetch(layer, extra)
@@ -180,8 +194,42 @@ class InfinigenCache(OffloadCache):
             self.stats.h2d_rows[layer].append(sel.ok.sum())
         else:  # index_select copied every row, and one for the new token
             self.stats.h2d[layer] += (n + 1) * b * h * pool.row_bytes
+        if self.opts.correct and q is not None:
+            sel, k, v = self.correct(layer, q, sel, k, v)
         self.last_sel = sel
         return sel.slots, sel.ok, k, v
+
+    def correct(self, layer: int, q: torch.Tensor, sel: Selection, k: torch.Tensor, v: torch.Tensor) -> tuple:
+        """The correction step: layer j's true query q [B, H, 1, D] (known now, on the critical path) scored against
+        the same speculation keys; the best rows speculation did not fetch, up to the rest of the budget, are
+        gathered (a second, small copy) and joined to the speculated ones (before the new token's row)."""
+        pool, opts = self.pools[layer], self.layer_opts[layer]
+        held_max = int(pool.n_held.max())
+        n = fetch_count(held_max, opts) - fetch_count(held_max, self.spec_opts[layer])
+        if n <= 0:
+            return sel, k, v
+        t, (b, hkv) = pool.fill, pool.n_held.shape
+        s = self.keys.scores(layer, self.spec.keys_side(layer, q.reshape(b, hkv, -1, q.shape[-1]), self.keys.full), t)
+        taken = torch.zeros(b, hkv, t, dtype=torch.bool, device=s.device)
+        taken.scatter_(2, sel.slots, sel.ok)  # what speculation fetched
+        if not self.every_slot_held(layer):
+            held = pool.pos[..., :t] >= 0
+            s = s.masked_fill(~held[:, :, None], float("-inf"))
+            taken |= ~held
+        agg = s.softmax(-1).sum(2) if self.opts.group_agg == "sum" else s.amax(2)
+        agg = agg.masked_fill(taken, float("-inf"))
+        best = agg.topk(min(n, t), dim=-1)  # unsorted order is fine: every row counts or is masked
+        slots, ok = best.indices, best.values > float("-inf")
+        kc, vc = pool.gather(slots, ok)
+        if pool.kernel:
+            self.stats.h2d_rows[layer].append(ok.sum())
+        else:
+            self.stats.h2d[layer] += slots.numel() * pool.row_bytes
+        self.stats.corrected.append(ok.sum())
+        sel = Selection(torch.cat([sel.slots, slots], -1), torch.cat([sel.ok, ok], -1), False, sel.per_row)
+        k = torch.cat([k[:, :, :-1], kc.to(k.dtype), k[:, :, -1:]], 2)
+        v = torch.cat([v[:, :, :-1], vc.to(v.dtype), v[:, :, -1:]], 2)
+        return sel, k, v
 
     def every_fetched_row_counts(self) -> bool:
         return self.last_sel is None or self.last_sel.every
@@ -212,11 +260,7 @@ class InfinigenCache(OffloadCache):
         return float((p[:, :, 0] * in_set).sum(-1).mean())
 
     def after_insert(self, layer, k, start) -> None:
-        s, part = k.shape[2], self.spec.partial_key(layer, k).transpose(-1, -2)  # [B, Hkv, d', s]
-        if isinstance(start, int):
-            self.pk[layer][..., start : start + s] = part
-        else:  # freed slots, each (sequence, KV head) its own
-            self.pk[layer].scatter_(3, start[:, :, None, :].expand_as(part), part)
+        self.keys.write(layer, k, start)
 
     def report(self) -> KVReport:
         stats, r = self.stats, super().report()  # (which settles every device count, in one read)
@@ -225,6 +269,9 @@ class InfinigenCache(OffloadCache):
         dense = self.dense_layers / self.cfg.num_hidden_layers
         r.kv_fetched_share = None if share is None else round(share, 6)
         r.share_rows = sum(stats.held.values()) if stats.held else None
+        if self.opts.correct and stats.held:
+            stats.settle()
+            r.kv_corrected_share = round(sum(stats.corrected) / sum(stats.held.values()), 6)
         r.kv_attended_share = None if share is None else round(dense + (1 - dense) * share, 6)
         n = stats.per_row_n
         r.tokens_per_head_mean = round(stats.per_row_sum / n, 3) if n else None

@@ -11,6 +11,7 @@ import torch
 
 from infinigen_rt.kv.cache import KVReport
 from infinigen_rt.kv.pool import KVPool, copy_rows
+from infinigen_rt.kv.quant import dequantize, quantize
 from infinigen_rt.policies.offload import OffloadCache
 
 GROUP = 64
@@ -18,22 +19,6 @@ GROUP = 64
 
 def group_size(head_dim: int) -> int:
     return GROUP if head_dim % GROUP == 0 else head_dim
-
-
-def quantize(x: torch.Tensor, group: int):
-    """x: [..., D] -> (packed uint8 [..., D/2], scale and min fp16 [..., D/group]); 4-bit asymmetric."""
-    g = x.float().unflatten(-1, (-1, group))  # [..., n_groups, group]
-    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    scale = ((hi - lo) / 15).clamp(min=1e-8)
-    q = torch.round((g - lo) / scale).clamp(0, 15).to(torch.uint8).flatten(-2)
-    packed = q[..., 0::2] | (q[..., 1::2] << 4)
-    return packed, scale.squeeze(-1).half(), lo.squeeze(-1).half()
-
-
-def dequantize(packed, scale, lo, group: int, dtype) -> torch.Tensor:
-    q = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)  # [..., D]
-    g = q.unflatten(-1, (-1, group)).float() * scale.float()[..., None] + lo.float()[..., None]
-    return g.flatten(-2).to(dtype)
 
 
 class Int4Pool(KVPool):

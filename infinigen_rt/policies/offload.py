@@ -35,10 +35,11 @@ class KVStats:
         self.per_row: list[torch.Tensor] = []  # each speculation's mean fetch count per KV head, per sequence
         self.per_row_sum, self.per_row_n, self.per_row_max = 0.0, 0, None  # what settled of them
         self.recall: list[float] = []
+        self.corrected: list = []  # rows a correction step fetched (ints or device counts)
 
     def settle(self) -> None:
         """Every device count to the host in one read (a sync: not inside a decode step), summed into ints."""
-        groups = self.h2d_rows + [self.fetched[j] for j in sorted(self.fetched)]
+        groups = self.h2d_rows + [self.fetched[j] for j in sorted(self.fetched)] + [self.corrected]
         pending = [(g, [c for c in g if not isinstance(c, int)]) for g in groups]
         pending = [(g, t) for g, t in pending if t]
         parts = [torch.stack(t).sum().double()[None] for _, t in pending]
@@ -207,9 +208,10 @@ class OffloadCache(KVCache):
         pool.block(k[:n], v[:n])
         return k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
 
-    def fetch(self, layer: int, extra: int = 0):
+    def fetch(self, layer: int, extra: int = 0, q: torch.Tensor | None = None):
         """(slots, ok, keys, values) for `layer`: every slot taken and whether it holds a token, the rows copied to
-        the device, with `extra` rows per (sequence, KV head) at the end for the new tokens."""
+        the device, with `extra` rows per (sequence, KV head) at the end for the new tokens. `q`: the layer's query
+        (a subclass may use it to choose)."""
         pool = self.pools[layer]
         slots, ok = pool.held_slots()
         b, h, n = slots.shape
@@ -227,7 +229,7 @@ class OffloadCache(KVCache):
         pool, s = self.pools[layer], k.shape[2]
         decode = s == 1  # one new token: the fetch leaves a row for it (no concatenation)
         all_held = self.every_slot_held(layer)
-        slots, ok, keys, values = self.fetch(layer, extra=1 if decode else 0)
+        slots, ok, keys, values = self.fetch(layer, extra=1 if decode else 0, q=q)
         self.after_fetch(layer, q, slots, ok)
         start = pool.insert(k, v, self.positions, self.valid, self.n_new)
         self.stats.d2h += k.shape[0] * k.shape[1] * s * pool.row_bytes

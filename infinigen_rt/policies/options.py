@@ -10,6 +10,8 @@ import numpy as np
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.kv.pool import EVICTIONS
 
+SPEC_KEYS = ("partial", "int4", "int2")  # what --spec-keys takes (policies/speculation.py's key stores)
+
 
 @dataclass
 class KVOptions:
@@ -37,6 +39,12 @@ class KVOptions:
     # per-layer margins: layer j's alpha is the one convert calibrated for it (the bundle's layer_alpha: the margin
     # at which speculation fetches as many keys as 90 % of the true attention needs); an explicit alpha wins
     layer_alpha: bool = False
+    # what speculation scores against, on the device: "partial" (the paper's d' skewed columns in the model's dtype)
+    # or every column at 4 or 2 bits ("int4", "int2": about the device bytes of r = 0.3 and half of them)
+    spec_keys: str = "partial"
+    # the correction step: this share of the budget is held back, and once layer j's true query is known it is
+    # scored against the same keys and the best rows speculation did not fetch are gathered (0 = off)
+    correct: float = 0.0
 
     def check(self) -> None:
         if self.alpha is not None and not self.alpha >= 0:
@@ -63,6 +71,11 @@ class KVOptions:
             raise InfinigenError(f"layer_budget must be in [0, 2] (an exponent), got {self.layer_budget}")
         if self.group_agg not in ("max", "sum"):
             raise InfinigenError(f"--group-agg must be max or sum, got {self.group_agg!r}")
+        if self.spec_keys not in SPEC_KEYS:
+            raise InfinigenError(f"--spec-keys must be one of {', '.join(SPEC_KEYS)}, got {self.spec_keys!r}")
+        if not 0 <= self.correct < 1:
+            raise InfinigenError(f"--correct must be in [0, 1) (the share of the budget the correction fetches), "
+                                 f"got {self.correct}")  # fmt: skip
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise InfinigenError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
         if self.dense_layers is not None and self.dense_layers < 1:

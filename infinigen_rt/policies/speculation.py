@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from infinigen_rt.bundle import partial_idx_name, partial_q_name, skew_name
 from infinigen_rt.config import ModelConfig
+from infinigen_rt.kv.quant import code_bytes, dequantize, quantize
 from infinigen_rt.models.llama import SpeculationTaps, apply_rope
 
 if TYPE_CHECKING:  # the policies import this module
@@ -39,7 +40,7 @@ class Speculator:
         self.group = cfg.num_attention_heads // hkv
         self.idx = [tensors[partial_idx_name(j)].to(device) for j in range(n_layers)]  # [Hkv, d']
         self.d_prime = self.idx[0].shape[-1]
-        scale = 1 / math.sqrt(d)  # folded into the query side once, not applied to scores over the context
+        self.scale = scale = 1 / math.sqrt(d)  # folded into the query side, never applied to scores over the context
         if taps.rope is not None:  # the skew's chosen columns: [Hkv, D, d'] (keys) and scaled (queries)
             self.a_part = [
                 torch.gather(tensors[skew_name(j)].to(device), 2, self.idx[j][:, None, :].expand(hkv, d, -1)).to(dtype)
@@ -80,19 +81,117 @@ class Speculator:
         ratio, shift = self.renorm[j]
         return x * ratio if shift is None else torch.addcmul(shift, x, ratio)
 
-    def query(self, j: int, x: torch.Tensor, cos_sin, renorm: bool) -> torch.Tensor:
-        """Layer j's speculative query from layer j-1's attention input x: [B, 1, hidden] -> [B, Hkv, G, d'],
-        already divided by sqrt(head_dim). `cos_sin`: this pass's rope (see `rope`)."""
+    def query(self, j: int, x: torch.Tensor, cos_sin, renorm: bool, full: bool = False) -> torch.Tensor:
+        """Layer j's speculative query from layer j-1's attention input x: [B, 1, hidden] -> [B, Hkv, G, d'] (the
+        skewed columns; `full`: every column, [B, Hkv, G, D]), already divided by sqrt(head_dim). `cos_sin`: this
+        pass's rope (see `rope`)."""
         if renorm and self.taps.normalised_input:  # post-LN OPT: the input is not normalised
             x = self.renormed(j, x)
         b, hkv, g, d = x.shape[0], self.cfg.num_key_value_heads, self.group, self.cfg.head_dim
-        if self.taps.rope is not None:  # RoPE sits between projection and dot product: full query, rotate, skew
-            weight, bias = self.taps.q_proj[j]
-            q = F.linear(x, weight, bias).view(b, 1, hkv * g, d).transpose(1, 2)
-            q = apply_rope(q, *cos_sin).view(b, hkv, g, d)
+        if self.taps.rope is None and not full:  # OPT: the folded partial rows, a real smaller matmul
+            w, bias = self.pq[j]
+            return F.linear(x, w, bias).view(b, hkv, g, -1)
+        weight, bias = self.taps.q_proj[j]  # RoPE sits between projection and dot product: full query, rotate
+        q = F.linear(x, weight, bias).view(b, 1, hkv * g, d).transpose(1, 2)
+        if self.taps.rope is not None:
+            q = apply_rope(q, *cos_sin)
+        return self.keys_side(j, q.reshape(b, hkv, g, d), full)
+
+    def keys_side(self, j: int, q: torch.Tensor, full: bool) -> torch.Tensor:
+        """Layer j's query [B, Hkv, G, D] (post-RoPE, unscaled) as it meets the speculation keys: divided by
+        sqrt(head_dim), and the skewed columns [.., d'] unless `full`. The correction step scores layer j's true
+        query this way."""
+        if full:
+            return q * self.scale
+        if self.taps.rope is not None:
             return q @ self.a_part_q[j]
-        w, bias = self.pq[j]
-        return F.linear(x, w, bias).view(b, hkv, g, -1)
+        idx = self.idx[j]  # OPT: the skew is folded into the weights, so the skewed columns are the query's own
+        return torch.gather(q, -1, idx[None, :, None, :].expand(q.shape[0], -1, q.shape[2], -1)) * self.scale
+
+
+class PartialKeys:
+    """The paper's speculation keys: each token's d' skewed key columns in the model's dtype, per speculated layer
+    [B, Hkv, d', S] (transposed: the scores are one batched matmul), on the compute device."""
+
+    name = "partial"
+
+    def __init__(self, spec: Speculator, layers, batch: int, max_len: int, device, dtype):
+        self.spec, self.full = spec, False
+        hkv = spec.cfg.num_key_value_heads
+        self.pk = {j: torch.zeros(batch, hkv, spec.d_prime, max_len, device=device, dtype=dtype) for j in layers}
+
+    @staticmethod
+    def token_bytes(head_dim: int, d_prime: int, dtype_bytes: int) -> int:
+        """Device bytes per token, KV head and speculated layer."""
+        return d_prime * dtype_bytes
+
+    def write(self, j: int, k: torch.Tensor, start) -> None:
+        """k: the new tokens' keys [B, Hkv, s, D] (post-RoPE), into slots start.. (an int) or `start` [B, Hkv, s]."""
+        part = self.spec.partial_key(j, k).transpose(-1, -2)  # [B, Hkv, d', s]
+        if isinstance(start, int):
+            self.pk[j][..., start : start + k.shape[2]] = part
+        else:  # freed slots, each (sequence, KV head) its own
+            self.pk[j].scatter_(3, start[:, :, None, :].expand_as(part), part)
+
+    def scores(self, j: int, q: torch.Tensor, t: int) -> torch.Tensor:
+        """q [B, Hkv, G, d'] (scaled) against the first t slots: [B, Hkv, G, t] in float32."""
+        return (q @ self.pk[j][..., :t]).float()
+
+
+class QuantKeys:
+    """Every key column at `bits` bits (asymmetric, per token in groups of `group` columns, fp16 scale and
+    minimum: kv/quant.py), per speculated layer [B, Hkv, S, D * bits / 8] on the compute device, written as each
+    token's key arrives. At 4 bits and head_dim 64 that is 36 bytes per token and KV head, about the 38 of the
+    paper's 19 columns (r = 0.3) in fp16; the scores see every column."""
+
+    def __init__(self, spec: Speculator, layers, batch: int, max_len: int, device, dtype, bits: int):
+        self.spec, self.full, self.bits, self.dtype = spec, True, bits, dtype
+        d, hkv = spec.cfg.head_dim, spec.cfg.num_key_value_heads
+        self.group = key_group(d, bits)
+        self.name = f"int{bits}"
+        shape = (batch, hkv, max_len)
+        self.codes = {j: torch.zeros(*shape, d * bits // 8, device=device, dtype=torch.uint8) for j in layers}
+        self.meta = {j: torch.zeros(*shape, 2, d // self.group, device=device, dtype=torch.float16) for j in layers}
+
+    @staticmethod
+    def token_bytes(head_dim: int, bits: int) -> int:
+        return code_bytes(head_dim, key_group(head_dim, bits), bits)
+
+    def write(self, j: int, k: torch.Tensor, start) -> None:
+        codes, scale, lo = quantize(k, self.group, self.bits)
+        meta = torch.stack([scale, lo], -2)  # [B, Hkv, s, 2, groups]
+        if isinstance(start, int):
+            self.codes[j][:, :, start : start + k.shape[2]] = codes
+            self.meta[j][:, :, start : start + k.shape[2]] = meta
+        else:
+            self.codes[j].scatter_(2, start[..., None].expand_as(codes), codes)
+            self.meta[j].scatter_(2, start[..., None, None].expand_as(meta), meta)
+
+    def scores(self, j: int, q: torch.Tensor, t: int) -> torch.Tensor:
+        """q [B, Hkv, G, D] (scaled) against the first t slots' dequantized keys: [B, Hkv, G, t] in float32."""
+        meta = self.meta[j][:, :, :t]
+        k = dequantize(self.codes[j][:, :, :t], meta[..., 0, :], meta[..., 1, :], self.group, q.dtype, self.bits)
+        return (q @ k.transpose(-1, -2)).float()
+
+
+def key_group(head_dim: int, bits: int) -> int:
+    """The columns sharing a scale: 64 at 4 bits, 32 at 2 bits (a head_dim they do not divide: the whole row)."""
+    g = 64 if bits == 4 else 32
+    return g if head_dim % g == 0 else head_dim
+
+
+def spec_key_bytes(name: str, head_dim: int, d_prime: int, dtype_bytes: int) -> int:
+    """Device bytes per token, KV head and speculated layer of the speculation keys `name`."""
+    if name == "partial":
+        return PartialKeys.token_bytes(head_dim, d_prime, dtype_bytes)
+    return QuantKeys.token_bytes(head_dim, int(name.removeprefix("int")))
+
+
+def spec_keys(name: str, spec: Speculator, layers, batch: int, max_len: int, device, dtype):
+    """The speculation key store called `name` (SPEC_KEYS)."""
+    if name == "partial":
+        return PartialKeys(spec, layers, batch, max_len, device, dtype)
+    return QuantKeys(spec, layers, batch, max_len, device, dtype, int(name.removeprefix("int")))
 
 
 @dataclass
@@ -107,19 +206,22 @@ class Selection:
     per_row: torch.Tensor
 
 
+def fetch_count(held: int, opts: KVOptions) -> int:
+    """The budget's count for `held` tokens: floor(budget * held), at least 1, at most max_kv and held."""
+    return min(max(1, math.floor(opts.budget * held)), opts.max_kv or held, held)
+
+
 def fetch_width(held_max: int, t: int, opts: KVOptions, bucket: int) -> int:
     """The fetch size of a step known on the host: the budget's count for the fullest (sequence, KV head), rounded
     up to a multiple of `bucket` (at most t). Alpha's smaller counts become `ok` masks inside it."""
-    cap = min(max(1, math.floor(opts.budget * held_max)), opts.max_kv or held_max, held_max)
-    return max(1, min(t, -(-cap // bucket) * bucket))
+    return max(1, min(t, -(-fetch_count(held_max, opts) // bucket) * bucket))
 
 
 def select(
-    q: torch.Tensor, pkt: torch.Tensor, alpha: float, opts: KVOptions, held: torch.Tensor | None = None,
-    pos: torch.Tensor | None = None, width: int | None = None, tp=None,
+    s: torch.Tensor, alpha: float, opts: KVOptions, held: torch.Tensor | None = None, pos: torch.Tensor | None = None,
+    width: int | None = None, tp=None,
 ) -> Selection:  # fmt: skip
-    """Choose the rows to fetch. q: [B, Hkv, G, d'] (scaled); pkt: the partial keys of the t slots taken,
-    transposed [B, Hkv, d', t].
+    """Choose the rows to fetch from the speculative scores s [B, Hkv, G, t] (float32) over the t slots taken.
 
     `held` None: every slot holds a token, in position order (no eviction, no padding), so the host knows every
     count and no mask over the context is needed (sinks are the first slots, recent the last). Else `held`
@@ -128,13 +230,12 @@ def select(
     `width` None: the counts are read to the host (one sync; a CPU's way: each row fetches exactly its count).
     Else every row selects `width` slots (see fetch_width) and `ok` keeps the first n of each: nothing is read.
 
-    `tp` (tp.TP): q and pkt hold one rank's heads; the per-sequence count is the mean over every rank's query
+    `tp` (tp.TP): s holds one rank's heads; the per-sequence count is the mean over every rank's query
     heads (one all-reduce of [B]). Without eviction or with it, every KV head holds as many tokens (eviction keeps
     the same count per head), so the budget's cap needs nothing from the other ranks."""
     inf = float("inf")
-    t = pkt.shape[-1]
+    t = s.shape[-1]
     prefix = held is None
-    s = (q @ pkt).float()  # [B, Hkv, G, t]: a batched matmul over the transposed keys
     if prefix:
         cap = max(1, math.floor(opts.budget * t))
         cap = min(cap, t, opts.max_kv or cap)
@@ -173,9 +274,9 @@ def select(
         forced = held & ((pos < opts.sinks) | (pos > newest - opts.recent))
         rank = torch.where(pos < opts.sinks, pos, opts.sinks + newest - pos)
         agg = torch.where(forced, FORCED - rank.to(agg.dtype), agg)
-    b = q.shape[0]
+    b = s.shape[0]
     if isinstance(n, int):  # known on the host
-        per_row = torch.full((b,), float(n), device=q.device)
+        per_row = torch.full((b,), float(n), device=s.device)
         n_min = n_max = n
     else:
         per_row = n.float().mean(-1)
