@@ -36,6 +36,10 @@ def eval_cmd(
         "0.05,0.1,0.2"
     ),
     alphas: Annotated[Optional[str], typer.Option(help="Alphas for infinigen \\[the bundle's default].")] = None,
+    spec_keys: Annotated[Optional[str], typer.Option(
+        help="infinigen's speculation keys: partial, int4, int2 \\[its default].")] = None,  # fmt: skip
+    correct: Annotated[Optional[float], typer.Option(
+        help="infinigen's correction step: the share of the budget it fetches \\[its default].")] = None,  # fmt: skip
     seq_len: Annotated[int, typer.Option(help="Tokens of the text used.")] = 2048,
     score_from: Annotated[int, typer.Option(help="Tokens before this are the prompt; the rest are scored.")] = 1024,
     out: Annotated[Optional[Path], typer.Option(help="Write results JSON here (after every row).")] = None,
@@ -71,7 +75,7 @@ def eval_cmd(
     from infinigen_rt.engine import Engine
     from infinigen_rt.errors import InfinigenError
     from infinigen_rt.hub import resolve_bundle
-    from infinigen_rt.policies import POLICIES
+    from infinigen_rt.policies import POLICIES, KVOptions
 
     names = [p.strip() for p in policies.split(",") if p.strip()]
     unknown = [p for p in names if p not in POLICIES]
@@ -84,18 +88,20 @@ def eval_cmd(
         raise InfinigenError("--resume reads the rows already in --out: pass --out FILE")
     if task not in ("perplexity", "needle"):
         raise InfinigenError(f"--task must be perplexity or needle, got {task!r}")
+    spec = {k: v for k, v in (("spec_keys", spec_keys), ("correct", correct)) if v is not None}
+    KVOptions(**spec).check()
     check_outputs(out, plot_path)
     path = resolve_bundle(bundle)
     engine = Engine(read_bundle(path), device=device, dtype=dtype)
     if task == "needle":
         return needle_cmd(engine, path, text, names, budget_list, alpha_list, contexts, depths, needles,
-                          needle_tasks, seed, out, resume, plot_path, json_out)  # fmt: skip
+                          needle_tasks, seed, out, resume, plot_path, json_out, spec)  # fmt: skip
     perplexity_cmd(engine, path, text, names, budget_list, alpha_list, seq_len, score_from, out, resume, recall,
-                   plot_path, json_out)  # fmt: skip
+                   plot_path, json_out, spec)  # fmt: skip
 
 
 def perplexity_cmd(engine, path, text: Path, names, budgets, alphas, seq_len, score_from, out, resume, recall,
-                   plot_path, json_out) -> None:  # fmt: skip
+                   plot_path, json_out, spec: dict) -> None:  # fmt: skip
     """--task perplexity: the sweep of every (policy, budget, alpha) on the text, saved after every row."""
     from infinigen_rt.measure.perplexity import configs, load_done, plot, run_sweep, save, text_ids
     from infinigen_rt.policies import POLICIES
@@ -119,7 +125,7 @@ def perplexity_cmd(engine, path, text: Path, names, budgets, alphas, seq_len, sc
 
     with bar:
         rows = run_sweep(engine, ids, score_from, todo, done, recall=recall, progress=progress,
-                         on_row=(lambda rs: save(out, meta, rs)) if out else None)  # fmt: skip
+                         on_row=(lambda rs: save(out, meta, rs)) if out else None, spec=spec)  # fmt: skip
     if plot_path:
         plot(rows, plot_path, f"{Path(str(path)).name}: {text.name}, {seq_len} tokens, scored from {score_from}")
     if json_out:
@@ -139,7 +145,7 @@ def eval_table(rows: list[Row], title: str) -> Table:
         return "-" if x is None else format(x / scale, fmt)
 
     for r in rows:
-        table.add_row(r.policy, f(r.budget, ".2f"), f(r.alpha, "g"), f(r.perplexity, ".3f"),
+        table.add_row(r.label(), f(r.budget, ".2f"), f(r.alpha, "g"), f(r.perplexity, ".3f"),
                       "-" if r.delta_pct is None else f"{r.delta_pct:+.2f}%", f(r.kv_fetched_share, ".1%"),
                       f(r.kv_attended_share, ".1%"), f(r.recall, ".3f"), f(r.bytes_per_token, ".2f", 1e6))  # fmt: skip
     return table
@@ -153,7 +159,7 @@ def _progress_bar(disable: bool):
 
 
 def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depths, per_cell, tasks, seed, out,
-               resume, plot_path, json_out) -> None:  # fmt: skip
+               resume, plot_path, json_out, spec: dict) -> None:  # fmt: skip
     """eval --task needle: build the cases, answer them with every policy, print, save, plot."""
     import json
 
@@ -194,7 +200,7 @@ def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depth
         raise InfinigenError(f"--text {text} does not exist")
     hay, sha = read_utf8(text, f"--text {text}")
     cases = needle.build_cases(engine.tokenizer, hay, task_list, context_list, depth_list, per_cell, seed)
-    todo = needle.configs(names, budgets or [0.1], alpha)
+    todo = needle.configs(names, budgets or [0.1], alpha, spec)
     meta = {"task": "needle", "bundle": str(path), "text": text.name, "text_sha256": sha, "seed": seed,
             "tasks": task_list, "contexts": context_list, "depths": depth_list, "needles": per_cell,
             "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}  # fmt: skip
@@ -221,9 +227,12 @@ def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depth
 
 
 def needle_table(rows: list[dict], title: str) -> Table:
+    from infinigen_rt.measure.perplexity import label
+
     table = results_table(title, ["policy", "budget", "context", "cases", "accuracy", "vs full", "fetched"])
     for r in rows:
-        table.add_row(r["policy"], "-" if r["budget"] is None else f"{r['budget']:.2f}", str(r["context"]),
-                      str(r["cases"]), f"{r['accuracy']:.1%}", "-" if r["vs_full"] is None else f"{r['vs_full']:.1%}",
+        name = label(r["policy"], r["spec_keys"], r["correct"])
+        table.add_row(name, "-" if r["budget"] is None else f"{r['budget']:.2f}", str(r["context"]), str(r["cases"]),
+                      f"{r['accuracy']:.1%}", "-" if r["vs_full"] is None else f"{r['vs_full']:.1%}",
                       "-" if r["kv_fetched_share"] is None else f"{r['kv_fetched_share']:.1%}")  # fmt: skip
     return table

@@ -9,6 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from infinigen_rt.policies.options import KVOptions
+
 BundleArg = Annotated[str, typer.Argument(help="Bundle folder, or a Hub repo id to pull.")]
 Revision = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) for a repo id.")]
 Verify = Annotated[bool, typer.Option(help="Check every bundle file's sha256 before loading.")]
@@ -34,14 +36,18 @@ KV_PARAMS = (
     ("window", Annotated[int, typer.Option(help="Most recent positions never evicted.")], 16),
     ("dense_layers", Annotated[
         Optional[int], typer.Option(help="infinigen: first layers attending to everything (bundle default).")], None),
+    ("spec_keys", Annotated[str, typer.Option(
+        help="infinigen: what speculation scores on the device: partial (skewed columns), int4, int2 (every column).")],
+     KVOptions.spec_keys),
+    ("correct", Annotated[float, typer.Option(
+        help="infinigen: share of the budget a correction step fetches with the layer's true query (0 = off).")],
+     KVOptions.correct),
 )  # fmt: skip
 
 
 def kv_options(command):
     """The command gets the KV policy's options (KV_PARAMS) as options of its own, after the ones it declares; they
     reach it as one KVOptions, its `kv` parameter, checked (a one-line error before anything loads)."""
-    from infinigen_rt.policies import KVOptions
-
     own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "kv"]
     added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=hint)
              for name, hint, default in KV_PARAMS]  # fmt: skip

@@ -28,6 +28,7 @@ from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.files import pyplot, save_figure
 from infinigen_rt.kv.cache import KVCache
+from infinigen_rt.measure.perplexity import label
 from infinigen_rt.policies import BASELINE, POLICIES, KVOptions, configure
 from infinigen_rt.step import decode_step, prefill
 
@@ -82,9 +83,14 @@ class Result:
     answer: str
     kv_fetched_share: float | None
     kv_attended_share: float | None
+    spec_keys: str | None = None  # a speculating policy's keys and correction share (see KVOptions)
+    correct: float | None = None
+
+    def config(self) -> tuple:
+        return (self.policy, self.budget, self.alpha, self.spec_keys, self.correct)
 
     def key(self) -> tuple:
-        return (self.policy, self.budget, self.alpha, self.task, self.context, self.depth, self.index)
+        return (*self.config(), self.task, self.context, self.depth, self.index)
 
 
 def sentence_ends(text: str) -> list[int]:
@@ -158,18 +164,30 @@ def score(case: Case, answer: str) -> float:
     return float(bool(numbers) and numbers[0] == case.values[0])
 
 
-def configs(policies: list[str], budgets: list[float], alpha: float | None) -> list[tuple]:
-    """(policy, budget, alpha) to compare: the baseline first, then each policy at each budget it sweeps."""
-    out = [(BASELINE, None, None)]
+def configs(policies: list[str], budgets: list[float], alpha: float | None, spec: dict | None = None) -> list[tuple]:
+    """(policy, budget, alpha, spec_keys, correct) to compare: the baseline first, then each policy at each budget
+    it sweeps; a speculating one with `spec` (spec_keys, correct; None: the defaults)."""
+    out = [(BASELINE, None, None, None, None)]
     for p in policies:
         if p == BASELINE:
             continue
-        sweep = POLICIES[p].sweep
-        if "budget" in sweep or "alpha" in sweep:
-            out += [(p, b, alpha if "alpha" in sweep else None) for b in budgets]
+        cls = POLICIES[p]
+        keys = correct = None
+        if cls.speculative:
+            kv = KVOptions(**(spec or {}))
+            keys, correct = kv.spec_keys, kv.correct
+        if "budget" in cls.sweep or "alpha" in cls.sweep:
+            out += [(p, b, alpha if "alpha" in cls.sweep else None, keys, correct) for b in budgets]
         else:
-            out.append((p, None, None))
+            out.append((p, None, None, None, None))
     return out
+
+
+def options(config: tuple) -> KVOptions:
+    """The KV options of a config (see `configs`)."""
+    _, budget, alpha, keys, correct = config
+    spec = {} if keys is None else {"spec_keys": keys, "correct": correct}
+    return KVOptions(alpha=alpha, budget=budget or 1.0, **spec)
 
 
 def greedy(engine: Engine, cache: KVCache, first: torch.Tensor, n: int, max_new: int) -> list[int]:
@@ -203,8 +221,7 @@ def answer_all(engine: Engine, case: Case, todo: list[tuple]) -> list[Result]:
 def _answer(engine: Engine, case: Case, todo: list[tuple]) -> list[Result]:
     dev, n = engine.device, len(case.ids)
     max_new = MAX_NEW[case.task]
-    caches = [configure(engine, p, KVOptions(alpha=a, budget=b or 1.0)).build(engine, 1, n + max_new)
-              for p, b, a in todo]  # fmt: skip
+    caches = [configure(engine, c[0], options(c)).build(engine, 1, n + max_new) for c in todo]
     ref = []  # a shared prefill attends on an exact dense cache: the baseline's, else one of its own
     if len(todo) > 1:
         ref = [] if todo[0][0] == BASELINE else [configure(engine, BASELINE).build(engine, 1, n + max_new)]
@@ -212,12 +229,12 @@ def _answer(engine: Engine, case: Case, todo: list[tuple]) -> list[Result]:
         x = torch.tensor([case.ids], device=dev)
         first = prefill(engine, ref + caches, x, torch.arange(n, device=dev)[None]).argmax(-1)
         out = []
-        for (policy, budget, alpha), cache in zip(todo, caches, strict=True):
+        for (policy, budget, alpha, keys, correct), cache in zip(todo, caches, strict=True):
             text = engine.tokenizer.decode(greedy(engine, cache, first, n, max_new))
             report = cache.report()
             out.append(Result(policy, budget, alpha, case.task, case.context, case.depth, case.index,
                               score(case, text), text.strip(), report.kv_fetched_share,
-                              report.kv_attended_share))  # fmt: skip
+                              report.kv_attended_share, keys, correct))  # fmt: skip
         return out
     finally:
         for c in ref + caches:
@@ -244,14 +261,15 @@ def summary(results: list[Result]) -> list[dict]:
     """Accuracy per (policy, budget, alpha) and context, over tasks, depths and needles, next to full's."""
     groups: dict[tuple, list[Result]] = {}
     for r in results:
-        groups.setdefault((r.policy, r.budget, r.alpha, r.context), []).append(r)
-    full = {k[3]: sum(r.score for r in v) / len(v) for k, v in groups.items() if k[0] == BASELINE}
+        groups.setdefault((*r.config(), r.context), []).append(r)
+    full = {k[-1]: sum(r.score for r in v) / len(v) for k, v in groups.items() if k[0] == BASELINE}
     rows = []
-    for (policy, budget, alpha, context), rs in groups.items():
+    for (policy, budget, alpha, keys, correct, context), rs in groups.items():
         acc = sum(r.score for r in rs) / len(rs)
         shares = [r.kv_fetched_share for r in rs if r.kv_fetched_share is not None]
         rows.append({
-            "policy": policy, "budget": budget, "alpha": alpha, "context": context, "cases": len(rs),
+            "policy": policy, "budget": budget, "alpha": alpha, "spec_keys": keys, "correct": correct,
+            "context": context, "cases": len(rs),
             "accuracy": round(acc, 4),
             "vs_full": round(acc / full[context], 4) if full.get(context) else None,
             "kv_fetched_share": round(sum(shares) / len(shares), 4) if shares else None,
@@ -266,17 +284,17 @@ def as_json(meta: dict, results: list[Result]) -> dict:
 def heatmaps(results: list[Result], path, title: str) -> None:
     """Accuracy over depth (rows) x context (columns), one panel per (policy, budget): RULER's picture."""
     plt = pyplot()
-    panels = list(dict.fromkeys((r.policy, r.budget, r.alpha) for r in results))
+    panels = list(dict.fromkeys(r.config() for r in results))
     contexts = sorted({r.context for r in results})
     depths = sorted({r.depth for r in results})
     fig, axes = plt.subplots(1, len(panels), figsize=(1.6 + 2.6 * len(panels), 3.6), squeeze=False, sharey=True,
                              layout="constrained")  # fmt: skip
-    for ax, (policy, budget, alpha) in zip(axes[0], panels, strict=True):
+    for ax, panel in zip(axes[0], panels, strict=True):
+        policy, budget, _, keys, correct = panel
         grid = [[float("nan")] * len(contexts) for _ in depths]
         for i, d in enumerate(depths):
             for j, c in enumerate(contexts):
-                rs = [r.score for r in results if (r.policy, r.budget, r.alpha, r.depth, r.context) ==
-                      (policy, budget, alpha, d, c)]  # fmt: skip
+                rs = [r.score for r in results if (r.config(), r.depth, r.context) == (panel, d, c)]
                 if rs:
                     grid[i][j] = sum(rs) / len(rs)
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
@@ -286,7 +304,7 @@ def heatmaps(results: list[Result], path, title: str) -> None:
                     ax.text(j, i, f"{100 * grid[i][j]:.0f}", ha="center", va="center", fontsize=7)
         ax.set_xticks(range(len(contexts)), [f"{c / 1024:.0f}k" if c >= 1000 else str(c) for c in contexts])
         ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
-        ax.set_title(policy + (f" {budget:g}" if budget is not None else ""), fontsize=9)
+        ax.set_title(label(policy, keys, correct) + (f" {budget:g}" if budget is not None else ""), fontsize=9)
         ax.set_xlabel("context")
     axes[0][0].set_ylabel("needle depth")
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")

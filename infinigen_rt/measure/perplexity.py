@@ -35,9 +35,22 @@ class Row:
     recall: float | None
     bytes_per_token: float | None
     seconds: float
+    spec_keys: str | None = None  # a speculating policy's keys and correction share (see KVOptions)
+    correct: float | None = None
+    kv_corrected_share: float | None = None
 
     def key(self) -> tuple:
-        return (self.policy, self.budget, self.alpha)
+        return (self.policy, self.budget, self.alpha, self.spec_keys, self.correct)
+
+    def label(self) -> str:
+        return label(self.policy, self.spec_keys, self.correct)
+
+
+def label(policy: str, spec_keys: str | None, correct: float | None) -> str:
+    """A policy's name in tables and plots, with its speculation keys and correction when it speculates."""
+    if spec_keys is None:
+        return policy
+    return f"{policy} ({spec_keys}" + (f", correct {correct:g})" if correct else ")")
 
 
 def text_ids(engine: Engine, path: str | Path, seq_len: int, score_from: int) -> tuple[list[int], str]:
@@ -96,16 +109,24 @@ def configs(policies: list[str], budgets: list[float], alphas: list[float]) -> l
     return out
 
 
-def run_sweep(engine: Engine, ids, score_from, todo, done: list[Row], recall=True, on_row=None, progress=None):
-    """Evaluate every (policy, budget, alpha) in `todo` not already in `done`; `on_row(rows)` after each."""
+def speculation_options(policy: str, spec: dict | None) -> dict:
+    """The speculation options (`spec`: spec_keys, correct; None: the defaults) a policy that speculates runs with."""
+    return dict(spec or {}) if POLICIES[policy].speculative else {}
+
+
+def run_sweep(engine: Engine, ids, score_from, todo, done: list[Row], recall=True, on_row=None, progress=None,
+              spec: dict | None = None):  # fmt: skip
+    """Evaluate every (policy, budget, alpha) in `todo` not already in `done`; `on_row(rows)` after each. `spec`:
+    the speculating policies' spec_keys and correct (None: their defaults), recorded in their rows."""
     rows = list(done)
     have = {r.key() for r in rows}
     full = next((r.perplexity for r in rows if r.policy == BASELINE), None)
     for n, (policy, budget, alpha) in enumerate(todo):
-        if (policy, budget, alpha) in have:
-            continue
         traced = recall and "trace_recall" in POLICIES[policy].knobs
-        kv = KVOptions(alpha=alpha, budget=budget or 1.0, trace_recall=traced)
+        kv = KVOptions(alpha=alpha, budget=budget or 1.0, trace_recall=traced, **speculation_options(policy, spec))
+        keys, correct = (kv.spec_keys, kv.correct) if POLICIES[policy].speculative else (None, None)
+        if (policy, budget, alpha, keys, correct) in have:
+            continue
         run = configure(engine, policy, kv)
         t0 = time.perf_counter()
         label = f"({n + 1}/{len(todo)}) {policy}" + (f" budget {budget}" if budget else "") + (
@@ -122,7 +143,8 @@ def run_sweep(engine: Engine, ids, score_from, todo, done: list[Row], recall=Tru
             delta_pct=round(100 * (ppl / full - 1), 3) if full else None,
             kv_fetched_share=share, kv_attended_share=attended,
             recall=report.attention_recall, bytes_per_token=round(h2d / steps, 1) if h2d else None,
-            seconds=round(time.perf_counter() - t0, 2),
+            seconds=round(time.perf_counter() - t0, 2), spec_keys=keys, correct=correct,
+            kv_corrected_share=report.kv_corrected_share,
         ))  # fmt: skip
         if on_row:
             on_row(rows)
@@ -160,8 +182,8 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
     """Perplexity change vs share of KV fetched, one line per policy (the paper's figure)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for policy in dict.fromkeys(r.policy for r in rows if r.policy != BASELINE):
-        pts = sorted((r.kv_fetched_share, r.delta_pct) for r in rows if r.policy == policy and r.kv_fetched_share)
+    for policy in dict.fromkeys(r.label() for r in rows if r.policy != BASELINE):
+        pts = sorted((r.kv_fetched_share, r.delta_pct) for r in rows if r.label() == policy and r.kv_fetched_share)
         if pts:
             ax.plot([100 * x for x, _ in pts], [y for _, y in pts], marker="o", label=policy)
     ax.axhline(0, color="gray", lw=0.8, ls="--", label=BASELINE)

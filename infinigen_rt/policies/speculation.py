@@ -138,6 +138,9 @@ class PartialKeys:
         return (q @ self.pk[j][..., :t]).float()
 
 
+CHUNK_BYTES = 32 << 20  # what QuantKeys.scores dequantizes at once, in float32
+
+
 class QuantKeys:
     """Every key column at `bits` bits (asymmetric, per token in groups of `group` columns, fp16 scale and
     minimum: kv/quant.py), per speculated layer [B, Hkv, S, D * bits / 8] on the compute device, written as each
@@ -168,10 +171,18 @@ class QuantKeys:
             self.meta[j].scatter_(2, start[..., None, None].expand_as(meta), meta)
 
     def scores(self, j: int, q: torch.Tensor, t: int) -> torch.Tensor:
-        """q [B, Hkv, G, D] (scaled) against the first t slots' dequantized keys: [B, Hkv, G, t] in float32."""
-        meta = self.meta[j][:, :, :t]
-        k = dequantize(self.codes[j][:, :, :t], meta[..., 0, :], meta[..., 1, :], self.group, q.dtype, self.bits)
-        return (q @ k.transpose(-1, -2)).float()
+        """q [B, Hkv, G, D] (scaled) against the first t slots' dequantized keys: [B, Hkv, G, t] in float32. The keys
+        are dequantized a span of slots at a time, so what a step holds besides the codes stays near CHUNK_BYTES
+        (all of them at once: 1 GiB per layer at Llama-2-7B, 4 x 32k)."""
+        b, hkv, _, d = q.shape
+        out = torch.empty(*q.shape[:-1], t, dtype=torch.float32, device=q.device)
+        span = max(64, CHUNK_BYTES // (b * hkv * d * 4))
+        for i in range(0, t, span):
+            e = min(t, i + span)
+            meta = self.meta[j][:, :, i:e]
+            k = dequantize(self.codes[j][:, :, i:e], meta[..., 0, :], meta[..., 1, :], self.group, q.dtype, self.bits)
+            out[..., i:e] = q @ k.transpose(-1, -2)
+        return out
 
 
 def key_group(head_dim: int, bits: int) -> int:

@@ -182,6 +182,22 @@ def test_the_gpu_path_gives_the_cpus_tokens_through_the_runner(policy, bundles):
             assert gpu.launches and {d for _, d, _ in gpu.launches} == {"cuda:0"}
 
 
+@pytest.mark.parametrize("keys, correct", [("int4", 0.0), ("int2", 0.25), ("partial", 0.25), ("int4", 0.5)])
+def test_every_speculation_key_choice_and_the_correction_on_the_gpu_path(keys, correct, bundles):
+    """infinigen's low-bit speculation keys (written on the device as each key arrives) and its correction step
+    (scored with the layer's true query, a second gather on the compute stream) through the runner on a (fake)
+    GPU: the CPU's tokens, no race between streams, one host sync per decode step."""
+    b = read_bundle(bundles["llama31_gqa"])
+    kv = KVOptions(alpha=2.0, budget=0.5, capacity=0.4, window=4, spec_keys=keys, correct=correct)
+    want = cpu_tokens(b, "infinigen", kv, PROMPTS, 8)
+    with FakeCuda() as gpu:
+        engine = Engine(b, device="cuda", dtype="float32")
+        got, decode = steps(engine, configure(engine, "infinigen", kv), gpu, PROMPTS, 8)
+        del engine
+    assert got == want and gpu.races == []
+    assert_one_read(decode)
+
+
 @pytest.mark.parametrize("name", ["opt", "llama2_mha"])
 def test_the_gpu_path_gives_the_cpus_tokens_on_other_models(name, bundles):
     b = read_bundle(bundles[name])

@@ -1,0 +1,164 @@
+"""Speculation's choices on real (tiny) models: the keys it scores (the skewed partial columns, or every column at 4
+or 2 bits), the correction step with the layer's true query, and the oracle at equal bytes; each exact at a full
+budget, each moving what it says, on the CPU path and on the GPU's (the kernel through Triton's interpreter)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from infinigen_rt.kv.quant import code_bytes, dequantize, quantize
+from infinigen_rt.policies import KVOptions
+from infinigen_rt.step import decode_step, pad_batch, prefill
+from tests.conftest import run_cli
+from tests.rt.test_policies import PROMPTS, DeviceReads, engines, gpu_step, greedy_logits, needs_triton
+from tests.test_cli import one_line_error
+
+VARIANTS = [("partial", 0.0), ("int4", 0.0), ("int2", 0.0), ("partial", 0.3), ("int4", 0.5)]
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_low_bit_codes_round_trip_within_half_a_step(bits):
+    x = torch.randn(3, 2, 5, 64) * torch.linspace(0.1, 4, 64)  # columns of very different size, as keys have
+    group = 64 if bits == 4 else 32
+    packed, scale, lo = quantize(x, group, bits)
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == 64 * bits // 8
+    assert packed[0, 0, 0].numel() + 2 * 2 * scale[0, 0, 0].numel() == code_bytes(64, group, bits)
+    back = dequantize(packed, scale, lo, group, torch.float32, bits)
+    step = scale.float().repeat_interleave(group, -1)
+    assert ((back - x).abs() <= step / 2 + 1e-2 * x.abs().amax()).all()  # fp16 scale and min add a little
+    assert not torch.equal(back, x)
+
+
+@pytest.mark.parametrize("name", ["llama31_gqa", "opt"])
+@pytest.mark.parametrize("keys, correct", VARIANTS)
+def test_every_key_choice_and_the_correction_are_exact_at_a_full_budget(name, keys, correct, bundles):
+    kv = KVOptions(alpha=math.inf, budget=1.0, spec_keys=keys, correct=correct)
+    es = engines(bundles[name], x=("infinigen", kv))
+    ref, ref_toks, _ = greedy_logits(*es["full"], PROMPTS, 6)
+    got, toks, cache = greedy_logits(*es["x"], PROMPTS, 6)
+    assert torch.equal(toks, ref_toks) and (got - ref).abs().max().item() <= 1e-4
+    r = cache.report()
+    assert r.kv_fetched_share == 1.0
+    assert (r.kv_corrected_share or 0) > 0 if correct else r.kv_corrected_share is None
+
+
+def selected_slots(cache):
+    """Record, per speculated layer and step, the slots a fetch returned and which of them count."""
+    seen = []
+    fetch = cache.fetch
+
+    def recording(layer, extra=0, q=None):
+        slots, ok, k, v = fetch(layer, extra, q)
+        if cache.last_sel is not None:
+            seen.append((slots.clone(), ok.clone()))
+        return slots, ok, k, v
+
+    cache.fetch = recording
+    return seen
+
+
+@pytest.mark.parametrize("keys", ["partial", "int4"])
+def test_the_correction_fetches_only_what_speculation_missed_within_the_same_budget(keys, bundles):
+    """Speculation keeps 1 - correct of the budget and the correction the rest: the rows fetched per step are the
+    budget's count either way (equal bytes), no row is fetched twice, and the correction's share is what it took."""
+    shares = {}
+    for correct in (0.0, 0.5):
+        kv = KVOptions(alpha=math.inf, budget=0.4, spec_keys=keys, correct=correct)
+        e, pol = engines(bundles["llama31_gqa"], x=("infinigen", kv))["x"]
+        ids, _, _ = pad_batch(PROMPTS[:1], 0, "cpu")
+        cache = pol.build(e, 1, ids.shape[1] + 9)
+        seen = selected_slots(cache)
+        greedy_logits(e, pol, PROMPTS[:1], 8, cache=cache)
+        for slots, ok in seen:
+            for row_slots, row_ok in zip(slots.flatten(0, 1), ok.flatten(0, 1), strict=True):
+                counted = row_slots[row_ok].tolist()
+                assert len(counted) == len(set(counted))
+        r = cache.report()
+        shares[correct] = r.kv_fetched_share, r.kv_corrected_share
+    assert shares[0.5][0] == shares[0.0][0]  # the same rows per step
+    assert shares[0.0][1] is None and 0.1 < shares[0.5][1] < 0.3  # about half of the 40 %
+
+
+def test_the_oracle_keeps_infinigens_count_and_the_per_head_oracle_more(bundles):
+    """`oracle` keeps one top-k per KV head at infinigen's count (the same share of the rows), `oracle-per-head` the
+    union of its group's per-query-head sets (more rows under GQA); both attend to everything at a full budget."""
+    b = bundles["llama31_gqa"]
+    share = {}
+    for name in ("infinigen", "oracle", "oracle-per-head"):
+        kv = KVOptions(alpha=math.inf, budget=0.25)
+        _, _, cache = greedy_logits(*engines(b, x=(name, kv))["x"], PROMPTS, 8)
+        share[name] = cache.report().kv_fetched_share
+    assert share["oracle"] == share["infinigen"]
+    assert share["oracle-per-head"] > 1.2 * share["oracle"]
+    es = engines(b, o=("oracle", KVOptions(budget=1.0)), p=("oracle-per-head", KVOptions(budget=1.0)))
+    ref, ref_toks, _ = greedy_logits(*es["full"], PROMPTS, 6)
+    for name in ("o", "p"):
+        got, toks, cache = greedy_logits(*es[name], PROMPTS, 6)
+        assert torch.equal(toks, ref_toks) and (got - ref).abs().max().item() <= 1e-4
+        assert cache.report().kv_fetched_share == 1.0
+
+
+@needs_triton
+@pytest.mark.parametrize("keys, correct", VARIANTS[1:])
+def test_the_gpu_step_chooses_what_the_cpu_step_does_with_every_key_choice(keys, correct, bundles):
+    """The GPU path (fetch sizes from host counts, the kernel's rows, the correction's gather on the critical path)
+    gives the CPU path's tokens, hits and shares, with padding and an evicting capacity (the masked path); only rows
+    that count cross."""
+    kv = KVOptions(alpha=1.0, budget=0.3, capacity=0.6, spec_keys=keys, correct=correct)
+    e, pol = engines(bundles["llama31_gqa"], ig=("infinigen", kv))["ig"]
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, e.cfg.vocab_size, (n,), generator=g).tolist() for n in (50, 37)]
+    ref, ref_toks, cpu = greedy_logits(e, pol, prompts, 8, cache=pol.build(e, 2, 59))
+    got, toks, gpu = greedy_logits(e, pol, prompts, 8, cache=gpu_step(pol.build(e, 2, 59)))
+    assert torch.equal(toks, ref_toks)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    for a, b in zip(cpu.pools[pol.opts.dense_layers :], gpu.pools[pol.opts.dense_layers :], strict=True):
+        assert torch.equal(a.hits, b.hits) and a.hits.sum() > 0
+    r, rc = gpu.report(), cpu.report()
+    fetched = sum(gpu.stats.fetched_rows(j) for j in gpu.stats.fetched)
+    assert r.bytes_h2d == fetched * 2 * e.cfg.head_dim * 4  # the speculated and the corrected rows that count
+    assert r.kv_fetched_share == rc.kv_fetched_share and r.kv_corrected_share == rc.kv_corrected_share
+    assert r.evictions > 0
+
+
+@needs_triton
+@pytest.mark.parametrize("keys, correct", [("int4", 0.0), ("int2", 0.25), ("partial", 0.25)])
+def test_a_gpu_decode_step_reads_nothing_with_every_key_choice(keys, correct, bundles):
+    kv = KVOptions(alpha=2.0, budget=0.3, capacity=8, window=6, spec_keys=keys, correct=correct)
+    e, pol = engines(bundles["llama31_gqa"], x=("infinigen", kv))["x"]
+    ids, pos, valid = pad_batch(PROMPTS[:2], 0, "cpu")
+    cache = gpu_step(pol.build(e, 2, ids.shape[1] + 9))
+    with torch.inference_mode(), DeviceReads() as reads:
+        logits = prefill(e, cache, ids, pos, valid=valid)
+        tok, p = logits.argmax(-1), pos[:, -1:]
+        for _ in range(6):
+            p = p + 1
+            reads.active = True
+            logits = decode_step(e, cache, tok[:, None], p)
+            reads.active = False
+            tok = logits.argmax(-1)
+    assert cache.report().bytes_h2d > 0
+
+
+def test_bad_speculation_options(bundles):
+    b = bundles["tied_hd64"]
+    one_line_error(run_cli("rt", "generate", b, "hi", "--policy", "infinigen", "--spec-keys", "int3"), "spec-keys")
+    one_line_error(run_cli("rt", "generate", b, "hi", "--policy", "infinigen", "--correct", "1"), "correct")
+    one_line_error(run_cli("rt", "eval", b, "--text", "x.txt", "--spec-keys", "fp8"), "spec-keys")
+
+
+def test_low_bit_keys_score_the_same_a_span_at_a_time(bundles, monkeypatch):
+    """The keys are dequantized a span of slots at a time (a step's memory stays small at long context): spans of 64
+    give the scores, tokens and logits of one span over everything."""
+    from infinigen_rt.policies import speculation
+
+    kv = KVOptions(alpha=math.inf, budget=0.2, spec_keys="int4", correct=0.25)
+    e, pol = engines(bundles["llama31_gqa"], x=("infinigen", kv))["x"]
+    prompt = [list(range(4, 180))]
+    ref, ref_toks, _ = greedy_logits(e, pol, prompt, 4)
+    monkeypatch.setattr(speculation, "CHUNK_BYTES", 0)
+    got, toks, _ = greedy_logits(e, pol, prompt, 4)
+    assert torch.equal(toks, ref_toks) and torch.equal(got, ref)
