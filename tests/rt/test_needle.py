@@ -14,7 +14,6 @@ from infinigen_rt.bundle import read_bundle
 from infinigen_rt.engine import Engine
 from infinigen_rt.generate import generate
 from infinigen_rt.measure import needle
-from infinigen_rt.policies import KVOptions
 from tests.conftest import TOKENIZER_TEXT, run_cli
 from tests.test_cli import one_line_error
 
@@ -68,19 +67,23 @@ def test_scoring_is_exact():
 
 def test_one_shared_prefill_gives_each_policy_its_own_generate_tokens(tiny):
     case = needle.build_cases(tiny.tokenizer, HAY, ["multikey"], [230], [0.5], 1, seed=1)[0]
-    todo = [("full", None, None), ("infinigen", 0.3, 4.0), ("h2o", 0.3, None), ("int4", None, None),
-            ("oracle", 0.3, None), ("offload", None, None)]  # fmt: skip
+    todo = [("full", None, None, None, None), ("infinigen", 0.3, 4.0, "partial", 0.0),
+            ("infinigen", 0.3, 4.0, "int4", 0.5), ("h2o", 0.3, None, None, None), ("int4", None, None, None, None),
+            ("oracle", 0.3, None, None, None), ("offload", None, None, None, None)]  # fmt: skip
     shared = needle.answer_all(tiny, case, todo)
-    for (policy, budget, alpha), r in zip(todo, shared, strict=True):
-        alone, _ = generate(tiny, [case.ids], needle.MAX_NEW[case.task], policy=policy,
-                            kv=KVOptions(alpha=alpha, budget=budget or 1.0))  # fmt: skip
+    for config, r in zip(todo, shared, strict=True):
+        alone, _ = generate(tiny, [case.ids], needle.MAX_NEW[case.task], policy=config[0],
+                            kv=needle.options(config))  # fmt: skip
+        policy = config[0]
         said = alone[0].text.strip()
         assert r.answer and said.startswith(r.answer), (policy, r.answer, said)
 
 
 def test_infinigen_at_a_full_budget_answers_as_full_does(tiny):
     cases = needle.build_cases(tiny.tokenizer, HAY, ["single", "multikey"], [236], [0.0, 1.0], 2, seed=3)
-    res = needle.run(tiny, cases, [("full", None, None), ("infinigen", 1.0, math.inf), ("infinigen", 0.1, 4.0)], [])
+    todo = [("full", None, None, None, None), ("infinigen", 1.0, math.inf, "partial", 0.0),
+            ("infinigen", 0.1, 4.0, "partial", 0.0)]  # fmt: skip
+    res = needle.run(tiny, cases, todo, [])
     by = {}
     for r in res:
         by.setdefault((r.policy, r.budget), []).append(r.answer)
