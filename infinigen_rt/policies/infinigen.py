@@ -113,7 +113,7 @@ class InfinigenCache(OffloadCache):
         d_prime = next(t for k, t in engine.speculation.tensors.items() if k.endswith("partial_idx")).shape[-1]
         device, host, read = cls.pool_bytes(engine, tokens, 2 * cfg.head_dim * dtype_bytes, dense)
         row = spec_key_bytes(opts.spec_keys, cfg.head_dim, d_prime, dtype_bytes)
-        keys = tokens * cfg.num_key_value_heads * row * (cfg.num_hidden_layers - dense)  # read every step
+        keys = tokens * row * (cfg.num_hidden_layers - dense)  # (`tokens`: token-heads) read every step
         return device + keys, host, read + keys
 
     def __init__(

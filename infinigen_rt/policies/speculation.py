@@ -125,6 +125,10 @@ class PartialKeys:
         """Device bytes per token, KV head and speculated layer."""
         return d_prime * dtype_bytes
 
+    @property
+    def device_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.pk.values())
+
     def write(self, j: int, k: torch.Tensor, start) -> None:
         """k: the new tokens' keys [B, Hkv, s, D] (post-RoPE), into slots start.. (an int) or `start` [B, Hkv, s]."""
         part = self.spec.partial_key(j, k).transpose(-1, -2)  # [B, Hkv, d', s]
@@ -159,6 +163,10 @@ class QuantKeys:
     @staticmethod
     def token_bytes(head_dim: int, bits: int) -> int:
         return code_bytes(head_dim, key_group(head_dim, bits), bits)
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.codes, self.meta) for t in d.values())
 
     def write(self, j: int, k: torch.Tensor, start) -> None:
         codes, scale, lo = quantize(k, self.group, self.bits)

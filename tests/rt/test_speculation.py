@@ -162,3 +162,22 @@ def test_low_bit_keys_score_the_same_a_span_at_a_time(bundles, monkeypatch):
     monkeypatch.setattr(speculation, "CHUNK_BYTES", 0)
     got, toks, _ = greedy_logits(e, pol, prompt, 4)
     assert torch.equal(toks, ref_toks) and torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("keys", ["partial", "int4", "int2"])
+def test_the_memory_model_counts_the_speculation_keys_allocated(keys, bundles):
+    """What bench's floor and the pool reservation are told (KVCache.kv_bytes) holds the key store's own tensors:
+    the speculation keys' device bytes are the policy's device bytes less offload's at the same shape."""
+    from infinigen_rt.policies.offload import OffloadCache
+
+    e, pol = engines(bundles["llama31_gqa"], x=("infinigen", KVOptions(spec_keys=keys)))["x"]
+    batch, slots = 2, 40
+    cache = pol.build(e, batch, slots)
+    token_heads, esz = batch * e.cfg.num_key_value_heads * slots, 4
+    device = pol.kv_bytes(e, token_heads, esz)[0]
+    dense = pol.opts.dense_layers
+    base = OffloadCache.pool_bytes(e, token_heads, 2 * e.cfg.head_dim * esz, dense)[0]
+    assert device - base == cache.keys.device_bytes > 0
+    if keys == "int4":  # every column at 4 bits: half a byte per value, 4 bytes of scale and minimum per 64 (or row)
+        assert cache.keys.device_bytes == token_heads * (e.cfg.head_dim // 2 + 4 * max(1, e.cfg.head_dim // 64)) * (
+            e.cfg.num_hidden_layers - dense)  # fmt: skip
