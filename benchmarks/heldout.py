@@ -12,7 +12,17 @@ import argparse
 import json
 from pathlib import Path
 
-KEY = ("policy", "budget", "alpha")
+from infinigen_rt.measure.perplexity import label
+
+KEY = ("policy", "budget", "alpha", "spec_keys", "correct")  # a row's speculation options: absent in older files
+
+
+def key(row: dict) -> tuple:
+    return tuple(row.get(k) for k in KEY)
+
+
+def name(row: dict) -> str:
+    return label(row["policy"], row.get("spec_keys"), row.get("correct"))
 
 
 def load(path: str) -> dict:
@@ -22,11 +32,11 @@ def load(path: str) -> dict:
 
 
 def mean_rows(texts: list[dict]) -> list[dict]:
-    """Per (policy, budget, alpha) present in every text: the mean change vs full and the mean shares."""
-    keys = [tuple(r[k] for k in KEY) for r in texts[0]["rows"]]
+    """Per (policy, budget, alpha, spec_keys, correct) present in every text: the mean change vs full and the mean
+    shares."""
     out = []
-    for key in keys:
-        rows = [next((r for r in t["rows"] if tuple(r[k] for k in KEY) == key), None) for t in texts]
+    for k in [key(r) for r in texts[0]["rows"]]:
+        rows = [next((r for r in t["rows"] if key(r) == k), None) for t in texts]
         if any(r is None for r in rows):
             continue
 
@@ -35,7 +45,7 @@ def mean_rows(texts: list[dict]) -> list[dict]:
             return None if any(v is None for v in vals) else round(sum(vals) / len(vals), 6)
 
         out.append({
-            **dict(zip(KEY, key, strict=True)), "delta_pct": mean("delta_pct"),
+            **dict(zip(KEY, k, strict=True)), "delta_pct": mean("delta_pct"),
             "delta_pct_max": max(r["delta_pct"] for r in rows), "kv_fetched_share": mean("kv_fetched_share"),
             "kv_attended_share": mean("kv_attended_share"), "bytes_per_token": mean("bytes_per_token"),
         })  # fmt: skip
@@ -58,13 +68,12 @@ def markdown(texts: list[dict], tuning: list[dict], mean: list[dict]) -> str:
     for m in mean:
         if m["policy"] == "full":
             continue
-        key = tuple(m[k] for k in KEY)
         cells = []
         for t in tuning + texts:
-            r = next((r for r in t["rows"] if tuple(r[k] for k in KEY) == key), None)
+            r = next((r for r in t["rows"] if key(r) == key(m)), None)
             cells.append(pct(r["delta_pct"], True) if r else "-")
         budget = "-" if m["budget"] is None else f"{m['budget']:g}"
-        lines.append(f"| {m['policy']} | {budget} | " + " | ".join(cells) + f" | **{pct(m['delta_pct'], True)}** | "
+        lines.append(f"| {name(m)} | {budget} | " + " | ".join(cells) + f" | **{pct(m['delta_pct'], True)}** | "
                      f"{pct(m['kv_fetched_share'])} | {pct(m['kv_attended_share'])} |")  # fmt: skip
     return "\n".join(lines)
 
@@ -74,16 +83,16 @@ def plot(texts: list[dict], mean: list[dict], path: str) -> None:
 
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, share, label in ((axes[0], "kv_fetched_share", "fetched"), (axes[1], "kv_attended_share", "attended")):
-        for policy in dict.fromkeys(m["policy"] for m in mean if m["policy"] != "full"):
-            pts = sorted((m[share], m["delta_pct"]) for m in mean if m["policy"] == policy and m[share])
+    for ax, share, what in ((axes[0], "kv_fetched_share", "fetched"), (axes[1], "kv_attended_share", "attended")):
+        for policy in dict.fromkeys(name(m) for m in mean if m["policy"] != "full"):
+            pts = sorted((m[share], m["delta_pct"]) for m in mean if name(m) == policy and m[share])
             ax.plot([100 * x for x, _ in pts], [y for _, y in pts], marker="o", label=f"{policy} (mean)")
             for t in texts:
-                tp = sorted((r[share], r["delta_pct"]) for r in t["rows"] if r["policy"] == policy and r[share])
+                tp = sorted((r[share], r["delta_pct"]) for r in t["rows"] if name(r) == policy and r[share])
                 ax.plot([100 * x for x, _ in tp], [y for _, y in tp], lw=0.6, alpha=0.35,
                         color=ax.lines[-1].get_color() if len(tp) else None)  # fmt: skip
         ax.axhline(0, color="gray", lw=0.8, ls="--")
-        ax.set_xlabel(f"share of KV {label} (%)")
+        ax.set_xlabel(f"share of KV {what} (%)")
         ax.set_ylabel("perplexity change vs full (%)")
         ax.set_yscale("symlog", linthresh=5)
         ax.grid(alpha=0.3)

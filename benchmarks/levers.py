@@ -41,6 +41,8 @@ LEVERS = {  # each relative to KVOptions' defaults (every winning lever on)
     "int4_budget": {"spec_keys": "int4", "alpha": INF},
     "int2_budget": {"spec_keys": "int2", "alpha": INF},
     "correct25_budget": {"correct": 0.25, "alpha": INF},
+    "correct50_budget": {"correct": 0.5, "alpha": INF},
+    "correct75_budget": {"correct": 0.75, "alpha": INF},
     "int4_correct25_budget": {"spec_keys": "int4", "correct": 0.25, "alpha": INF},
     "int4_correct50_budget": {"spec_keys": "int4", "correct": 0.5, "alpha": INF},
     "int2_correct25_budget": {"spec_keys": "int2", "correct": 0.25, "alpha": INF},
@@ -60,6 +62,7 @@ def main():
     ap.add_argument("--levers", default=",".join(LEVERS))
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-oracle", action="store_true")
+    ap.add_argument("--equal-bytes-oracle-only", action="store_true", help="not oracle-per-head")
     a = ap.parse_args()
     engine = Engine(read_bundle(a.bundle), device="cpu", dtype="float32")
     ids, _ = text_ids(engine, a.text, a.seq_len, a.score_from)
@@ -67,7 +70,8 @@ def main():
     full, _, _ = perplexity(engine, configure(engine), ids, a.score_from)
     print(f"full ppl {full:.4f}", flush=True)
     alphas = [float(x) for x in a.alphas.split(",")] if a.alphas else [None]
-    runs = [(o, None) for o in ORACLES] * (not a.no_oracle) + [(n, al) for al in alphas for n in a.levers.split(",")]
+    oracles = [] if a.no_oracle else ORACLES[:1] if a.equal_bytes_oracle_only else ORACLES
+    runs = [(o, None) for o in oracles] + [(n, al) for al in alphas for n in a.levers.split(",")]
     for name, alpha in runs:
         t0 = time.perf_counter()
         if name in ORACLES:

@@ -1,7 +1,11 @@
 """`infinigen`: KV in the host pool; each decode step, layer i speculates which tokens layer i+1 needs
-from layer i's normalised input, a partial query (skewed columns) and the partial key cache of layer
-i+1 kept on the device; only those rows are fetched (the selection: speculation.py). The dense layers (the
-first `dense_layers`) keep their KV on the device.
+from layer i's normalised input and layer i+1's speculation keys kept on the device (its skewed partial
+columns, or every column at a few bits: `spec_keys`); only those rows are fetched (the selection:
+speculation.py). The dense layers (the first `dense_layers`) keep their KV on the device.
+
+With a correction step (`correct` C > 0) speculation fetches 1 - C of the budget ahead; when layer i+1 runs, its
+true query is scored against the same keys and the best C of the budget that speculation missed are gathered on
+the compute stream (the critical path: the copy cannot start before the layer's input exists).
 
 The selection and the copy of layer i+1's rows overlap layer i's compute (prefetch.py: a CUDA side stream, or
 on a CPU with two threads or more this cache's worker thread).

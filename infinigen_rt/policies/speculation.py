@@ -1,6 +1,10 @@
-"""InfiniGen's speculation: from layer j-1's attention input, a partial query of layer j, its scores over layer
-j's partial keys, and the rows layer j fetches (a Selection). Device-agnostic tensor code; how rows move is
-prefetch.py's business, which slot holds which token is pool.py's.
+"""InfiniGen's speculation: from layer j-1's attention input, a speculative query of layer j, its scores over
+layer j's speculation keys, and the rows layer j fetches (a Selection). Device-agnostic tensor code; how rows
+move is prefetch.py's business, which slot holds which token is pool.py's.
+
+The speculation keys live on the compute device, one store per choice (`spec_keys`): `PartialKeys`, the paper's
+d' skewed columns in the model's dtype, or `QuantKeys`, every column at 4 or 2 bits. The correction step
+(infinigen.py) scores layer j's true query against the same store (`Speculator.keys_side`).
 
 Per speculated layer j and sequence b: scores s = q~ . K~ / sqrt(D) over every held token; n = the mean over
 query heads of the tokens within `alpha` of the head's maximum, capped by the budget; the top-n tokens per KV
