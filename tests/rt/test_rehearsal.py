@@ -7,6 +7,7 @@ their memory against what bench predicts. Each of the defects found by the first
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 
 import pytest
@@ -476,6 +477,28 @@ def test_bench_at_real_shapes_within_its_memory_prediction(preset, dtype, batch,
     assert gpu.pinned_peak <= need["host"] * 1.01 + (64 << 20)  # (the bandwidth probe's pages aside)
     assert not [s for s in gpu.syncs if s.kind == "allocator"]
     assert gpu.races == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keys, correct", [("int4", 0.5), ("int2", 0.0)])
+def test_low_bit_keys_and_the_correction_at_a_real_shape(keys, correct, monkeypatch):
+    """infinigen with every key column at a few bits (dequantized a span at a time) and the correction's second
+    gather, at Llama-2-7B 4 x 32k in fp16: within bench's memory prediction, one sync a step, no race."""
+    from infinigen_rt.measure import bench
+    from infinigen_rt.measure.floor import memory_needs
+
+    monkeypatch.setattr(bench, "KVOptions", functools.partial(KVOptions, spec_keys=keys, correct=correct))
+    bw = {"device_bytes_per_s": 3e12, "h2d_bytes_per_s": 25e9, "gather_bytes_per_s": 20e9}
+    with FakeCuda(values=False) as gpu:
+        engine = _synthetic("llama-2-7b", torch.float16, 32768)
+        (pt,) = bench.run_points(engine, "llama-2-7b", ["infinigen"], 4, 32768, 2, bw, warmup=1, alpha=5.0,
+                                 trace=False)  # fmt: skip
+        kv = KVOptions(budget=0.1, alpha=5.0, prefill_chunk=32768, spec_keys=keys, correct=correct)
+        need = memory_needs(engine, configure(engine, "infinigen", kv), 4, 32768, 2, 32768)
+        del engine
+    assert pt.status == "ok", pt.error
+    assert pt.syncs_per_step == 1 and gpu.races == []
+    assert pt.peak_device_bytes <= need["device"], (pt.peak_device_bytes / GiB, need["device"] / GiB)
 
 
 @pytest.mark.slow
