@@ -22,7 +22,7 @@ def key(row: dict) -> tuple:
 
 
 def name(row: dict) -> str:
-    return label(row["policy"], row.get("spec_keys"), row.get("correct"))
+    return label(row["policy"], row.get("spec_keys"), row.get("correct"), row.get("alpha"))
 
 
 def load(path: str) -> dict:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import sys
 
+from infinigen_rt.measure.perplexity import label
+
 
 def pct(x, digits=1):
     return "-" if x is None else f"{100 * x:.{digits}f} %"
@@ -20,7 +22,8 @@ def accuracy(d: dict) -> str:
     for r in d["rows"]:
         delta = "-" if r["delta_pct"] is None else f"{r['delta_pct']:+.2f} %"
         moved = "-" if r["bytes_per_token"] is None else f"{r['bytes_per_token'] / 1e6:.2f} MB"
-        out.append(f"| {r['policy']} | {r['budget'] or '-'} | {r['perplexity']:.3f} | {delta} | "
+        name = label(r["policy"], r.get("spec_keys"), r.get("correct"), r.get("alpha"))
+        out.append(f"| {name} | {r['budget'] or '-'} | {r['perplexity']:.3f} | {delta} | "
                    f"{pct(r['kv_fetched_share'])} | {pct(r.get('kv_attended_share'))} | {moved} |")  # fmt: skip
     return "\n".join(out)
 
@@ -45,14 +48,17 @@ def bench(d: dict) -> str:
 
 def needle(d: dict) -> str:
     """Accuracy per policy (columns) and context (rows), with the share of full's accuracy it keeps."""
-    configs = list(dict.fromkeys((s["policy"], s["budget"]) for s in d["summary"]))
-    head = [f"{p}" + (f" {b:g}" if b is not None else "") for p, b in configs]
+    def config(s: dict) -> tuple:
+        return s["policy"], s["budget"], s.get("alpha"), s.get("spec_keys"), s.get("correct")
+
+    configs = list(dict.fromkeys(config(s) for s in d["summary"]))
+    head = [label(p, k, c, a) + (f" {b:g}" if b is not None else "") for p, b, a, k, c in configs]
     out = ["| context | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
-    by = {(s["policy"], s["budget"], s["context"]): s for s in d["summary"]}
+    by = {(*config(s), s["context"]): s for s in d["summary"]}
     for c in sorted({s["context"] for s in d["summary"]}):
         cells = []
-        for p, b in configs:
-            s = by.get((p, b, c))
+        for cf in configs:
+            p, s = cf[0], by.get((*cf, c))
             if s is None:
                 cells.append("-")
             elif p == "full":

@@ -231,7 +231,7 @@ def needle_table(rows: list[dict], title: str) -> Table:
 
     table = results_table(title, ["policy", "budget", "context", "cases", "accuracy", "vs full", "fetched"])
     for r in rows:
-        name = label(r["policy"], r["spec_keys"], r["correct"])
+        name = label(r["policy"], r["spec_keys"], r["correct"], r["alpha"])
         table.add_row(name, "-" if r["budget"] is None else f"{r['budget']:.2f}", str(r["context"]), str(r["cases"]),
                       f"{r['accuracy']:.1%}", "-" if r["vs_full"] is None else f"{r['vs_full']:.1%}",
                       "-" if r["kv_fetched_share"] is None else f"{r['kv_fetched_share']:.1%}")  # fmt: skip

@@ -43,14 +43,20 @@ class Row:
         return (self.policy, self.budget, self.alpha, self.spec_keys, self.correct)
 
     def label(self) -> str:
-        return label(self.policy, self.spec_keys, self.correct)
+        return label(self.policy, self.spec_keys, self.correct, self.alpha)
 
 
-def label(policy: str, spec_keys: str | None, correct: float | None) -> str:
-    """A policy's name in tables and plots, with its speculation keys and correction when it speculates."""
+def label(policy: str, spec_keys: str | None, correct: float | None, alpha: float | None = None) -> str:
+    """A policy's name in tables and plots; one that speculates with its keys, its margin when it has one (the
+    budget alone decides otherwise) and its correction share when on."""
     if spec_keys is None:
         return policy
-    return f"{policy} ({spec_keys}" + (f", correct {correct:g})" if correct else ")")
+    parts = [f"{spec_keys} keys"]
+    if alpha is not None and math.isfinite(alpha):
+        parts.append(f"alpha {alpha:g}")
+    if correct:
+        parts.append(f"correct {correct:g}")
+    return f"{policy} ({', '.join(parts)})"
 
 
 def text_ids(engine: Engine, path: str | Path, seq_len: int, score_from: int) -> tuple[list[int], str]:
