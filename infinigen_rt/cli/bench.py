@@ -59,7 +59,7 @@ Policies = Annotated[str, typer.Option(help="Comma-separated: full, offload, inf
 Budget = Annotated[float, typer.Option(help="infinigen/h2o: share of the context fetched or kept.")]
 MaxKv = Annotated[Optional[int], typer.Option("--max-kv", help="infinigen: most rows fetched per head.")]
 Alpha = Annotated[
-    Optional[float], typer.Option(help="infinigen alpha [bundle default; inf for --synthetic].")
+    Optional[float], typer.Option(help="infinigen alpha (a margin) [none: the budget alone].")
 ]
 Text = Annotated[
     Optional[Path], typer.Option(help="Prompt from this UTF-8 text (a bundle) [random tokens].")
@@ -146,8 +146,6 @@ def bench_cmd(
         from infinigen_rt.measure.floor import measure_bandwidths
 
         bw = measure_bandwidths(engine.device, probe)
-    if synthetic is not None and alpha is None:
-        alpha = math.inf  # random weights: the budget alone sets the fetch (measure/synthetic.py)
     shown = None if alpha is None or math.isinf(alpha) else alpha
     meta = _meta(engine, model_name, bw, tp, budget=budget, max_kv=max_kv, alpha=shown, gen=gen, warmup=warmup,
                  interleave=interleave, prompt=str(text) if text else "random tokens")  # fmt: skip

@@ -35,7 +35,8 @@ def eval_cmd(
     budgets: Annotated[str, typer.Option(help="Budgets (share of the context) for infinigen, h2o, oracle.")] = (
         "0.05,0.1,0.2"
     ),
-    alphas: Annotated[Optional[str], typer.Option(help="Alphas for infinigen \\[the bundle's default].")] = None,
+    alphas: Annotated[Optional[str], typer.Option(
+        help="Alphas (margins) for infinigen, inf = the budget alone \\[the budget alone].")] = None,  # fmt: skip
     spec_keys: Annotated[Optional[str], typer.Option(
         help="infinigen's speculation keys: partial, int4, int2 \\[its default].")] = None,  # fmt: skip
     correct: Annotated[Optional[float], typer.Option(
@@ -106,9 +107,8 @@ def perplexity_cmd(engine, path, text: Path, names, budgets, alphas, seq_len, sc
     from infinigen_rt.measure.perplexity import configs, load_done, plot, run_sweep, save, text_ids
     from infinigen_rt.policies import POLICIES
 
-    if any("alpha" in POLICIES[p].sweep for p in names) and not alphas:  # the bundle's (a one-line error
-        engine.require_speculation()  # for a bundle converted with --no-infinigen)
-        alphas = [engine.speculation.defaults.alpha]
+    if any("alpha" in POLICIES[p].sweep for p in names) and not alphas:  # the default: the budget alone
+        alphas = [None]
     ids, sha = text_ids(engine, text, seq_len, score_from)
     meta = {"bundle": str(path), "text": str(text), "text_sha256": sha, "seq_len": seq_len, "score_from": score_from,
             "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}  # fmt: skip
@@ -167,7 +167,6 @@ def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depth
     from infinigen_rt.files import read_utf8, write_atomic
     from infinigen_rt.measure import needle
     from infinigen_rt.measure.perplexity import load_finished
-    from infinigen_rt.policies import POLICIES
 
     task_list = [t.strip() for t in tasks.split(",") if t.strip()]
     if not task_list or any(t not in needle.TASKS for t in task_list):
@@ -192,10 +191,7 @@ def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depth
         context_list.append(limit)
     alpha = alphas[0] if alphas else None
     if len(alphas) > 1:
-        raise InfinigenError("--task needle takes one --alphas value (or none: the bundle's default)")
-    if any("alpha" in POLICIES[p].sweep for p in names) and alpha is None:
-        engine.require_speculation()
-        alpha = engine.speculation.defaults.alpha
+        raise InfinigenError("--task needle takes one --alphas value (or none: the budget alone)")
     if not text.is_file():
         raise InfinigenError(f"--text {text} does not exist")
     hay, sha = read_utf8(text, f"--text {text}")

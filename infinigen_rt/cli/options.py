@@ -21,7 +21,8 @@ TPSize = Annotated[
 ]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 PolicyName = Annotated[str, typer.Option("--policy", help="KV policy: full, offload, infinigen, h2o, int4.")]
-Alpha = Annotated[Optional[float], typer.Option(help="infinigen: logit margin below each head's max (bundle default).")]
+Alpha = Annotated[Optional[float], typer.Option(
+    help="infinigen: logit margin below each head's max (the paper's count rule) [none: the budget alone].")]
 MaxKV = Annotated[Optional[int], typer.Option("--max-kv", help="infinigen: most tokens fetched per head.")]
 
 # the KV options of a command that runs one policy: (name, annotation, default), in KVOptions' terms

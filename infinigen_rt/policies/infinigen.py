@@ -70,10 +70,10 @@ def layer_options(opts: KVOptions, defaults: InfinigenDefaults, dense: int, n_la
 
 def layer_alphas(opts: KVOptions, defaults: InfinigenDefaults, dense: int, n_layers: int) -> dict[int, float]:
     """Each speculated layer's margin: the option's alpha; else with layer_alpha the bundle's calibrated one per
-    layer; else the bundle's alpha."""
+    layer; else none (inf: the budget alone sets the count, the default chosen on the tuning texts)."""
     layers = range(dense, n_layers)
     if opts.alpha is not None or not opts.layer_alpha:
-        return dict.fromkeys(layers, defaults.alpha if opts.alpha is None else opts.alpha)
+        return dict.fromkeys(layers, math.inf if opts.alpha is None else opts.alpha)
     per = defaults.layer_alpha
     if not per or len(per) != n_layers:
         raise InfinigenError("layer_alpha needs the bundle's calibrated margins (layer_alpha); convert it again "
@@ -129,7 +129,7 @@ class InfinigenCache(OffloadCache):
         dense = opts.dense_layers
         # the dense layers stay on the device
         super().__init__(cfg, batch, max_len, device, dtype, opts, resident=dense, pages=pages)
-        self.alpha = defaults.alpha if opts.alpha is None else opts.alpha
+        self.alpha = math.inf if opts.alpha is None else opts.alpha
         self.alphas = layer_alphas(opts, defaults, dense, cfg.num_hidden_layers)
         self.dense_layers = dense
         self.spec = Speculator(cfg, model.speculation_taps(), tensors, self.device, dtype)

@@ -15,7 +15,10 @@ SPEC_KEYS = ("partial", "int4", "int2")  # what --spec-keys takes (policies/spec
 
 @dataclass
 class KVOptions:
-    alpha: float | None = None  # logit margin below each head's max; None = the bundle's default
+    # the count rule: None = the budget alone (chosen on the tuning texts at 10 %, docs/accuracy.md); a number = the
+    # paper's margin, each query head counting the tokens within alpha of its max (the bundle records one: 8 for
+    # the Llama family, 4 for OPT), the mean count capped by the budget
+    alpha: float | None = None
     budget: float = 0.2  # most tokens fetched per head, as a share of the held context
     max_kv: int | None = None  # and/or an absolute cap
     capacity: float | None = None  # pool tokens per (sequence, KV head): share (<= 1) or count (> 1); None = all
