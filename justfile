@@ -49,9 +49,15 @@ eval: (setup "gguf,plot") texts smollm2
     set -euo pipefail
     mkdir -p artifacts/results
     for t in hamlet alice constitution rst-spec; do
-      infinigen-rt eval {{bundle}} --text artifacts/cache/texts/$t.txt --seq-len 2048 --score-from 1024 \
-        --policies full,infinigen,h2o,int4,oracle --budgets 0.05,0.1,0.2 --device cpu --no-recall \
-        --out artifacts/results/accuracy-smollm2-$t.json --plot artifacts/results/accuracy-smollm2-$t.png --resume
+      o="--text artifacts/cache/texts/$t.txt --seq-len 2048 --score-from 1024 --device cpu --no-recall --resume"
+      o="$o --out artifacts/results/accuracy-smollm2-$t.json"
+      infinigen-rt eval {{bundle}} $o --policies full,infinigen,h2o,int4,oracle --budgets 0.05,0.1,0.2
+      # beside the defaults: the per-query-head oracle, the correction step, every key column at 4 bits, alpha 8
+      infinigen-rt eval {{bundle}} $o --policies oracle-per-head --budgets 0.1
+      infinigen-rt eval {{bundle}} $o --policies infinigen --budgets 0.1 --correct 0.25
+      infinigen-rt eval {{bundle}} $o --policies infinigen --budgets 0.1 --spec-keys int4
+      infinigen-rt eval {{bundle}} $o --policies infinigen --budgets 0.05,0.1,0.2 --alphas 8 \
+        --plot artifacts/results/accuracy-smollm2-$t.png
     done
     {{python}} benchmarks/heldout.py artifacts/results/accuracy-smollm2-{alice,constitution,rst-spec}.json \
       --tuning artifacts/results/accuracy-smollm2-hamlet.json --out artifacts/results/accuracy-heldout-smollm2.json \
@@ -63,12 +69,12 @@ needle: (setup "gguf,plot") texts smollm2
     set -euo pipefail
     mkdir -p artifacts/results
     # h2o up to 4k only: its prefill scores every query against every key (an 8k prompt takes ~10 min here)
-    infinigen-rt eval {{bundle}} --task needle --text artifacts/cache/texts/alice.txt --contexts 1024,2048,4096 \
-      --policies full,infinigen,h2o,oracle --budgets 0.1 --needles 1 --device cpu \
-      --out artifacts/results/needle-smollm2.json --resume
-    infinigen-rt eval {{bundle}} --task needle --text artifacts/cache/texts/alice.txt \
-      --policies full,infinigen,oracle --budgets 0.1 --needles 1 --device cpu \
-      --out artifacts/results/needle-smollm2.json --plot artifacts/results/needle-smollm2.png --resume
+    o="--task needle --text artifacts/cache/texts/alice.txt --budgets 0.1 --needles 1 --device cpu --resume"
+    o="$o --out artifacts/results/needle-smollm2.json"
+    infinigen-rt eval {{bundle}} $o --contexts 1024,2048,4096 --policies full,infinigen,h2o,oracle
+    infinigen-rt eval {{bundle}} $o --contexts 1024,2048,4096 --policies full,infinigen --spec-keys int4
+    infinigen-rt eval {{bundle}} $o --contexts 1024,2048,4096 --policies full,infinigen --alphas 8
+    infinigen-rt eval {{bundle}} $o --policies full,infinigen,oracle --plot artifacts/results/needle-smollm2.png
 
 # decode speed on this CPU: every policy on SmolLM2 (Hamlet as the prompt), and full vs transformers' generate
 bench-cpu: (setup "gguf,plot,test") smollm2

@@ -120,7 +120,7 @@ def test_convert_records_each_layers_alpha_and_the_option_uses_it(bundles):
     per = meta.layer_alpha
     assert len(per) == len(meta.layer_key_share) and all(0 < x <= 40 for x in per), per
     assert layer_alphas(KVOptions(layer_alpha=True), meta, 2, len(per)) == {j: per[j] for j in range(2, len(per))}
-    assert set(layer_alphas(KVOptions(), meta, 2, len(per)).values()) == {meta.alpha}  # off by default
+    assert set(layer_alphas(KVOptions(), meta, 2, len(per)).values()) == {math.inf}  # off: the budget alone
     assert set(layer_alphas(KVOptions(alpha=3.0, layer_alpha=True), meta, 2, len(per)).values()) == {3.0}
     with pytest.raises(InfinigenError, match="layer_alpha needs"):
         layer_alphas(KVOptions(layer_alpha=True), InfinigenDefaults(alpha=5.0), 2, len(per))
