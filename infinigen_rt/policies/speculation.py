@@ -152,11 +152,11 @@ CHUNK_BYTES = 32 << 20  # what QuantKeys.scores dequantizes at once, in float32
 class QuantKeys:
     """Every key column at `bits` bits (asymmetric, per token in groups of `group` columns, fp16 scale and
     minimum: kv/quant.py), per speculated layer [B, Hkv, S, D * bits / 8] on the compute device, written as each
-    token's key arrives. At 4 bits and head_dim 64 that is 36 bytes per token and KV head, about the 38 of the
-    paper's 19 columns (r = 0.3) in fp16; the scores see every column."""
+    token's key arrives. At 4 bits and head_dim 64 that is 36 bytes per token and KV head, a little under the 40 of
+    the paper's 20 columns (r = 0.3) in fp16; the scores see every column."""
 
     def __init__(self, spec: Speculator, layers, batch: int, max_len: int, device, dtype, bits: int):
-        self.spec, self.full, self.bits, self.dtype = spec, True, bits, dtype
+        self.spec, self.full, self.bits = spec, True, bits
         d, hkv = spec.cfg.head_dim, spec.cfg.num_key_value_heads
         self.group = key_group(d, bits)
         self.name = f"int{bits}"
