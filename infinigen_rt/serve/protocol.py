@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from infinigen_rt.errors import InfinigenError
+from infinigen_rt.policies.options import SPEC_KEYS
 from infinigen_rt.tokenizer import check_text
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -41,6 +42,11 @@ class KVOverrides(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     alpha: float | None = Field(None, ge=0)
     budget: float | None = Field(None, gt=0, le=1)
+    spec_keys: Literal[SPEC_KEYS] | None = None  # the request's sequences build their own speculation keys
+    correct: float | None = Field(None, ge=0, lt=1)
+
+    def changes(self) -> dict[str, Any]:
+        return {name: v for name in type(self).model_fields if (v := getattr(self, name)) is not None}
 
 
 class StreamOptions(BaseModel):

@@ -194,17 +194,17 @@ def fit_context(prompt_tokens: int, requested: int | None, default: int, context
 
 def request_policy(engine: Engine, base: Policy, o: KVOverrides | None) -> Policy:
     """The server's policy with this request's `infinigen` overrides (only options the policy reads)."""
-    if o is None or (o.alpha is None and o.budget is None):
+    changes = {} if o is None else o.changes()
+    if not changes:
         return base
     knobs = base.cls.knobs
-    for name in ("alpha", "budget"):
-        if getattr(o, name) is not None and name not in knobs:
+    for name in changes:
+        if name not in knobs:
             users = [n for n, cls in POLICIES.items() if cls.runtime and name in cls.knobs]
             which = " and ".join(users) + (" policy" if len(users) == 1 else " policies")
             raise APIError(
                 400, f"infinigen.{name} applies to the {which}; this server runs {base.name}", "infinigen"
             )
-    changes = {name: getattr(o, name) for name in ("alpha", "budget") if getattr(o, name) is not None}
     return base.with_options(engine, **changes)
 
 

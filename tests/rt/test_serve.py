@@ -183,6 +183,20 @@ def test_smollm2_kv_override_and_metrics(smol):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "infinigen"
 
 
+def test_smollm2_request_speculation_keys_and_correction_equal_generate(smol):
+    """A request's own speculation keys and correction: the tokens `generate` gives with the same flags."""
+    prompt = ("The printing press spread across Europe within fifty years of its invention. Printers set up shop in "
+              "trading towns, where paper was cheap and buyers were many, and they printed bibles, grammars, "
+              "calendars and pamphlets. The history of the printing press")  # fmt: skip
+    flags = {"budget": 0.1, "spec_keys": "int4", "correct": 0.25}
+    ref = cli_generate(smol.bundle, prompt, 16, "--policy", "infinigen", "--budget", "0.1", "--spec-keys", "int4",
+                       "--correct", "0.25")  # fmt: skip
+    body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "infinigen": flags}
+    r = smol.post("/v1/completions", body, key=None)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == ref["text"]
+
+
 # ---- concurrency ----
 
 
@@ -274,6 +288,8 @@ BAD = [
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
     ({"prompt": "x", "infinigen": {"alpha": 1}}, 400, "infinigen policy"),
     ({"prompt": "x", "infinigen": {"budgett": 1}}, 400, "budgett"),
+    ({"prompt": "x", "infinigen": {"spec_keys": "int4"}}, 400, "infinigen policy"),
+    ({"prompt": "x", "infinigen": {"correct": 1.0}}, 400, "correct"),
     # valid JSON, not Unicode text: the tokenizer cannot take it (this was a 500 with a traceback)
     (b'{"prompt": "hi \\ud800"}', 400, "lone surrogate \\ud800"),
     (b'{"prompt": ["\\udfff"]}', 400, "lone surrogate"),
