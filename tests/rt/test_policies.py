@@ -394,11 +394,16 @@ def test_full_budget_on_the_gpu_path_equals_full(policy, bundles):
 
 
 @needs_triton
-@pytest.mark.parametrize("policy, capacity", [("infinigen", None), ("infinigen", 8), ("offload", None)])
-def test_a_gpu_decode_step_reads_nothing_from_the_device(policy, capacity, bundles):
+@pytest.mark.parametrize(
+    "policy, capacity, keys, correct",
+    [("infinigen", None, "partial", 0.0), ("infinigen", 8, "partial", 0.0), ("offload", None, "partial", 0.0),
+     ("infinigen", None, "int4", 0.0), ("infinigen", 8, "int2", 0.25), ("infinigen", None, "partial", 0.25)],
+)  # fmt: skip
+def test_a_gpu_decode_step_reads_nothing_from_the_device(policy, capacity, keys, correct, bundles):
     """By construction: once the prompt is in, a decode step through the model never reads a tensor to the host
-    (fetch sizes, masks, counters and the eviction counts all come from what the host already knows)."""
-    kv = KVOptions(alpha=2.0, budget=0.3, capacity=capacity, window=6)
+    (fetch sizes, masks, counters and the eviction counts all come from what the host already knows), with every
+    choice of speculation keys and the correction step."""
+    kv = KVOptions(alpha=2.0, budget=0.3, capacity=capacity, window=6, spec_keys=keys, correct=correct)
     e, pol = engines(bundles["llama31_gqa"], x=(policy, kv))["x"]
     ids, pos, valid = pad_batch(PROMPTS[:2], 0, "cpu")
     cache = gpu_step(pol.build(e, 2, ids.shape[1] + 9))
