@@ -138,6 +138,8 @@ def perplexity_cmd(engine, path, text: Path, names, budgets, alphas, seq_len, sc
 
 def eval_table(rows: list[Row], title: str) -> Table:
     """The rows as a table that reads at 80 columns; seconds per row and the exact bytes are in --json/--out."""
+    from infinigen_rt.measure.perplexity import label
+
     table = results_table(title, ["policy", "budget", "alpha", "ppl", "vs full", "fetched", "attended", "recall",
                                   "MB/tok"])  # fmt: skip
 
@@ -145,18 +147,11 @@ def eval_table(rows: list[Row], title: str) -> Table:
         return "-" if x is None else format(x / scale, fmt)
 
     for r in rows:
-        table.add_row(short_label(r.policy, r.spec_keys, r.correct), f(r.budget, ".2f"), f(r.alpha, "g"),
+        table.add_row(label(r.policy, r.spec_keys, r.correct, short=True), f(r.budget, ".2f"), f(r.alpha, "g"),
                       f(r.perplexity, ".3f"),
                       "-" if r.delta_pct is None else f"{r.delta_pct:+.2f}%", f(r.kv_fetched_share, ".1%"),
                       f(r.kv_attended_share, ".1%"), f(r.recall, ".3f"), f(r.bytes_per_token, ".2f", 1e6))  # fmt: skip
     return table
-
-
-def short_label(policy: str, spec_keys: str | None, correct: float | None) -> str:
-    """A policy's name in a table at 80 columns: speculation keys other than the default partial ones, and the
-    correction share when on ("infinigen int4 c0.25"); the margin has its own column."""
-    keys = [spec_keys] if spec_keys not in (None, "partial") else []
-    return " ".join([policy, *keys] + ([f"c{correct:g}"] if correct else []))
 
 
 def _progress_bar(disable: bool):
@@ -231,9 +226,11 @@ def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depth
 
 
 def needle_table(rows: list[dict], title: str) -> Table:
+    from infinigen_rt.measure.perplexity import label
+
     table = results_table(title, ["policy", "budget", "context", "cases", "accuracy", "vs full", "fetched"])
     for r in rows:
-        name = short_label(r["policy"], r["spec_keys"], r["correct"])
+        name = label(r["policy"], r["spec_keys"], r["correct"], short=True)
         table.add_row(name, "-" if r["budget"] is None else f"{r['budget']:.2f}", str(r["context"]), str(r["cases"]),
                       f"{r['accuracy']:.1%}", "-" if r["vs_full"] is None else f"{r['vs_full']:.1%}",
                       "-" if r["kv_fetched_share"] is None else f"{r['kv_fetched_share']:.1%}")  # fmt: skip
