@@ -57,6 +57,11 @@ Gen = Annotated[int, typer.Option(help="Timed decode steps per point (after the 
 Warmup = Annotated[int, typer.Option(help="Untimed decode steps first.")]
 Policies = Annotated[str, typer.Option(help="Comma-separated: full, offload, infinigen, h2o, int4.")]
 Budget = Annotated[float, typer.Option(help="infinigen/h2o: share of the context fetched or kept.")]
+SpecKeys = Annotated[Optional[str], typer.Option(
+    help="infinigen: speculation keys, comma-separated (partial, int4, int2); several time one point each, side "
+         "by side with --interleave [default: the options' default].")]  # fmt: skip
+Correct = Annotated[Optional[float], typer.Option(
+    help="infinigen: the share of the budget the correction step fetches with the true query [0: off].")]
 MaxKv = Annotated[Optional[int], typer.Option("--max-kv", help="infinigen: most rows fetched per head.")]
 Alpha = Annotated[
     Optional[float], typer.Option(help="infinigen alpha (a margin) [none: the budget alone].")
@@ -105,6 +110,8 @@ def bench_cmd(
     budget: Budget = 0.1,
     max_kv: MaxKv = None,
     alpha: Alpha = None,
+    spec_keys: SpecKeys = None,
+    correct: Correct = None,
     text: Text = None,
     prefill_chunk: PrefillChunk = None,
     device: Device = "auto",
@@ -132,6 +139,7 @@ def bench_cmd(
 
     names, batches, contexts = _check(bundle, synthetic, policies, batch, context, gen, warmup, budget, probe, text,
                                       tp)  # fmt: skip
+    variants = _variants(names, spec_keys, correct)
     check_outputs(out, plot_path)
     if check_tp_option(tp):
         raise typer.Exit(launch(tp, sys.argv[1:]))
@@ -154,7 +162,7 @@ def bench_cmd(
             f"[dim]{meta['device_name']}: device copy {bw['device_bytes_per_s'] / 1e9:.1f} GB/s, "
             f"host-to-device {bw['h2d_bytes_per_s'] / 1e9:.1f} GB/s (measured)[/]"
         )
-    groups = [names] if interleave else [[p] for p in names]
+    groups = [variants] if interleave else [[v] for v in variants]
     todo = [(g, b, c) for c in contexts for b in batches for g in groups]
     follower = tp is not None and tp.rank != 0  # under torchrun: every rank runs every point, rank 0 reports
     kw = dict(budget=budget, max_kv=max_kv, alpha=alpha, warmup=warmup, chunk=prefill_chunk, prompt=prompt, seed=seed,
@@ -206,6 +214,26 @@ def _check(bundle, synthetic, policies: str, batch: str, context: str, gen: int,
     return names, batches, contexts
 
 
+def _variants(names: list[str], spec_keys: str | None, correct: float | None) -> list:
+    """The points' policies: a speculating policy once per key choice given (the others once each)."""
+    from infinigen_rt.errors import InfinigenError
+    from infinigen_rt.measure.bench import Variant
+    from infinigen_rt.policies import POLICIES
+    from infinigen_rt.policies.options import SPEC_KEYS
+
+    keys = [k.strip() for k in spec_keys.split(",") if k.strip()] if spec_keys is not None else [None]
+    bad = [k for k in keys if k is not None and k not in SPEC_KEYS]
+    if bad or not keys:
+        raise InfinigenError(f"--spec-keys must be among {', '.join(SPEC_KEYS)}, got {spec_keys!r}")
+    if correct is not None and not 0 <= correct < 1:
+        raise InfinigenError(f"--correct must be in [0, 1) (the share of the budget it fetches), got {correct}")
+    out = []
+    for n in names:
+        spec = "spec_keys" in POLICIES[n].knobs
+        out += [Variant(n, k, correct) for k in keys] if spec else [Variant(n)]
+    return out
+
+
 def _load(bundle, synthetic, device: str, dtype: str, seed: int):
     """(engine, the model's name in the results, this rank's tensor-parallel group under torchrun or None)."""
     import torch
@@ -254,11 +282,17 @@ def _sweep(engine, model_name: str, bw: dict, todo, gen: int, kw: dict, meta: di
     with bar:
         task = bar.add_task("bench", total=len(todo))
         for g, b, c in todo:
-            bar.update(task, description=f"{','.join(g)} batch {b} context {c}")
+            bar.update(task, description=f"{','.join(v.policy for v in g)} batch {b} context {c}")
             meta["points"] += [asdict(pt) for pt in run_points(engine, model_name, g, b, c, gen, bw, **kw)]
             if out:
                 save(out, meta)
             bar.advance(task)
+
+
+def point_label(p: dict) -> str:
+    from infinigen_rt.measure.bench import point_label
+
+    return point_label(p)
 
 
 def _fmt(x, fmt: str, scale: float = 1.0) -> str:
@@ -267,7 +301,7 @@ def _fmt(x, fmt: str, scale: float = 1.0) -> str:
 
 # (header, how a point's cell reads, in the default table); --wide shows every column
 COLUMNS = (
-    ("policy", lambda p: p["policy"], True),
+    ("policy", lambda p: point_label(p), True),
     ("batch", lambda p: str(p["batch"]), True),
     ("context", lambda p: str(p["context"]), True),
     ("prefill s", lambda p: _fmt(p["prefill_s"], ".2f"), False),
@@ -295,7 +329,7 @@ def bench_table(points: list[dict], wide: bool = False):
     table.caption = None if wide else "--wide: every column; --json or --out: every field"
     for p in points:
         if p["status"] != "ok":  # an out-of-memory row: the status where the step time would be
-            cells = [p["policy"], str(p["batch"]), str(p["context"])]
+            cells = [point_label(p), str(p["batch"]), str(p["context"])]
             table.add_row(*cells, *[f"[yellow]{p['status']}[/]" if c[0] == "ms/step" else "" for c in cols[3:]])
             continue
         table.add_row(*[c[1](p) for c in cols])

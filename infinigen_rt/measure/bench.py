@@ -14,7 +14,7 @@ import gc
 import statistics
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,6 +23,7 @@ from infinigen_rt.errors import InfinigenError
 from infinigen_rt.files import pyplot, save_figure
 from infinigen_rt.kv.kernels import GATHER_KERNEL
 from infinigen_rt.measure.floor import floor_seconds, memory_needs
+from infinigen_rt.measure.perplexity import label
 from infinigen_rt.policies import KVOptions, Policy, configure
 from infinigen_rt.runner import BLOCK_TOKENS, Request, Runner, blocks_for, reserved
 from infinigen_rt.system import host_available, host_rss
@@ -31,6 +32,19 @@ OOM_STATUS = ("oom-device", "oom-host")
 
 
 # -------------------------------------------------------------------------------------------- the points
+@dataclass(frozen=True)
+class Variant:
+    """A policy as a point runs it: its name, and for a speculating one the keys and the correction share when they
+    differ from the options' defaults (so that two key choices can be timed side by side)."""
+
+    policy: str
+    spec_keys: str | None = None
+    correct: float | None = None
+
+    def changes(self) -> dict:
+        return {k: v for k, v in (("spec_keys", self.spec_keys), ("correct", self.correct)) if v is not None}
+
+
 @dataclass
 class Point:
     model: str
@@ -40,6 +54,8 @@ class Point:
     batch: int
     context: int
     gen: int
+    spec_keys: str | None = None  # a speculating policy's keys and correction share (None for the others)
+    correct: float | None = None
     status: str = "ok"  # ok, oom-device, oom-host
     predicted: bool | None = None  # an OOM row: predicted before allocating (True) or caught (False)
     prefill_s: float | None = None
@@ -141,7 +157,7 @@ def copy_profile(step) -> tuple[float | None, float | None]:
 
 @torch.inference_mode()
 def run_points(
-    engine: Engine, model_name: str, policies: list[str], batch: int, context: int, gen: int, bw: dict, *,
+    engine: Engine, model_name: str, policies: list[str | Variant], batch: int, context: int, gen: int, bw: dict, *,
     budget: float = 0.1, max_kv: int | None = None, alpha: float | None = None, warmup: int = 3,
     chunk: int | None = None, prompt: list[int] | None = None, seed: int = 0, trace: bool = True,
 ) -> list[Point]:  # fmt: skip
@@ -151,10 +167,14 @@ def run_points(
     dev = engine.device
     if chunk is None:  # the whole prompt at once (no history to re-fetch) unless its activations are too large
         chunk = min(context, 131072 if dev.type == "cuda" else 16384)
-    points = [Point(model_name, str(dev), str(engine.dtype).removeprefix("torch."), p, batch, context, gen)
-              for p in policies]  # fmt: skip
+    variants = [p if isinstance(p, Variant) else Variant(p) for p in policies]
     opts = KVOptions(alpha=alpha, budget=budget, max_kv=max_kv, prefill_chunk=chunk)
-    configured = [configure(engine, p, opts) for p in policies]
+    configured = [configure(engine, v.policy, replace(opts, **v.changes())) for v in variants]
+    points = []
+    for v, pol in zip(variants, configured, strict=True):
+        spec = "spec_keys" in pol.cls.knobs
+        points.append(Point(model_name, str(dev), str(engine.dtype).removeprefix("torch."), v.policy, batch, context,
+                            gen, pol.opts.spec_keys if spec else None, pol.opts.correct if spec else None))  # fmt: skip
     _predict_oom(engine, points, [memory_needs(engine, p, batch, context, gen, chunk) for p in configured])
     if all(pt.status != "ok" for pt in points):
         return points
@@ -298,13 +318,18 @@ def _free(dev: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def point_label(p: dict) -> str:
+    """A point's policy in tables and plots ("infinigen int4 c0.25"; files from before the keys had no field)."""
+    return label(p["policy"], p.get("spec_keys"), p.get("correct"), short=True)
+
+
 def plot(points: list[dict], path, title: str) -> None:
     """Decode throughput vs context (one panel per batch) and vs batch (one panel per context), per policy."""
     plt = pyplot()
     ok = [p for p in points if p["status"] == "ok"]
     batches = sorted({p["batch"] for p in points})
     contexts = sorted({p["context"] for p in points})
-    policies = list(dict.fromkeys(p["policy"] for p in points))
+    policies = list(dict.fromkeys(point_label(p) for p in points))
     cols = max(len(batches), len(contexts))
     fig, axes = plt.subplots(2, cols, figsize=(4.2 * cols, 7), squeeze=False)
     for row, (fixed, xs, xkey, xlabel) in enumerate(
@@ -317,7 +342,7 @@ def plot(points: list[dict], path, title: str) -> None:
                 ax.axis("off")
                 continue
             for pol in policies:
-                pts = sorted((p[xkey], p["tokens_per_s"]) for p in ok if p["policy"] == pol and p[fkey] == fixed[i])
+                pts = sorted((p[xkey], p["tokens_per_s"]) for p in ok if point_label(p) == pol and p[fkey] == fixed[i])
                 if pts:
                     ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=pol)
             ax.set_xscale("log", base=2)

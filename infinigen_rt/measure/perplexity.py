@@ -50,9 +50,9 @@ def label(policy: str, spec_keys: str | None, correct: float | None, alpha: floa
           short: bool = False) -> str:  # fmt: skip
     """A policy's name in tables and plots; one that speculates with its keys, its margin when it has one (the
     budget alone decides otherwise) and its correction share when on. `short`: for a table at 80 columns with a
-    margin column, keys other than the default partial ones and the correction ("infinigen int4 c0.25")."""
+    margin column, keys other than the default ones and the correction ("infinigen int4 c0.25")."""
     if short:
-        keys = [spec_keys] if spec_keys not in (None, "partial") else []
+        keys = [spec_keys] if spec_keys not in (None, KVOptions.spec_keys) else []
         return " ".join([policy, *keys] + ([f"c{correct:g}"] if correct else []))
     if spec_keys is None:
         return policy

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infinigen_rt.measure.bench import interval_overlap, is_oom, run_points
+from infinigen_rt.measure.bench import Variant, interval_overlap, is_oom, point_label, run_points
 from infinigen_rt.measure.synthetic import preset_config, synthetic_engine
 from tests.conftest import RESULTS, render80, run_cli, shakespeare
 from tests.test_cli import one_line_error
@@ -65,6 +65,19 @@ def test_side_by_side_points_move_what_each_policy_moves_alone(smol_synthetic):
         assert p.kv_fetched_share == alone.kv_fetched_share and p.ms_per_step > 0
 
 
+def test_key_choices_side_by_side_fetch_the_same_bytes(smol_synthetic):
+    """bench --spec-keys partial,int4,int2: one point per key choice, timed together; each records its keys, and
+    all fetch the budget's rows (the keys choose which rows, not how many)."""
+    kw = dict(warmup=1, trace=False, budget=0.25)
+    variants = [Variant("infinigen", k) for k in ("partial", "int4", "int2")] + [Variant("infinigen", "int4", 0.5)]
+    pts = run_points(smol_synthetic, "t", [*variants, "full"], 1, 96, 3, BW, **kw)
+    assert [(p.spec_keys, p.correct) for p in pts] == [("partial", 0.0), ("int4", 0.0), ("int2", 0.0), ("int4", 0.5),
+                                                       (None, None)]  # fmt: skip
+    assert len({p.h2d_bytes_per_step for p in pts[:4]}) == 1 and pts[0].h2d_bytes_per_step > 0
+    labels = [point_label(vars(p)) for p in pts]
+    assert len(set(labels)) == 5 and labels[3].endswith("int4 c0.5") and labels[4] == "full"
+
+
 def test_infinigen_fetch_share_is_pinned_by_budget(smol_synthetic):
     (p,) = run_points(smol_synthetic, "t", ["infinigen"], 1, 200, 3, BW, budget=0.25, warmup=1, trace=False)
     assert p.status == "ok" and 0.2 < p.kv_fetched_share <= 0.25 + 1e-9
@@ -100,6 +113,8 @@ def test_bench_bad_input(bundles, tmp_path):
     one_line_error(run_cli("rt", "bench", bundles["opt"], "--synthetic", "smollm2-135m"), "one of them")
     one_line_error(run_cli("rt", "bench", "--synthetic", "smollm2-135m", "--policies", "oracle"), "unknown policy")
     one_line_error(run_cli("rt", "bench", "--synthetic", "smollm2-135m", "--budget", "0"), "--budget")
+    one_line_error(run_cli("rt", "bench", "--synthetic", "smollm2-135m", "--spec-keys", "int8"), "--spec-keys")
+    one_line_error(run_cli("rt", "bench", "--synthetic", "smollm2-135m", "--correct", "1"), "--correct")
     r = run_cli("rt", "bench", "--synthetic", "smollm2-135m", "--batch", "0")
     assert r.returncode != 0 and "--batch" in r.stderr and "Traceback" not in r.stderr
     one_line_error(run_cli("rt", "bench", "--synthetic", "smollm2-135m", "--text", "x.txt"), "--text needs a BUNDLE")
