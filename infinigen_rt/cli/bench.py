@@ -60,8 +60,9 @@ Budget = Annotated[float, typer.Option(help="infinigen/h2o: share of the context
 SpecKeys = Annotated[Optional[str], typer.Option(
     help="infinigen: speculation keys, comma-separated (partial, int4, int2); several time one point each, side "
          "by side with --interleave [default: the options' default].")]  # fmt: skip
-Correct = Annotated[Optional[float], typer.Option(
-    help="infinigen: the share of the budget the correction step fetches with the true query [0: off].")]
+Correct = Annotated[Optional[str], typer.Option(
+    help="infinigen: the share of the budget the correction step fetches with the true query, comma-separated "
+         "(0: off); every key choice runs with each [default: the options' default].")]  # fmt: skip
 MaxKv = Annotated[Optional[int], typer.Option("--max-kv", help="infinigen: most rows fetched per head.")]
 Alpha = Annotated[
     Optional[float], typer.Option(help="infinigen alpha (a margin) [none: the budget alone].")
@@ -214,8 +215,10 @@ def _check(bundle, synthetic, policies: str, batch: str, context: str, gen: int,
     return names, batches, contexts
 
 
-def _variants(names: list[str], spec_keys: str | None, correct: float | None) -> list:
-    """The points' policies: a speculating policy once per key choice given (the others once each)."""
+def _variants(names: list[str], spec_keys: str | None, correct: str | None) -> list:
+    """The points' policies: a speculating policy once per key choice and correction share given (the others once
+    each)."""
+    from infinigen_rt.cli.options import floats
     from infinigen_rt.errors import InfinigenError
     from infinigen_rt.measure.bench import Variant
     from infinigen_rt.policies import POLICIES
@@ -225,12 +228,13 @@ def _variants(names: list[str], spec_keys: str | None, correct: float | None) ->
     bad = [k for k in keys if k is not None and k not in SPEC_KEYS]
     if bad or not keys:
         raise InfinigenError(f"--spec-keys must be among {', '.join(SPEC_KEYS)}, got {spec_keys!r}")
-    if correct is not None and not 0 <= correct < 1:
-        raise InfinigenError(f"--correct must be in [0, 1) (the share of the budget it fetches), got {correct}")
+    shares = [None] if correct is None else floats(correct, "--correct")
+    if not shares or any(not 0 <= c < 1 for c in shares):
+        raise InfinigenError(f"--correct must be in [0, 1) (the share of the budget it fetches), got {correct!r}")
     out = []
     for n in names:
         spec = "spec_keys" in POLICIES[n].knobs
-        out += [Variant(n, k, correct) for k in keys] if spec else [Variant(n)]
+        out += [Variant(n, k, c) for k in keys for c in shares] if spec else [Variant(n)]
     return out
 
 

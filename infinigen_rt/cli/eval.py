@@ -8,21 +8,13 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from infinigen_rt.cli.console import console, err_console, print_json, results_table
+from infinigen_rt.cli.options import floats
 from infinigen_rt.files import check_outputs
 
 if TYPE_CHECKING:
     from rich.table import Table
 
     from infinigen_rt.measure.perplexity import Row
-
-
-def _floats(text: str | None, name: str) -> list[float]:
-    if not text:
-        return []
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise typer.BadParameter(f"{name} takes numbers separated by commas, got {text!r}") from None
 
 
 def eval_cmd(
@@ -82,7 +74,7 @@ def eval_cmd(
     unknown = [p for p in names if p not in POLICIES]
     if unknown:
         raise InfinigenError(f"unknown policy {unknown[0]!r}; available: {', '.join(POLICIES)}")
-    budget_list, alpha_list = _floats(budgets, "--budgets"), _floats(alphas, "--alphas")
+    budget_list, alpha_list = floats(budgets, "--budgets"), floats(alphas, "--alphas")
     if any(not 0 < b <= 1 for b in budget_list):
         raise InfinigenError(f"--budgets must be in (0, 1], got {budgets}")
     if resume and out is None:
@@ -174,14 +166,14 @@ def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depth
     task_list = [t.strip() for t in tasks.split(",") if t.strip()]
     if not task_list or any(t not in needle.TASKS for t in task_list):
         raise InfinigenError(f"--needle-tasks takes {', '.join(needle.TASKS)}, got {tasks!r}")
-    depth_list = _floats(depths, "--depths")
+    depth_list = floats(depths, "--depths")
     if not depth_list or any(not 0 <= d <= 1 for d in depth_list):
         raise InfinigenError(f"--depths must be in [0, 1], got {depths!r}")
     if per_cell < 1:
         raise InfinigenError(f"--needles must be >= 1, got {per_cell}")
     limit = engine.cfg.max_position_embeddings - max(needle.MAX_NEW[t] for t in task_list)
     if contexts:
-        context_list = [int(c) for c in _floats(contexts, "--contexts")]
+        context_list = [int(c) for c in floats(contexts, "--contexts")]
         if any(c > limit for c in context_list):
             positions = engine.cfg.max_position_embeddings
             raise InfinigenError(f"--contexts must be at most {limit} for this model (its {positions} positions "

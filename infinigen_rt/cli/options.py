@@ -62,3 +62,13 @@ def kv_options(command):
     run.__signature__ = inspect.Signature([p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + added)
     run.__annotations__ = {p.name: p.annotation for p in run.__signature__.parameters.values()}
     return run
+
+
+def floats(text: str | None, name: str) -> list[float]:
+    """A comma-separated list of numbers ([] for none), or a one-line error naming the option."""
+    if not text:
+        return []
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{name} takes numbers separated by commas, got {text!r}") from None
