@@ -229,7 +229,7 @@ def _variants(names: list[str], spec_keys: str | None, correct: str | None) -> l
     if bad or not keys:
         raise InfinigenError(f"--spec-keys must be among {', '.join(SPEC_KEYS)}, got {spec_keys!r}")
     shares = [None] if correct is None else floats(correct, "--correct")
-    if not shares or any(not 0 <= c < 1 for c in shares):
+    if not shares or any(c is not None and not 0 <= c < 1 for c in shares):
         raise InfinigenError(f"--correct must be in [0, 1) (the share of the budget it fetches), got {correct!r}")
     out = []
     for n in names:
