@@ -208,8 +208,9 @@ class InfinigenCache(OffloadCache):
         the same speculation keys; the best rows speculation did not fetch, up to the rest of the budget, are
         gathered (a second, small copy) and joined to the speculated ones (before the new token's row)."""
         pool, opts = self.pools[layer], self.layer_opts[layer]
-        held_max = int(pool.n_held.max())
-        n = fetch_count(held_max, opts) - fetch_count(held_max, self.spec_opts[layer])
+        held = pool.n_held.max(1).tolist()  # per sequence, as speculation counts (host-known)
+        per_row = [fetch_count(h, opts) - fetch_count(h, self.spec_opts[layer]) for h in held]
+        n = max(per_row)
         if n <= 0:
             return sel, k, v
         t, (b, hkv) = pool.fill, pool.n_held.shape
@@ -222,8 +223,11 @@ class InfinigenCache(OffloadCache):
             taken |= ~held
         agg = s.softmax(-1).sum(2) if self.opts.group_agg == "sum" else s.amax(2)
         agg = agg.masked_fill(taken, float("-inf"))
-        best = agg.topk(min(n, t), dim=-1)  # unsorted order is fine: every row counts or is masked
+        best = agg.topk(min(n, t), dim=-1)  # sorted: a sequence keeps its own count, the first of them
         slots, ok = best.indices, best.values > float("-inf")
+        if min(per_row) < n:  # sequences of other lengths in the batch: each its own count (a host-made mask)
+            limit = torch.tensor(per_row).to(ok.device, non_blocking=True)
+            ok &= torch.arange(slots.shape[-1], device=ok.device) < limit[:, None, None]
         kc, vc = pool.gather(slots, ok)
         if pool.kernel:
             self.stats.h2d_rows[layer].append(ok.sum())
