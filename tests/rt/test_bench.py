@@ -69,13 +69,13 @@ def test_key_choices_side_by_side_fetch_the_same_bytes(smol_synthetic):
     """bench --spec-keys partial,int4,int2: one point per key choice, timed together; each records its keys, and
     all fetch the budget's rows (the keys choose which rows, not how many)."""
     kw = dict(warmup=1, trace=False, budget=0.25)
-    variants = [Variant("infinigen", k) for k in ("partial", "int4", "int2")] + [Variant("infinigen", "int4", 0.5)]
+    variants = [Variant("infinigen", k, 0.0) for k in ("partial", "int4", "int2")] + [Variant("infinigen", "int4", 0.5)]
     pts = run_points(smol_synthetic, "t", [*variants, "full"], 1, 96, 3, BW, **kw)
     assert [(p.spec_keys, p.correct) for p in pts] == [("partial", 0.0), ("int4", 0.0), ("int2", 0.0), ("int4", 0.5),
                                                        (None, None)]  # fmt: skip
     assert len({p.h2d_bytes_per_step for p in pts[:4]}) == 1 and pts[0].h2d_bytes_per_step > 0
     labels = [point_label(vars(p)) for p in pts]
-    assert len(set(labels)) == 5 and labels[3].endswith("int4 c0.5") and labels[4] == "full"
+    assert len(set(labels)) == 5 and labels[3].endswith("c0.5") and labels[4] == "full"
 
 
 def test_infinigen_fetch_share_is_pinned_by_budget(smol_synthetic):

@@ -123,10 +123,10 @@ def test_eval_table_reads_at_80_columns(bundles, tiny_text):
     h2o = next(r for r in rows if r.policy == "h2o" and r.budget == 0.1)
     assert ["h2o", "0.10", "-", f"{h2o.perplexity:.3f}", f"{h2o.delta_pct:+.2f}%", f"{h2o.kv_fetched_share:.1%}",
             f"{h2o.kv_attended_share:.1%}", "-", "-"] in lines, text
-    variant = Row("infinigen", 0.1, None, 40.0, 1.0, 0.1, 0.16, None, 6e6, 1.0, "int4", 0.25)
+    variant = Row("infinigen", 0.1, None, 40.0, 1.0, 0.1, 0.16, None, 6e6, 1.0, "partial", 0.5)  # not the defaults
     got = [ln.split() for ln in render80(eval_table([variant], "t")).splitlines()]
     assert ["infinigen", "0.10", "-", "40.000", "+1.00%", "10.0%", "16.0%", "-", "6.00"] in got  # its options fold
-    assert ["int4", "c0.25"] in got, got
+    assert ["partial", "c0.5"] in got, got
 
     r = run_cli("rt", "eval", bundles["llama31_gqa"], "--text", tiny_text, "--seq-len", 48, "--score-from", 40,
                 "--budgets", "0.5", "--device", "cpu", env={"COLUMNS": "80"})  # fmt: skip
