@@ -212,8 +212,8 @@ def test_every_policy_the_docs_list_exists():
     tables = {}
     for page in PAGES:
         for block in re.findall(r"^\| policy \|.*?\n(?:\|.*\n)+", page.read_text(), re.M):
-            # a row's policy, less the options in its label ("infinigen (int4 keys, correct 0.25)")
-            names = [row.split("|")[1].strip().strip("`*").split(" (")[0] for row in block.splitlines()[2:]]
+            # a row's policy, less the options in its label ("infinigen (int4 keys, correct 0.25)", "infinigen c0")
+            names = [row.split("|")[1].strip().strip("`*").split()[0] for row in block.splitlines()[2:]]
             bad += [f"{page.name} table: {p}" for p in names if p not in POLICIES]
             tables.setdefault(page.name, []).append(names)
     assert not bad, "policies the docs list that the runtime lacks:\n" + "\n".join(bad)
@@ -254,6 +254,8 @@ def test_published_numbers_are_the_results_json():
     accuracy, performance = (ROOT / "docs" / "accuracy.md").read_text(), (ROOT / "docs" / "performance.md").read_text()
     assert tables.accuracy(acc) in accuracy, "docs/accuracy.md: the table is not tables.py's rendering of the JSON"
     assert tables.bench(cpu) in performance, "docs/performance.md: the table is not tables.py's rendering of the JSON"
+    keys = json.loads((RESULTS / "bench-cpu-spec-keys-smollm2.json").read_text())
+    assert tables.bench(keys) in performance, "docs/performance.md: the key choices' table is not tables.py's"
 
     med = {w: statistics.median(r["ms_per_step"] for r in peer["rows"] if r["peer"] == w) for w in
            ("infinigen-rt full", "transformers")}  # fmt: skip
@@ -263,11 +265,15 @@ def test_published_numbers_are_the_results_json():
     spec = importlib.util.spec_from_file_location("doc_heldout", ROOT / "benchmarks" / "heldout.py")
     heldout = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(heldout)
-    held = [heldout.load(str(RESULTS / f"accuracy-smollm2-{t}.json")) for t in ("alice", "constitution", "rst-spec")]
+    names = ("alice", "constitution", "rst-spec", "rainbow", "pytest-fixtures", "psf-license")
+    held = [heldout.load(str(RESULTS / f"accuracy-smollm2-{t}.json")) for t in names]
     mean = heldout.mean_rows(held)
     assert mean == json.loads((RESULTS / "accuracy-heldout-smollm2.json").read_text())["mean"]
     table = heldout.markdown(held, [heldout.load(str(RESULTS / "accuracy-smollm2-hamlet.json"))], mean)
     assert table in accuracy, "docs/accuracy.md: the held-out table is not heldout.py's rendering of the JSON"
+    first = held[:3]  # the first round's texts, with every policy run on them
+    hamlet = [heldout.load(str(RESULTS / "accuracy-smollm2-hamlet.json"))]
+    assert heldout.markdown(first, hamlet, heldout.mean_rows(first)) in accuracy, "docs/accuracy.md: first round"
     needles = json.loads((RESULTS / "needle-smollm2.json").read_text())
     assert tables.needle(needles) in accuracy, "docs/accuracy.md: the needle table is not tables.py's rendering"
 
@@ -275,12 +281,14 @@ def test_published_numbers_are_the_results_json():
     row = {(r["policy"], r["budget"]): r for r in mean if r["policy"] != "infinigen" or (
         (r["alpha"], r["spec_keys"], r["correct"]) == (default.alpha, default.spec_keys, default.correct))}  # fmt: skip
     ig20, ig10 = row[("infinigen", 0.2)], row[("infinigen", 0.1)]
-    pt = {(p["policy"], p["context"]): p["ms_per_step"] for p in cpu["points"]}
-    ig, full = pt[("infinigen", 8192)], pt[("full", 8192)]
+    pt = {(p["policy"], p["spec_keys"], p["correct"], p["context"]): p["ms_per_step"] for p in keys["points"]}
+    ig, full = pt[("infinigen", default.spec_keys, default.correct, 8192)], pt[("full", None, None, 8192)]
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert f"fetches {100 * ig20['kv_fetched_share']:.1f} % of the KV" in readme
     assert f"**{ig20['delta_pct']:+.2f} %** above `full`; at 10 %, {ig10['delta_pct']:+.2f} %" in readme
     assert f"**{ig:.1f}** vs `full` {full:.1f} ms per step, **{full / ig:.2f}x**" in readme
+    paper = pt[("infinigen", "partial", 0.0, 8192)]
+    assert f"--correct 0`) {paper:.1f} ms, {full / paper:.2f}x" in readme
 
 
 # ---- the commands run ------------------------------------------------------------------------------------------

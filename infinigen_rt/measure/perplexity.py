@@ -50,10 +50,12 @@ def label(policy: str, spec_keys: str | None, correct: float | None, alpha: floa
           short: bool = False) -> str:  # fmt: skip
     """A policy's name in tables and plots; one that speculates with its keys, its margin when it has one (the
     budget alone decides otherwise) and its correction share when on. `short`: for a table at 80 columns with a
-    margin column, keys other than the default ones and the correction ("infinigen int4 c0.25")."""
+    margin column, the keys and the correction share where they differ from the defaults ("infinigen partial c0":
+    the paper's keys without a correction; plain "infinigen": the defaults)."""
     if short:
         keys = [spec_keys] if spec_keys not in (None, KVOptions.spec_keys) else []
-        return " ".join([policy, *keys] + ([f"c{correct:g}"] if correct else []))
+        corr = [f"c{correct:g}"] if correct is not None and correct != KVOptions.correct else []
+        return " ".join([policy, *keys, *corr])
     if spec_keys is None:
         return policy
     parts = [f"{spec_keys} keys"]
