@@ -208,8 +208,8 @@ class InfinigenCache(OffloadCache):
         the same speculation keys; the best rows speculation did not fetch, up to the rest of the budget, are
         gathered (a second, small copy) and joined to the speculated ones (before the new token's row)."""
         pool, opts = self.pools[layer], self.layer_opts[layer]
-        held = pool.n_held.max(1).tolist()  # per sequence, as speculation counts (host-known)
-        per_row = [fetch_count(h, opts) - fetch_count(h, self.spec_opts[layer]) for h in held]
+        per_seq = pool.n_held.max(1).tolist()  # tokens held per sequence, as speculation counts (host-known)
+        per_row = [fetch_count(h, opts) - fetch_count(h, self.spec_opts[layer]) for h in per_seq]
         n = max(per_row)
         if n <= 0:
             return sel, k, v
