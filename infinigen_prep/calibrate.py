@@ -15,7 +15,8 @@ import torch
 
 from infinigen_rt.errors import InfinigenError, notice
 from infinigen_rt.files import read_utf8
-from infinigen_rt.models.llama import Llama, apply_rope, rope_cos_sin
+from infinigen_rt.kv.cache import KVCache
+from infinigen_rt.kv.window import windowed
 from infinigen_rt.policies.full import DenseCache
 from infinigen_rt.step import pad_batch
 
@@ -92,39 +93,35 @@ def calib_token_ids(ids: list[int], text: CalibText, n: int, max_positions: int)
     return ids[:n]
 
 
+class _Tap(KVCache):
+    """A cache that shows each layer's queries and keys to `fn` as they reach it, then attends through `cache`."""
+
+    def __init__(self, cache: KVCache, fn):
+        self.cache, self.fn = cache, fn
+
+    def begin(self, valid, positions):
+        self.cache.begin(valid, positions)
+
+    def attend(self, layer, q, k, v):
+        hkv = k.shape[1]
+        self.fn(layer, q[0].float().reshape(hkv, -1, *q.shape[2:]), k[0].float())
+        return self.cache.attend(layer, q, k, v)
+
+    def end(self):
+        self.cache.end()
+
+
 @torch.inference_mode()
 def for_each_layer_qk(model, cfg, ids: list[int], fn) -> None:
-    """One dense pass over `ids`, calling fn(layer, q, k) as each layer computes its queries and keys.
+    """One dense pass over `ids`, calling fn(layer, q, k) as each layer's queries and keys reach its cache.
 
-    q: [Hkv, G, T, D] (grouped by KV head), k: [Hkv, T, D], fp32, post-RoPE where the model has RoPE.
-    Forward hooks on q_proj/k_proj: the model code is the runtime's, untouched."""
-    h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q: [Hkv, G, T, D] (grouped by KV head), k: [Hkv, T, D], fp32, exactly as the layer attends with them (normed,
+    post-RoPE, the queries with the model's query scale). The model code is the runtime's, untouched."""
     param = next(model.parameters())
     x, positions, valid = pad_batch([ids], 0, param.device)
-    rope = rope_cos_sin(model.inv_freq, positions, torch.float32) if isinstance(model, Llama) else None
-    pending: dict[int, torch.Tensor] = {}
-    hooks = []
-
-    def heads(out, n):  # [1, T, n*D] -> [n, T, D] in fp32, rotated when the model has RoPE
-        t = out.float().view(1, -1, n, d).transpose(1, 2)
-        return (apply_rope(t, *rope) if rope is not None else t)[0]
-
-    for i, block in enumerate(model.layers):
-        attn = block.self_attn
-
-        def on_q(mod, inp, out, i=i):
-            pending[i] = heads(out, h).view(hkv, h // hkv, -1, d)
-
-        def on_k(mod, inp, out, i=i):
-            fn(i, pending.pop(i), heads(out, hkv))
-
-        hooks += [attn.q_proj.register_forward_hook(on_q), attn.k_proj.register_forward_hook(on_k)]
-    try:
-        cache = DenseCache(cfg, 1, len(ids), param.device, param.dtype)
-        model(x, positions, cache, valid, last_only=True)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    cache = windowed(cfg, DenseCache(cfg, 1, len(ids), param.device, param.dtype), 1, len(ids), param.device,
+                     param.dtype)  # fmt: skip
+    model(x, positions, _Tap(cache, fn), valid, last_only=True)
 
 
 MASS = 0.9  # the attention mass whose key share calibration measures per layer

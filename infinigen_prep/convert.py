@@ -43,7 +43,7 @@ from infinigen_rt.models import MODELS
 from infinigen_rt.system import DTYPES
 
 DEFAULT_SHARD_BYTES = 4 * 1024**3
-PREFIXES = {"llama": "model.", "opt": "model.decoder."}
+PREFIXES = {"llama": "model.", "gemma3": "model.", "opt": "model.decoder."}
 
 
 def open_source(source: str, revision: str | None = None) -> Source:

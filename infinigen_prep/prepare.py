@@ -42,7 +42,7 @@ from infinigen_rt.models import load_model
 # alpha in logit units. llama: measured on SmolLM2-135M (Hamlet, 1024 tokens scored from 512, budget 10 %,
 # benchmarks/levers.py): alpha 5 +20.8 % ppl at 6.4 % fetched (under-fetches), 6 +6.4 % at 8.3 %, 8 +2.30 % at
 # 9.8 %, 12 and over +2.41 % at 9.9 % (the budget caps). opt: the paper's 4 (no trained OPT checkpoint here).
-DEFAULT_ALPHA = {"opt": 4.0, "llama": 8.0}
+DEFAULT_ALPHA = {"opt": 4.0, "llama": 8.0, "gemma3": 8.0}
 RECALL_KEEP = 0.1  # share of the context kept when comparing column selections
 EVAL_TOKENS = 1024
 # the mean true attention mass the calibrated per-layer margins keep (defaults.layer_alpha); on SmolLM2 (Macbeth)
@@ -178,7 +178,7 @@ def write_infinigen_file(folder: Path, bundle, skews, idx) -> None:
     tensors: dict[str, torch.Tensor] = {}  # on the CPU, to be written
     for i in range(cfg.num_hidden_layers):
         tensors[partial_idx_name(i)] = idx[i].to("cpu", torch.int64).contiguous()
-        if cfg.arch == "llama":
+        if cfg.arch != "opt":
             tensors[skew_name(i)] = skews[i].to("cpu", torch.float32).contiguous()
     if cfg.arch == "opt":
         tensors.update(fold_opt(folder, bundle, skews, idx))

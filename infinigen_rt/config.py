@@ -8,16 +8,19 @@ from dataclasses import dataclass, field
 from infinigen_rt.errors import InfinigenError
 
 # model_type in a HF config.json -> our architecture (one model file each)
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "opt": "opt"}
+ARCHITECTURES = {
+    "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "opt": "opt", "gemma3_text": "gemma3",
+}  # fmt: skip
 ROPE_TYPES = ("default", "linear", "llama3")
 ACTIVATIONS = ("silu", "relu", "gelu", "gelu_new")
+SLIDING, GLOBAL = "sliding_attention", "full_attention"  # HF's layer_types
 
 
 @dataclass
 class ModelConfig:
     """Everything the model code needs; field names follow the HF Llama config where one exists."""
 
-    arch: str  # "llama" or "opt"
+    arch: str  # "llama", "gemma3" or "opt"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -34,6 +37,13 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v biases (Qwen2); OPT has all biases
     attention_out_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # an RMSNorm over each head's query and key before RoPE (Qwen3, Gemma 3)
+    # sliding-window attention: a layer of type SLIDING attends to its last `sliding_window` tokens (itself
+    # included); layer_types None: every layer is GLOBAL (or SLIDING when sliding_window is set)
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    rope_local_theta: float | None = None  # the sliding layers' RoPE base, when it differs (Gemma 3)
+    query_scale: float = 1.0  # queries are multiplied by this before the usual 1/sqrt(head_dim) (Gemma 3)
     # OPT only
     word_embed_proj_dim: int | None = None  # != hidden_size -> project_in/project_out
     do_layer_norm_before: bool = True
@@ -43,8 +53,8 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self):
-        if self.arch not in ("llama", "opt"):
-            raise InfinigenError(f"unsupported architecture {self.arch!r}; supported: llama, opt")
+        if self.arch not in ("llama", "gemma3", "opt"):
+            raise InfinigenError(f"unsupported architecture {self.arch!r}; supported: llama, gemma3, opt")
         if self.num_attention_heads % self.num_key_value_heads:
             raise InfinigenError(
                 f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
@@ -55,6 +65,28 @@ class ModelConfig:
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
             raise InfinigenError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {SLIDING, GLOBAL}:
+                raise InfinigenError(f"layer_types must list {SLIDING!r} or {GLOBAL!r} for each of the "
+                                     f"{self.num_hidden_layers} layers")  # fmt: skip
+            if SLIDING in self.layer_types and not self.sliding_window:
+                raise InfinigenError("layer_types has sliding layers but the config sets no sliding_window")
+
+    def window(self, layer: int) -> int | None:
+        """The tokens layer `layer` attends to (itself included), or None: every token before it (global)."""
+        if not self.sliding_window:
+            return None
+        kind = SLIDING if self.layer_types is None else self.layer_types[layer]
+        return self.sliding_window if kind == SLIDING else None
+
+    @property
+    def global_layers(self) -> list[int]:
+        """The layers that attend to the whole context (the ones whose KV grows with it)."""
+        return [i for i in range(self.num_hidden_layers) if self.window(i) is None]
+
+    @property
+    def sliding_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.window(i) is not None]
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -109,32 +141,75 @@ class ModelConfig:
                 position_offset=2,
                 **common,
             )
-        rope_scaling = hf.get("rope_scaling") or None
         rope_params = hf.get("rope_parameters")  # transformers >= 5 folds theta and scaling in here
-        if (
-            rope_scaling is None
-            and isinstance(rope_params, dict)
-            and rope_params.get("rope_type", "default") != "default"
-        ):
-            rope_scaling = dict(rope_params)
-        if rope_scaling is not None:
-            rope_scaling = dict(rope_scaling)
-            rope_scaling.setdefault("rope_type", rope_scaling.pop("type", "default"))
-            rope_scaling.pop("rope_theta", None)
-        theta = hf.get("rope_theta") or (rope_params or {}).get("rope_theta") or 10000.0
+        local_theta = None
+        if arch == "gemma3" and isinstance(rope_params, dict) and GLOBAL in rope_params:  # per layer type
+            local_theta = (rope_params.get(SLIDING) or {}).get("rope_theta")
+            rope_params = rope_params[GLOBAL]
+        rope_scaling = _rope_scaling(hf.get("rope_scaling"), rope_params)
+        default_theta = 1_000_000.0 if arch == "gemma3" else 10000.0
+        theta = hf.get("rope_theta") or (rope_params or {}).get("rope_theta") or default_theta
         heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        window, layer_types = _sliding(hf, model_type)
+        act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
+        if arch == "gemma3":
+            if hf.get("final_logit_softcapping") or hf.get("attn_logit_softcapping"):
+                raise InfinigenError("logit soft-capping (Gemma 2 style) is not supported")
+            local_theta = local_theta or hf.get("rope_local_base_freq") or 10000.0
+        scalar = hf.get("query_pre_attn_scalar")
         return cls(
-            arch="llama",
+            arch=arch,
             intermediate_size=hf["intermediate_size"],
             num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            head_dim=head_dim,
             norm_eps=hf.get("rms_norm_eps", 1e-6),
-            hidden_act=hf.get("hidden_act", "silu"),
+            hidden_act="gelu_new" if act == "gelu_pytorch_tanh" else act,
             rope_theta=float(theta),
             rope_scaling=rope_scaling,
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            tie_word_embeddings=hf.get("tie_word_embeddings", arch == "gemma3"),
             attention_bias=hf.get("attention_bias", model_type == "qwen2"),
-            attention_out_bias=hf.get("attention_bias", False),
+            attention_out_bias=hf.get("attention_bias", False) and model_type != "qwen2",
             mlp_bias=hf.get("mlp_bias", False),
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            sliding_window=window,
+            layer_types=layer_types,
+            rope_local_theta=None if local_theta is None else float(local_theta),
+            query_scale=1.0 if not scalar else (head_dim / scalar) ** 0.5,
             **common,
         )
+
+
+def _rope_scaling(rope_scaling: dict | None, rope_params: dict | None) -> dict | None:
+    """The RoPE scaling of an HF config (`rope_scaling`, or transformers 5's `rope_parameters`), without theta."""
+    rope_scaling = rope_scaling or None
+    if rope_scaling is None and isinstance(rope_params, dict) and rope_params.get("rope_type", "default") != "default":
+        rope_scaling = dict(rope_params)
+    if rope_scaling is not None:
+        rope_scaling = dict(rope_scaling)
+        rope_scaling.setdefault("rope_type", rope_scaling.pop("type", "default"))
+        rope_scaling.pop("rope_theta", None)
+        if rope_scaling["rope_type"] == "default":
+            return None
+    return rope_scaling
+
+
+def _sliding(hf: dict, model_type: str) -> tuple[int | None, list[str] | None]:
+    """(sliding_window, layer_types) of an HF config: Mistral slides on every layer when it sets a window, Gemma 3
+    on five layers of six (or as its layer_types say), Qwen only with use_sliding_window (layers from
+    max_window_layers on); (None, None) when no layer slides."""
+    window, n = hf.get("sliding_window"), hf["num_hidden_layers"]
+    if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window"):
+        return None, None
+    if not window or model_type == "llama":
+        return None, None
+    types = hf.get("layer_types")
+    if types is None and model_type == "gemma3_text":
+        pattern = hf.get("sliding_window_pattern") or 6
+        types = [SLIDING if (i + 1) % pattern else GLOBAL for i in range(n)]
+    elif types is None and model_type in ("qwen2", "qwen3"):
+        first = hf.get("max_window_layers", n)
+        types = [SLIDING if i >= first else GLOBAL for i in range(n)]
+    if types is not None and SLIDING not in types:
+        return None, None
+    return int(window), None if types is None or GLOBAL not in types else list(types)

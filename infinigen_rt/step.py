@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from infinigen_rt.kv.cache import KVCache
+from infinigen_rt.kv.window import inner
 from infinigen_rt.policies.full import DenseCache
 
 
@@ -50,7 +51,7 @@ class _Shared(KVCache):
     """One forward pass feeding several caches (see `prefill`)."""
 
     def __init__(self, caches: list[KVCache]):
-        if type(caches[0]) is not DenseCache:
+        if type(inner(caches[0])) is not DenseCache:
             raise TypeError("a shared prefill attends on its first cache: it must be a DenseCache")
         self.caches = caches
 
@@ -62,10 +63,10 @@ class _Shared(KVCache):
         for c in self.caches:
             c.observe(layer, x)
 
-    def update(self, layer, q, k, v):
-        out = self.caches[0].update(layer, q, k, v)
+    def attend(self, layer, q, k, v):
+        out = self.caches[0].attend(layer, q, k, v)
         for c in self.caches[1:]:
-            c.update(layer, q, k, v)
+            c.store(layer, q, k, v)
         return out
 
     def end(self):

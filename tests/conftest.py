@@ -69,6 +69,38 @@ TINY_CONFIGS = {
             tie_word_embeddings=True,
         ),
     ),
+    # Llama-3.2 style: tied embeddings and llama3 rope scaling together, GQA 4:1
+    "llama32": (
+        "llama",
+        dict(
+            hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=1,
+            tie_word_embeddings=True, rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 16},
+        ),
+    ),  # fmt: skip
+    # Qwen2.5 style: biases on q, k and v (none on o), GQA 4:2
+    "qwen25": ("qwen2", dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)),
+    # Qwen3 style: q/k RMSNorm, no biases, head_dim 48 (not hidden / heads = 32)
+    "qwen3": (
+        "qwen3",
+        dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=48),
+    ),
+    # Mistral style: a sliding window on every layer, shorter than the test prompts
+    "mistral": (
+        "mistral",
+        dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, sliding_window=8),
+    ),
+    # Gemma 3 style: one KV head, Gemma norms, q/k norms, query_pre_attn_scalar != head_dim, gelu-tanh, tied,
+    # sliding layers (window 8, base 10k) around a global one (base 1M)
+    "gemma3": (
+        "gemma3_text",
+        dict(
+            hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+            query_pre_attn_scalar=48, sliding_window=8, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        ),
+    ),  # fmt: skip
     # OPT-125m/6.7b style: pre-LN, ReLU, biases
     "opt": (
         "opt",
@@ -135,15 +167,11 @@ def make_checkpoint(path: Path, name: str, seed: int = 0, layers: int = 4, safet
         )
         model = transformers.OPTForCausalLM(cfg)
     else:
-        cfg = transformers.LlamaConfig(
-            vocab_size=vocab,
-            num_hidden_layers=layers,
-            max_position_embeddings=256,
-            bos_token_id=1,
-            eos_token_id=2,
-            **kw,
-        )
-        model = transformers.LlamaForCausalLM(cfg)
+        cfg = transformers.AutoConfig.for_model(
+            model_type, vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=256, bos_token_id=1,
+            eos_token_id=2, pad_token_id=0, **kw,
+        )  # fmt: skip
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
     # random init of norms is all ones and biases zeros: perturb them so parity checks really check them
     with torch.no_grad():
         for _, p in model.named_parameters():

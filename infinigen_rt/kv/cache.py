@@ -108,6 +108,10 @@ class KVCache:
             enable_gqa=keys.shape[1] != q.shape[1],
         )  # fmt: skip
 
+    def store(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep k, v as `attend` would, without attending (a shared prefill's other caches: step.py)."""
+        self.update(layer, q, k, v)
+
     def end(self) -> None:
         """The forward pass is over (policies enforce capacity, advance counters)."""
 
@@ -128,7 +132,12 @@ class Policy:
         return self.cls.name
 
     def build(self, engine, batch: int, max_len: int, pages=None) -> KVCache:
-        return self.cls.build(engine, self.opts, batch, max_len, pages)
+        """The cache the model talks to: the policy's, behind a Hybrid with the sliding layers' rings on the device
+        when the model has sliding-window layers (window.py)."""
+        from infinigen_rt.kv.window import windowed
+
+        cache = self.cls.build(engine, self.opts, batch, max_len, pages)
+        return windowed(engine.cfg, cache, batch, max_len, engine.device, engine.dtype)
 
     def pool_slots(self, prompt: int, new: int, chunk: int) -> int:
         return self.cls.pool_slots(self.opts, prompt, new, chunk)

@@ -6,11 +6,12 @@ import torch
 
 from infinigen_rt.bundle import Bundle, load_weights
 from infinigen_rt.errors import InfinigenError
+from infinigen_rt.models.gemma3 import Gemma3
 from infinigen_rt.models.llama import Llama, rope_inv_freq
 from infinigen_rt.models.opt import OPT
 from infinigen_rt.tp import TP, shard_config
 
-MODELS = {"llama": Llama, "opt": OPT}
+MODELS = {"llama": Llama, "gemma3": Gemma3, "opt": OPT}
 
 
 def load_model(bundle: Bundle, device, dtype: torch.dtype, tp: TP | None = None) -> torch.nn.Module:
@@ -34,4 +35,6 @@ def load_model(bundle: Bundle, device, dtype: torch.dtype, tp: TP | None = None)
     model.load_state_dict(state, assign=True)
     if isinstance(model, Llama):
         model.inv_freq = rope_inv_freq(cfg).to(device)  # non-persistent buffer: recompute off meta
+    elif isinstance(model, Gemma3):
+        model.rope_buffers()
     return model.eval()

@@ -1,4 +1,4 @@
-"""The Llama family (Llama-2, Llama-3.x with GQA and llama3 rope scaling, SmolLM2, Mistral, Qwen2).
+"""The Llama family (Llama-2, Llama-3.x with GQA and llama3 rope scaling, SmolLM2, Mistral, Qwen2, Qwen3).
 
 Attribute names equal the checkpoint's tensor names (less the `model.` prefix), so a bundle loads
 with `load_state_dict` and no renaming table.
@@ -23,13 +23,17 @@ ACT = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu, "gelu_new": lambda x: F.g
 @dataclass
 class SpeculationTaps:
     """What InfiniGen's speculation reads from a model, per layer: the query projection and the attention input's
-    norm as (weight, bias or None), and the rotary embedding as positions [B, S] -> (cos, sin) (None without RoPE).
-    `normalised_input`: the attention input is a norm's output (pre-LN); post-LN OPT feeds the raw residual."""
+    norm as (weight, bias or None), and the rotary embedding of the speculated (global) layers as positions [B, S] ->
+    (cos, sin) (None without RoPE). `normalised_input`: the attention input is a norm's output (pre-LN); post-LN
+    OPT feeds the raw residual. `q_norm`: per layer, the norm over each head's query before RoPE (Qwen3, Gemma 3),
+    or None; `query_scale`: what the model multiplies its queries by (ModelConfig.query_scale)."""
 
     q_proj: list[tuple[torch.Tensor, torch.Tensor | None]]
     norms: list[tuple[torch.Tensor, torch.Tensor | None]]
     rope: Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]] | None
     normalised_input: bool
+    q_norm: list[Callable | None] | None = None
+    query_scale: float = 1.0
 
 
 class RMSNorm(nn.Module):
@@ -45,11 +49,13 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [D/2] with the config's scaling (default, linear, llama3)."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies [D/2] with the config's scaling (default, linear, llama3). `local`: the sliding layers'
+    own base (rope_local_theta, unscaled)."""
     d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    scaling = cfg.rope_scaling or {}
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = {} if local else cfg.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
@@ -84,16 +90,19 @@ def identity(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, reduce: Callable = identity):
-        """`reduce`: the all-reduce after the output projection under tensor parallelism (tp.py)."""
+    def __init__(self, cfg: ModelConfig, layer: int, reduce: Callable = identity, norm: type = RMSNorm):
+        """`reduce`: the all-reduce after the output projection under tensor parallelism (tp.py); `norm`: the
+        class of the query and key norms (cfg.qk_norm)."""
         super().__init__()
-        self.layer, self.reduce = layer, reduce
+        self.layer, self.reduce, self.query_scale = layer, reduce, cfg.query_scale
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         d = cfg.hidden_size
         self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=cfg.attention_out_bias)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = norm(self.head_dim, cfg.norm_eps), norm(self.head_dim, cfg.norm_eps)
 
     def forward(self, x, cos, sin, cache: KVCache):
         b, s, _ = x.shape
@@ -101,7 +110,11 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, S, D)
         k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
         v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.query_scale != 1.0:  # the caches attend with 1/sqrt(head_dim): the model's own scale folds in here
+            q = q * self.query_scale
         y = cache.attend(self.layer, q, k, v)
         return self.reduce(self.o_proj(y.transpose(1, 2).reshape(b, s, -1)))
 
@@ -153,6 +166,8 @@ class Llama(nn.Module):
             norms=[(b.input_layernorm.weight, None) for b in self.layers],
             rope=lambda positions, dtype: rope_cos_sin(self.inv_freq, positions, dtype),
             normalised_input=True,
+            q_norm=[getattr(b.self_attn, "q_norm", None) for b in self.layers],
+            query_scale=self.cfg.query_scale,
         )
 
     def forward(self, input_ids, positions, cache: KVCache, valid, last_only: bool = False):

@@ -20,18 +20,19 @@ class DenseCache(KVCache):
 
     @classmethod
     def kv_bytes(cls, engine, opts, tokens, dtype_bytes):
-        kv = tokens * 2 * engine.cfg.head_dim * dtype_bytes * engine.cfg.num_hidden_layers
+        kv = tokens * 2 * engine.cfg.head_dim * dtype_bytes * len(engine.cfg.global_layers)
         return kv, 0, kv
 
     def report(self) -> KVReport:
         return KVReport(kv_fetched_share=1.0, kv_attended_share=1.0)
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype, layers: int | None = None):
-        """`layers`: buffers for the first `layers` layers only (the others live elsewhere)."""
+        """`layers`: buffers for the first `layers` layers only (the others live elsewhere). None for a sliding-window
+        layer: its KV lives in the window ring (kv/window.py)."""
         shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
         n = cfg.num_hidden_layers if layers is None else layers
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n)]
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) if cfg.window(i) is None else None for i in range(n)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) if cfg.window(i) is None else None for i in range(n)]
         self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)  # real (non-pad) slots
         self.max_len = max_len
         self.length = 0  # slots filled, the same for every sequence (left padding aligns the ends)

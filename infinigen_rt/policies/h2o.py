@@ -32,14 +32,15 @@ class H2OCache(DenseCache):
     @classmethod
     def kv_bytes(cls, engine, opts, tokens, dtype_bytes):
         kv, _, read = super().kv_bytes(engine, opts, tokens, dtype_bytes)
-        state = tokens * 5 * engine.cfg.num_hidden_layers  # alive flags and accumulated scores (fp32)
+        state = tokens * 5 * len(engine.cfg.global_layers)  # alive flags and accumulated scores (fp32)
         return kv + state, 0, read
 
     def __init__(self, cfg, batch, max_len, device, dtype, opts: KVOptions):
         super().__init__(cfg, batch, max_len, device, dtype)
         shape = (batch, cfg.num_key_value_heads, max_len)
-        self.alive = [torch.zeros(shape, dtype=torch.bool, device=device) for _ in range(cfg.num_hidden_layers)]
-        self.score = [torch.zeros(shape, dtype=torch.float32, device=device) for _ in range(cfg.num_hidden_layers)]
+        layers = cfg.global_layers  # (sliding layers keep their window: kv/window.py)
+        self.alive = {i: torch.zeros(shape, dtype=torch.bool, device=device) for i in layers}
+        self.score = {i: torch.zeros(shape, dtype=torch.float32, device=device) for i in layers}
         self.group = cfg.num_attention_heads // cfg.num_key_value_heads
         self.opts = opts
         # counted on the device, read by `report` (a decode step reads nothing)

@@ -42,11 +42,14 @@ from infinigen_rt.policies.speculation import (
 BUCKET = 64  # the fetch size of a sync-free step is a multiple of this (fewer distinct shapes)
 
 
-def layer_options(opts: KVOptions, defaults: InfinigenDefaults, dense: int, n_layers: int) -> dict[int, KVOptions]:
+def layer_options(
+    opts: KVOptions, defaults: InfinigenDefaults, dense: int, n_layers: int, layers: list[int] | None = None,
+) -> dict[int, KVOptions]:  # fmt: skip
     """Each speculated layer's options: one budget, or with layer_budget e (the option, else the bundle's default)
     budgets min(1, c * s_j^e) from the calibration's per-layer key shares s_j, c chosen so that their mean is the
-    budget (the same bytes: spread layers fetch more, focused ones less; a full budget stays every token)."""
-    layers = range(dense, n_layers)
+    budget (the same bytes: spread layers fetch more, focused ones less; a full budget stays every token).
+    `layers`: the speculated layers (default: every layer from `dense` on; a hybrid model's global ones)."""
+    layers = range(dense, n_layers) if layers is None else layers
     e = defaults.layer_budget if opts.layer_budget is None else opts.layer_budget
     if not e:
         return dict.fromkeys(layers, opts)
@@ -68,10 +71,12 @@ def layer_options(opts: KVOptions, defaults: InfinigenDefaults, dense: int, n_la
     return {j: replace(opts, budget=min(1.0, hi * x)) for j, x in zip(layers, w, strict=True)}
 
 
-def layer_alphas(opts: KVOptions, defaults: InfinigenDefaults, dense: int, n_layers: int) -> dict[int, float]:
+def layer_alphas(
+    opts: KVOptions, defaults: InfinigenDefaults, dense: int, n_layers: int, layers: list[int] | None = None,
+) -> dict[int, float]:  # fmt: skip
     """Each speculated layer's margin: the option's alpha; else with layer_alpha the bundle's calibrated one per
     layer; else none (inf: the budget alone sets the count, the default chosen on the tuning texts)."""
-    layers = range(dense, n_layers)
+    layers = range(dense, n_layers) if layers is None else layers
     if opts.alpha is not None or not opts.layer_alpha:
         return dict.fromkeys(layers, math.inf if opts.alpha is None else opts.alpha)
     per = defaults.layer_alpha
@@ -79,6 +84,12 @@ def layer_alphas(opts: KVOptions, defaults: InfinigenDefaults, dense: int, n_lay
         raise InfinigenError("layer_alpha needs the bundle's calibrated margins (layer_alpha); convert it again "
                              "with this version of infinigen-prep")  # fmt: skip
     return {j: float(per[j]) for j in layers}
+
+
+def speculated(cfg, dense: int) -> list[int]:
+    """The layers InfiniGen speculates: past the dense ones, those that attend to the whole context (a sliding
+    layer keeps its window on the device: kv/window.py)."""
+    return [j for j in cfg.global_layers if j >= dense]
 
 
 class InfinigenCache(OffloadCache):
@@ -117,7 +128,7 @@ class InfinigenCache(OffloadCache):
         d_prime = next(t for k, t in engine.speculation.tensors.items() if k.endswith("partial_idx")).shape[-1]
         device, host, read = cls.pool_bytes(engine, tokens, 2 * cfg.head_dim * dtype_bytes, dense)
         row = spec_key_bytes(opts.spec_keys, cfg.head_dim, d_prime, dtype_bytes)
-        keys = tokens * row * (cfg.num_hidden_layers - dense)  # (`tokens`: token-heads) read every step
+        keys = tokens * row * len(speculated(cfg, dense))  # (`tokens`: token-heads) read every step
         return device + keys, host, read + keys
 
     def __init__(
@@ -130,17 +141,17 @@ class InfinigenCache(OffloadCache):
         # the dense layers stay on the device
         super().__init__(cfg, batch, max_len, device, dtype, opts, resident=dense, pages=pages)
         self.alpha = math.inf if opts.alpha is None else opts.alpha
-        self.alphas = layer_alphas(opts, defaults, dense, cfg.num_hidden_layers)
+        layers = speculated(cfg, dense)
+        self.alphas = layer_alphas(opts, defaults, dense, cfg.num_hidden_layers, layers)
         self.dense_layers = dense
         self.spec = Speculator(cfg, model.speculation_taps(), tensors, self.device, dtype)
         # the speculated layers' speculation keys (the skewed partial columns, or every column at a few bits), in
         # the pool's slots, on the device
-        self.keys = spec_keys(opts.spec_keys, self.spec, range(dense, cfg.num_hidden_layers), batch, max_len,
-                              self.device, dtype)  # fmt: skip
+        self.keys = spec_keys(opts.spec_keys, self.spec, layers, batch, max_len, self.device, dtype)
         self.tp = tp
         self.prefetch = prefetcher(self.device, overlap=tp is None or self.device.type == "cuda")
         self.sync_free = self.device.type == "cuda"  # no device read for the fetch size (see the docstring)
-        self.layer_opts = layer_options(opts, defaults, dense, cfg.num_hidden_layers)
+        self.layer_opts = layer_options(opts, defaults, dense, cfg.num_hidden_layers, layers)
         # with a correction step, speculation fetches 1 - correct of each layer's budget and the correction the rest
         c = opts.correct
         self.spec_opts = {j: replace(o, budget=o.budget * (1 - c), max_kv=o.max_kv and max(1, int(o.max_kv * (1 - c))))
@@ -150,7 +161,7 @@ class InfinigenCache(OffloadCache):
         # rows arrive in the other): a new tensor per layer, made on the side stream and freed on the compute stream
         # while the host runs ahead of the copies, could not be reused before they caught up (measured under fake
         # CUDA: +6.2 GiB per decode step at Llama-2-7B, 4 x 32k, 10 %)
-        self.rows = self.row_buffers() if self.sync_free else None
+        self.rows = self.row_buffers() if self.sync_free and layers else None
 
     def row_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Two (keys, values) buffers [B, Hkv, N + 1, D], N the widest fetch any speculated layer can make."""
@@ -166,7 +177,7 @@ class InfinigenCache(OffloadCache):
 
     def observe(self, layer: int, x: torch.Tensor) -> None:
         j = layer + 1
-        if not self.decoding or j < self.dense_layers or j >= self.cfg.num_hidden_layers:
+        if not self.decoding or j < self.dense_layers or j >= self.cfg.num_hidden_layers or self.pools[j] is None:
             return
         self.prefetch.start(j, self.speculate, j, x)  # while layer j-1 computes
 
@@ -274,13 +285,16 @@ class InfinigenCache(OffloadCache):
         stats, r = self.stats, super().report()  # (which settles every device count, in one read)
         fetched = {j: stats.fetched_rows(j) for j in stats.fetched}
         share = sum(fetched.values()) / sum(stats.held.values()) if stats.held else None
-        dense = self.dense_layers / self.cfg.num_hidden_layers
+        # the dense and the sliding layers attend all they hold
+        dense = 1 - len(speculated(self.cfg, self.dense_layers)) / self.cfg.num_hidden_layers
         r.kv_fetched_share = None if share is None else round(share, 6)
         r.share_rows = sum(stats.held.values()) if stats.held else None
         if self.opts.correct and stats.held:
             stats.settle()
             r.kv_corrected_share = round(sum(stats.corrected) / sum(stats.held.values()), 6)
         r.kv_attended_share = None if share is None else round(dense + (1 - dense) * share, 6)
+        if dense == 1:  # nothing to speculate (every layer slides)
+            r.kv_attended_share = 1.0
         n = stats.per_row_n
         r.tokens_per_head_mean = round(stats.per_row_sum / n, 3) if n else None
         r.tokens_per_head_max = float(stats.per_row_max) if n else None

@@ -71,7 +71,8 @@ class Int4Cache(OffloadCache):
     def report(self) -> KVReport:
         # every token is fetched, at 4 bits: its share of the bytes fp16 KV would move
         r = super().report()
-        r.kv_fetched_share = round(self.pools[0].row_bytes / (2 * self.cfg.head_dim * 2), 6)
+        pool = next(p for p in self.pools if p is not None)
+        r.kv_fetched_share = round(pool.row_bytes / (2 * self.cfg.head_dim * 2), 6)
         return r
 
     def update(self, layer, q, k, v):

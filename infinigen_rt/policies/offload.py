@@ -109,9 +109,9 @@ class OffloadCache(KVCache):
         layer's fetched rows twice over (the layer computing and the next one arriving); resident layers' KV on
         the device, read every step."""
         cfg = engine.cfg
-        pooled = cfg.num_hidden_layers - resident
+        pooled = len([i for i in cfg.global_layers if i >= resident])
         kv_row = 2 * cfg.head_dim * engine.dtype.itemsize
-        dense = tokens * kv_row * resident
+        dense = tokens * kv_row * len([i for i in cfg.global_layers if i < resident])
         return 2 * tokens * kv_row + tokens * 12 * pooled + dense, tokens * row * pooled, dense
 
     def __init__(
@@ -124,7 +124,7 @@ class OffloadCache(KVCache):
         self.n_resident = resident
         slots = max_len if pages is None else min(max_len, len(pages.slots))  # pages: the reservation (pool_slots)
         self.pools = [
-            None if i < resident else self.pool_class(
+            None if i < resident or cfg.window(i) is not None else self.pool_class(
                 batch, cfg.num_key_value_heads, cfg.head_dim, slots, dtype, self.device, opts.eviction, opts.window,
                 pages, i,
             )
@@ -148,7 +148,7 @@ class OffloadCache(KVCache):
         # other): device memory is fixed before the first step. A fresh block per layer, freed on the compute stream
         # while the host runs ahead of the copy engine, could not be reused before the copies caught up: up to a
         # step's worth of blocks (Llama-2-7B at 4 x 32k: 32 of 2 GiB)
-        self.blocks = self.layer_blocks() if self.ahead else None
+        self.blocks = self.layer_blocks() if self.ahead and any(p is not None for p in self.pools) else None
 
     def begin(self, valid, positions) -> None:
         if self.resident is not None:
@@ -267,11 +267,12 @@ class OffloadCache(KVCache):
         if self.opts.capacity is None:  # the pool holds everything: nothing to evict
             return
         cap = self.opts.capacity_tokens(self.lengths)
-        for pool in self.pools[self.n_resident :]:
-            pool.evict(cap)
+        for pool in self.pools:
+            if pool is not None:
+                pool.evict(cap)
 
     def evictions(self) -> int:
-        return sum(p.evicted for p in self.pools[self.n_resident :])
+        return sum(p.evicted for p in self.pools if p is not None)
 
     def report(self) -> KVReport:
         h2d = self.stats.layer_h2d()

@@ -97,8 +97,12 @@ class Speculator:
             return F.linear(x, w, bias).view(b, hkv, g, -1)
         weight, bias = self.taps.q_proj[j]  # RoPE sits between projection and dot product: full query, rotate
         q = F.linear(x, weight, bias).view(b, 1, hkv * g, d).transpose(1, 2)
+        if self.taps.q_norm is not None and self.taps.q_norm[j] is not None:  # the head's norm, as layer j's own
+            q = self.taps.q_norm[j](q)
         if self.taps.rope is not None:
             q = apply_rope(q, *cos_sin)
+        if self.taps.query_scale != 1.0:  # as the model scales its queries (the correction's true query comes so)
+            q = q * self.taps.query_scale
         return self.keys_side(j, q.reshape(b, hkv, g, d), full)
 
     def keys_side(self, j: int, q: torch.Tensor, full: bool) -> torch.Tensor:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from infinigen_rt.bundle import read_bundle
+from infinigen_rt.kv.window import windowed
 from infinigen_rt.models import load_model
 from infinigen_rt.policies.full import DenseCache
 from infinigen_rt.step import pad_batch
@@ -14,10 +15,15 @@ from tests.conftest import TINY_CONFIGS
 DECODE_STEPS = 16
 
 
+def dense(cfg, batch: int, n: int):
+    """The exact cache for `batch` sequences of `n` tokens (the sliding layers' rings included)."""
+    return windowed(cfg, DenseCache(cfg, batch, n, "cpu", torch.float32), batch, n, "cpu", torch.float32)
+
+
 def ours_greedy(model, cfg, prompt: list[int], steps: int):
     """Prefill then `steps` greedy decode steps through our cache; logits of each step [steps+1, V]."""
     ids, pos, valid = pad_batch([prompt], 0, "cpu")
-    cache = DenseCache(cfg, 1, len(prompt) + steps + 1, "cpu", torch.float32)
+    cache = dense(cfg, 1, len(prompt) + steps + 1)
     prefill = model(ids, pos, cache, valid)[0]  # [S, V]
     logits, toks = [prefill[-1]], []
     p = pos[:, -1:]
@@ -58,7 +64,7 @@ def test_prefill_and_decode_match_transformers(name, checkpoints, bundles):
     assert ours_toks == ref_toks
 
 
-@pytest.mark.parametrize("name", ["llama31_gqa", "opt", "tied_hd64"])
+@pytest.mark.parametrize("name", ["llama31_gqa", "opt", "tied_hd64", "mistral", "gemma3"])
 @torch.inference_mode()
 def test_left_padded_batch_equals_each_alone(name, bundles):
     b = read_bundle(bundles[name])
@@ -67,7 +73,7 @@ def test_left_padded_batch_equals_each_alone(name, bundles):
     prompts = [torch.randint(4, b.config.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 11)]
 
     ids, pos, valid = pad_batch(prompts, 1, "cpu")
-    cache = DenseCache(b.config, 3, ids.shape[1] + 4, "cpu", torch.float32)
+    cache = dense(b.config, 3, ids.shape[1] + 4)
     batched = model(ids, pos, cache, valid)
     nxt = batched[:, -1].argmax(-1)
     step = model(nxt[:, None], pos[:, -1:] + 1, cache, torch.ones(3, 1, dtype=torch.bool))[:, -1]

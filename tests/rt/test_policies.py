@@ -50,7 +50,10 @@ def engines(bundle, **policies):
     return out
 
 
-@pytest.mark.parametrize("name", ["llama2_mha", "llama31_gqa", "opt"])
+FAMILIES = ["llama2_mha", "llama31_gqa", "opt", "llama32", "qwen25", "qwen3", "mistral", "gemma3"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("batch", [1, 3])
 def test_full_budget_equals_full(name, batch, bundles):
     es = engines(bundles[name], offload=("offload", KVOptions()), infinigen=("infinigen", EVERYTHING))
@@ -60,7 +63,8 @@ def test_full_budget_equals_full(name, batch, bundles):
         logits, toks, cache = greedy_logits(*es[policy], prompts, 12)
         assert torch.equal(toks, ref_toks), policy
         assert (logits - ref).abs().max().item() <= 1e-4, policy
-    assert cache.report().kv_fetched_share == 1.0
+    # (a model whose every layer slides, Mistral's, fetches nothing: its rings stay on the device)
+    assert cache.report().kv_fetched_share == (1.0 if es["full"][0].cfg.global_layers else None)
 
 
 def test_offload_moves_exactly_the_kv_bytes(bundles):
@@ -253,7 +257,7 @@ def test_h2o_full_budget_is_exact_and_budget_bounds_the_kept_tokens(bundles):
     _, _, cache = greedy_logits(*es["h2o"], PROMPTS, 8)
     lengths = cache.valid[:, : cache.length].sum(-1)
     keep = torch.ceil(0.3 * lengths.double()).long()
-    for alive in cache.alive:
+    for alive in cache.alive.values():
         held = alive.sum(-1)  # [B, Hkv]
         assert bool((held <= torch.maximum(keep, torch.tensor(4))[:, None]).all())
         assert bool(alive[:, :, cache.length - 4 : cache.length].all())  # the recent window is kept
