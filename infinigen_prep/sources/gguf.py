@@ -22,8 +22,9 @@ from infinigen_rt.errors import InfinigenError
 
 log = logging.getLogger(__name__)
 
-SUPPORTED = "GGUF architectures 'llama' (Llama, SmolLM2, ...) and 'qwen2', dense, without RoPE scaling"
-_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED = "GGUF architectures 'llama' (Llama, SmolLM2, ...), 'qwen2' and 'gemma3' (text), dense, without RoPE scaling"
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+_MODEL_TYPES = {"gemma3": "gemma3_text"}  # GGUF architecture -> HF model_type, where they differ
 
 # GGUF name -> HF name. Per-layer tensors are `blk.{i}.{part}.{weight|bias}`.
 _GLOBAL_NAMES = {
@@ -42,7 +43,29 @@ _LAYER_PARTS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3: norms after attention and after the MLP, q/k norms; llama.cpp's ffn_norm is the norm before the MLP
+_GEMMA3_PARTS = {
+    **_LAYER_PARTS,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+GEMMA3_SLIDING_PATTERN = 6  # llama.cpp's: every sixth layer is global (the GGUF does not say)
+GEMMA3_LOCAL_THETA = 10000.0
+# Gemma's turn format, for a Gemma 3 GGUF that carries no template: a system message opens the first user turn,
+# the assistant's role is "model", every turn ends with <end_of_turn> (an end-of-sequence token for generation)
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set sys = messages[0]['content'] | trim + '\n\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set sys = '' %}{% set turns = messages %}{% endif %}"
+    "{% for m in turns %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ sys if loop.first else '' }}{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+GEMMA3_END_OF_TURN = "<end_of_turn>"
 
 _LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3")
 
@@ -120,6 +143,7 @@ class GGUFSource(Source):
         arch = self._meta("general.architecture")
         if arch not in _HF_CLASSES:
             raise self._unsupported(f"architecture {arch!r}")
+        self._parts = _GEMMA3_PARTS if arch == "gemma3" else _LAYER_PARTS
         self._tensors = {self._hf_name(t.name): t for t in self._reader.tensors}
         self._check_tensors(self._meta(f"{arch}.block_count", 0))
         self.config = self._read_config(arch)
@@ -140,15 +164,15 @@ class GGUFSource(Source):
         if name in _GLOBAL_NAMES:
             return _GLOBAL_NAMES[name]
         m = _LAYER_NAME.fullmatch(name)
-        if m and m[2] in _LAYER_PARTS:
-            return f"model.layers.{m[1]}.{_LAYER_PARTS[m[2]]}.{m[3]}"
+        if m and m[2] in self._parts:
+            return f"model.layers.{m[1]}.{self._parts[m[2]]}.{m[3]}"
         if name == "rope_freqs.weight":
             raise self._unsupported("RoPE scaling stored as factors (rope_freqs.weight, Llama-3.1 style)")
         raise self._unsupported(f"tensor {name!r}")
 
     def _check_tensors(self, n_layers: int) -> None:
         needed = ["model.embed_tokens.weight", "model.norm.weight"] + [
-            f"model.layers.{i}.{part}.weight" for i in range(n_layers) for part in _LAYER_PARTS.values()
+            f"model.layers.{i}.{part}.weight" for i in range(n_layers) for part in self._parts.values()
         ]
         missing = [name for name in needed if name not in self._tensors]
         if missing or not n_layers:
@@ -170,9 +194,9 @@ class GGUFSource(Source):
         head_dim = key("attention.key_length", hidden // heads)
         if key("rope.dimension_count", head_dim) != head_dim:
             raise self._unsupported("partial rotary embedding")
-        return {
+        config = {
             "architectures": [_HF_CLASSES[arch]],
-            "model_type": arch,
+            "model_type": _MODEL_TYPES.get(arch, arch),
             "vocab_size": int(self._tensors["model.embed_tokens.weight"].shape[-1]),  # GGUF: (dim, vocab)
             "hidden_size": hidden,
             "intermediate_size": key("feed_forward_length"),
@@ -191,6 +215,18 @@ class GGUFSource(Source):
             "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self._tensors,  # always so for qwen2
             "torch_dtype": "float16",
         }
+        if arch == "gemma3":  # what llama.cpp fixes for Gemma 3 rather than storing
+            n = config["num_hidden_layers"]
+            config.update(
+                hidden_activation="gelu_pytorch_tanh",
+                sliding_window=key("attention.sliding_window"),
+                layer_types=["sliding_attention" if (i + 1) % GEMMA3_SLIDING_PATTERN else "full_attention"
+                             for i in range(n)],
+                rope_local_base_freq=GEMMA3_LOCAL_THETA,
+                query_pre_attn_scalar=head_dim,
+                torch_dtype="bfloat16",
+            )  # fmt: skip
+        return config
 
     def _read_base_model(self) -> str | None:
         for key in ("general.base_model.0.repo_url", "general.source.repo_url"):
@@ -218,7 +254,9 @@ class GGUFSource(Source):
                 f"{self.path.name}: {tensor.name} is {tensor.tensor_type.name}, which gguf cannot dequantize"
             ) from None
         w = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(self.shape(name))
-        if self.config["model_type"] == "llama":  # qwen2 (NeoX rotary) is stored unpermuted
+        if self.config["model_type"] == "gemma3_text" and name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma's norm weights as 1 + w (the scale itself)
+        if self.config["model_type"] == "llama":  # qwen2 and gemma3 (NeoX rotary) are stored unpermuted
             if ".self_attn.q_proj." in name:
                 w = _unpermute_rope(w, self.config["num_attention_heads"])
             elif ".self_attn.k_proj." in name:
@@ -272,8 +310,18 @@ class GGUFSource(Source):
             eos_token=eos,
             pad_token=token("padding")[0],
             add_bos_token=add_bos,
-            chat_template=self._meta("tokenizer.chat_template"),
+            chat_template=self._meta("tokenizer.chat_template") or self._default_template(),
         )
+
+    def _default_template(self) -> str | None:
+        return GEMMA3_CHAT_TEMPLATE if self._meta("general.architecture") == "gemma3" else None
+
+    def generation_eos_ids(self) -> list[int]:
+        """Gemma 3 ends a reply with <end_of_turn> (its generation_config lists it; a GGUF keeps one eos id)."""
+        if self._meta("general.architecture") != "gemma3":
+            return []
+        tokens = self._meta("tokenizer.ggml.tokens") or []
+        return [tokens.index(GEMMA3_END_OF_TURN)] if GEMMA3_END_OF_TURN in tokens else []
 
     def _byte_level_bpe(self, tokens: list[str]) -> tuple[Tokenizer, bool]:
         """GPT-2 style BPE: tokens are already in the byte-to-unicode alphabet; merges are "left right"."""
