@@ -105,6 +105,9 @@ class ModelConfig:
         """Translate a Hugging Face `config.json` dict; unsupported model types are a clear error."""
         model_type = hf.get("model_type")
         arch = ARCHITECTURES.get(model_type)
+        if model_type == "gemma3":  # the multimodal checkpoint (vision tower, language_model.* names)
+            raise InfinigenError("unsupported model_type 'gemma3' (multimodal); Gemma 3's text models are supported "
+                                 "(model_type gemma3_text: gemma-3-270m, gemma-3-1b), or its GGUF")  # fmt: skip
         if arch is None:
             raise InfinigenError(
                 f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(ARCHITECTURES))}"

@@ -38,6 +38,21 @@ PRESETS: dict[str, dict] = {
         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
         rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
     ),
+    # Gemma 3: one global layer in six, the others slide over 512 (270M) or 1024 (4B) tokens on the device
+    "gemma-3-270m": dict(
+        model_type="gemma3_text", vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, rope_local_base_freq=10000.0, sliding_window=512, query_pre_attn_scalar=256,
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
+        pad_token_id=0,
+    ),
+    "gemma-3-4b": dict(
+        model_type="gemma3_text", vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, rope_local_base_freq=10000.0, sliding_window=1024, query_pre_attn_scalar=256,
+        rope_scaling={"rope_type": "linear", "factor": 8.0}, hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+    ),
 }  # fmt: skip
 PARTIAL_RATIO = 0.3  # synthetic partial columns per head, as in converted bundles
 
@@ -53,6 +68,7 @@ def synthetic_engine(name: str, device: torch.device, dtype: torch.dtype, seed: 
     """A random-weight model of a preset's shapes, built straight on the device, with random orthogonal skews."""
     from infinigen_rt.bundle import InfinigenDefaults, dense_layers_for, partial_idx_name, partial_q_name, skew_name
     from infinigen_rt.models import MODELS
+    from infinigen_rt.models.gemma3 import Gemma3
     from infinigen_rt.models.llama import Llama, rope_inv_freq
 
     cfg = preset_config(name)
@@ -71,10 +87,13 @@ def synthetic_engine(name: str, device: torch.device, dtype: torch.dtype, seed: 
     for pname, p in model.named_parameters():
         if p.dim() >= 2:
             p.normal_(0.0, 0.02, generator=gen)
-        else:  # norm weights 1, biases 0
-            p.fill_(1.0 if "norm" in pname and pname.endswith("weight") else 0.0)
+        else:  # norm scales 1 (Gemma's norms scale by 1 + weight), biases 0
+            norm = "norm" in pname and pname.endswith("weight") and cfg.arch != "gemma3"
+            p.fill_(1.0 if norm else 0.0)
     if isinstance(model, Llama):
         model.inv_freq = rope_inv_freq(cfg).to(device)
+    elif isinstance(model, Gemma3):
+        model.rope_buffers()
     model.eval()
     hkv, d = cfg.num_key_value_heads, cfg.head_dim
     d_prime = max(1, math.ceil(PARTIAL_RATIO * d))
@@ -82,7 +101,7 @@ def synthetic_engine(name: str, device: torch.device, dtype: torch.dtype, seed: 
     tensors = {}
     for j in range(cfg.num_hidden_layers):
         tensors[partial_idx_name(j)] = torch.arange(d_prime).repeat(hkv, 1)
-        if cfg.arch == "llama":
+        if cfg.arch != "opt":
             tensors[skew_name(j)] = torch.linalg.qr(torch.randn(hkv, d, d, generator=cpu))[0]
         else:
             tensors[partial_q_name(j, "weight")] = torch.randn(cfg.num_attention_heads * d_prime, cfg.hidden_size,

@@ -209,9 +209,13 @@ def test_smollm2_speculation_recalls_attention_mass(smollm2_bundle):
     assert recall > share + 0.4, (recall, share)  # measured: recall 0.87 at a share of 0.10
 
 
-@pytest.mark.parametrize("policy", ["full", "offload", "infinigen"])
-def test_chunked_prefill_equals_one_pass(policy, bundles):
-    b = bundles["llama31_gqa"]
+@pytest.mark.parametrize(
+    "name, policy",
+    [("llama31_gqa", "full"), ("llama31_gqa", "offload"), ("llama31_gqa", "infinigen"), ("gemma3", "infinigen"),
+     ("mistral", "full")],  # the last two: chunks of 7 across a window of 8 (the rings wrap mid-prompt, padded)
+)  # fmt: skip
+def test_chunked_prefill_equals_one_pass(name, policy, bundles):
+    b = bundles[name]
     kv = EVERYTHING if policy == "infinigen" else KVOptions()
     es = engines(b, one=(policy, kv), chunked=(policy, KVOptions(**{**kv.__dict__, "prefill_chunk": 7})))
     a, ta, _ = greedy_logits(*es["one"], PROMPTS, 6)
