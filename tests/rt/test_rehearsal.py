@@ -453,6 +453,7 @@ def test_the_runner_at_real_shapes(preset, dtype, batch, context, policy, capaci
         ("llama-3.1-8b", torch.bfloat16, 1, 131072, "offload"),
         ("llama-3.1-8b", torch.float16, 4, 32768, "full"),
         ("llama-3.1-8b", torch.bfloat16, 1, 8192, "h2o"),
+        ("gemma-3-4b", torch.bfloat16, 4, 32768, "infinigen"),  # 29 sliding layers' rings stay on the device
     ],
 )  # fmt: skip
 def test_bench_at_real_shapes_within_its_memory_prediction(preset, dtype, batch, context, policy):
