@@ -72,7 +72,7 @@ class H2OCache(DenseCache):
         lengths = self.valid[:, :t].sum(-1)  # [B]
         keep = torch.ceil(self.opts.budget * lengths.double()).long().clamp(min=1)  # [B]
         recent = torch.arange(t, device=lengths.device) >= t - self.opts.window  # [T]
-        for layer in range(len(self.alive)):
+        for layer in self.alive:
             alive, score = self.alive[layer][:, :, :t], self.score[layer][:, :, :t]
             n_heavy = (keep[:, None] - (alive & recent).sum(-1)).clamp(min=0)  # [B, Hkv]
             rank = score.masked_fill(~alive | recent, float("-inf"))
