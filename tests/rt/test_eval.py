@@ -51,10 +51,7 @@ def test_infinigen_full_budget_equals_full_and_oracle_bounds_it(smol):
     everything, _, _ = perplexity(engine, configure(engine, "infinigen", KVOptions(alpha=math.inf, budget=1.0)), ids,
                                   FROM)  # fmt: skip
     assert abs(everything / full - 1) <= 1e-4
-    ig = configure(engine, "infinigen", KVOptions(budget=0.1))
-    a, rep, _ = perplexity(engine, ig, ids, FROM)
-    b, rep2, _ = perplexity(engine, ig, ids, FROM)
-    assert a == b and rep.kv_fetched_share == rep2.kv_fetched_share  # deterministic
+    a, rep, _ = perplexity(engine, configure(engine, "infinigen", KVOptions(budget=0.1)), ids, FROM)
     share = rep.kv_fetched_share
     oracle, orep, _ = perplexity(engine, configure(engine, "oracle", KVOptions(budget=share)), ids, FROM)
     assert orep.kv_fetched_share <= share + 0.02
