@@ -256,6 +256,8 @@ def test_published_numbers_are_the_results_json():
     assert tables.bench(cpu) in performance, "docs/performance.md: the table is not tables.py's rendering of the JSON"
     keys = json.loads((RESULTS / "bench-cpu-spec-keys-smollm2.json").read_text())
     assert tables.bench(keys) in performance, "docs/performance.md: the key choices' table is not tables.py's"
+    gemma = json.loads((RESULTS / "bench-cpu-context-gemma3.json").read_text())
+    assert tables.bench(gemma) in performance, "docs/performance.md: Gemma 3's context table is not tables.py's"
 
     med = {w: statistics.median(r["ms_per_step"] for r in peer["rows"] if r["peer"] == w) for w in
            ("infinigen-rt full", "transformers")}  # fmt: skip
