@@ -258,6 +258,10 @@ def test_published_numbers_are_the_results_json():
     assert tables.bench(keys) in performance, "docs/performance.md: the key choices' table is not tables.py's"
     gemma = json.loads((RESULTS / "bench-cpu-context-gemma3.json").read_text())
     assert tables.bench(gemma) in performance, "docs/performance.md: Gemma 3's context table is not tables.py's"
+    for n in (2048, 16384, 32768):
+        long = json.loads((RESULTS / f"accuracy-gemma3-alice-{n}.json").read_text())
+        assert tables.accuracy(long) in accuracy, f"docs/accuracy.md: Gemma 3's {n}-token table is not tables.py's"
+    assert tables.needle(json.loads((RESULTS / "needle-gemma3.json").read_text())) in accuracy, "Gemma 3's needles"
 
     med = {w: statistics.median(r["ms_per_step"] for r in peer["rows"] if r["peer"] == w) for w in
            ("infinigen-rt full", "transformers")}  # fmt: skip
