@@ -48,7 +48,18 @@ from infinigen_rt.tp import total_report
 if TYPE_CHECKING:
     from infinigen_rt.engine import Engine
 
+MAX_LOGPROBS = 20  # top alternatives a token's logprob may come with (vLLM's default limit)
 BLOCK_TOKENS = 16  # the unit in which the KV budget is taken and reported (the metrics' pool blocks)
+
+
+@dataclass
+class Logprob:
+    """A token's log-probability under the model (the raw distribution, before temperature or top-p) and the
+    `top` most likely tokens at its position, best first, as (token id, logprob)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -57,6 +68,8 @@ class Generation:
     token_ids: list[int]
     prompt_token_ids: list[int]
     finish_reason: str  # "stop" (eos or a stop string), "length" or "cancelled"
+    logprobs: list[Logprob] | None = None  # one per token of token_ids (Request.logprobs)
+    prompt_logprobs: list[Logprob | None] | None = None  # one per prompt token, None for the first one
 
 
 @dataclass
@@ -90,6 +103,17 @@ class Request:
     stop: list[str] = field(default_factory=list)
     policy: Policy | None = None  # None: the runner's
     ignore_eos: bool = False  # run to max_new_tokens whatever is sampled (bench's fixed-length steps)
+    logprobs: int | None = None  # each new token's logprob and this many top alternatives (None: none)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first; max_new_tokens may be 0
+    score_tail: int = 0  # with prompt_logprobs: the last this many prompt tokens are scored by decode steps
+
+    def split(self) -> int:
+        """The prompt tokens prefilled; the rest are fed one decode step each through the request's policy (teacher
+        forcing), so that their logprobs are what the policy computes when it generates, as `eval` measures."""
+        n = len(self.prompt_ids)
+        if self.prompt_logprobs is None or self.score_tail <= 0:
+            return n
+        return max(1, n - 1 - self.score_tail)  # the token after the split is scored by the prefill's last logits
 
 
 @dataclass
@@ -99,6 +123,7 @@ class Output:
     id: int
     new_token_ids: list[int]
     token_ids: list[int]  # every token so far (the list keeps growing: copy it to keep a snapshot)
+    new_logprobs: list[Logprob] = field(default_factory=list)  # for new_token_ids, when the request asked
     generation: Generation | None = None  # set when the request finished in this step
     report: KVReport | None = None  # and what its cache did
 
@@ -116,7 +141,11 @@ class _Seq:
     gen: torch.Generator | None
     cache: object = None
     done: int = 0  # prompt tokens prefilled
+    split: int = 0  # prompt tokens to prefill (Request.split); the others are forced through decode steps
+    forced: int = 0  # the prompt token the next decode step's logits score (teacher forcing while < len(prompt))
     out: list[int] = field(default_factory=list)
+    out_lp: list[Logprob] = field(default_factory=list)
+    prompt_lp: list[Logprob | None] = field(default_factory=lambda: [None])
     pending: torch.Tensor | None = None  # the sampled token not yet fed to the model: [1] on the device
     pos: torch.Tensor | None = None  # its position: [1, 1] on the device (advanced there, never read)
     reason: str | None = None
@@ -163,11 +192,15 @@ class Runner:
         eng = self.engine
         if not req.prompt_ids:
             raise InfinigenError("every prompt needs at least one token")
-        if req.max_new_tokens < 1:
-            raise InfinigenError(f"max-new-tokens must be >= 1, got {req.max_new_tokens}")
+        if req.max_new_tokens < (0 if req.prompt_logprobs is not None else 1):
+            raise InfinigenError(f"max-new-tokens must be >= 1 (0 only to score the prompt), got {req.max_new_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (k := getattr(req, name)) is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise InfinigenError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
         check_context(len(req.prompt_ids), req.max_new_tokens, self.max_positions)
         policy = req.policy or self.policy
-        need = reserved(policy, len(req.prompt_ids), req.max_new_tokens, self.prefill_chunk)
+        split = req.split()  # the forced prompt tokens are decode passes, as new tokens are
+        need = reserved(policy, split, len(req.prompt_ids) - split + req.max_new_tokens, self.prefill_chunk)
         if self.store is not None and blocks_for(need) > self.store.alloc.n_blocks:
             raise InfinigenError(
                 f"the request needs {need} tokens of KV (prompt + max-new-tokens) but the KV pool holds "
@@ -178,7 +211,7 @@ class Runner:
         if seed is not None and not -(2**63) <= seed < 2**64:
             raise InfinigenError(f"seed must be a 64-bit integer, got {seed}")
         gen = torch.Generator(device=eng.device).manual_seed(seed) if seed is not None else None
-        seq = _Seq(next(self.ids), req, policy, need, gen)
+        seq = _Seq(next(self.ids), req, policy, need, gen, split=split, forced=split + 1)
         self.waiting.append(seq)
         return seq.id
 
@@ -250,20 +283,25 @@ class Runner:
     def _prefill(self, outs: dict[int, Output]) -> None:
         budget = self.prefill_chunk
         dev = self.engine.device
-        for seq in [s for s in self.running if s.done < len(s.req.prompt_ids)]:
+        for seq in [s for s in self.running if s.done < s.split]:
             if budget is not None and budget <= 0:
                 break
-            prompt = seq.req.prompt_ids
-            chunk = seq.policy.opts.prefill_chunk or budget or len(prompt)
-            n = min(len(prompt) - seq.done, chunk, budget or chunk)
+            prompt, scored = seq.req.prompt_ids, seq.req.prompt_logprobs is not None
+            chunk = seq.policy.opts.prefill_chunk or budget or seq.split
+            n = min(seq.split - seq.done, chunk, budget or chunk)
             ids = to_device(torch.tensor([prompt[seq.done : seq.done + n]]), dev)
             pos = torch.arange(seq.done, seq.done + n, device=dev)[None]
             try:
                 with self.prefill_clock.span():
-                    logits = prefill(self.engine, seq.cache, ids, pos)
+                    logits = prefill(self.engine, seq.cache, ids, pos, every=scored)
+                    if scored:  # position j scores the prompt token after it
+                        m = min(n, len(prompt) - 1 - seq.done)
+                        targets = torch.tensor(prompt[seq.done + 1 : seq.done + 1 + m], device=dev)
+                        seq.prompt_lp += logprobs(logits[0, :m], targets, [seq.req.prompt_logprobs] * m)
+                        logits = logits[:, -1]
                     if seq.done + n == len(prompt):
                         seq.pending = sample(logits, seq.req.sampling, seq.gen)
-                        seq.pos = torch.full((1, 1), len(prompt), device=dev)  # the pending token's position
+                    seq.pos = torch.full((1, 1), seq.done + n, device=dev)  # the pending token's position
             except Exception:
                 self._fail([seq])
                 raise
@@ -272,12 +310,18 @@ class Runner:
             if budget is not None:
                 budget -= n
             if seq.done == len(prompt):
-                self._accept(seq, int(seq.pending), outs)  # the request's first token (a read, as any token)
+                if seq.req.max_new_tokens == 0:
+                    self._finish(seq, "length", outs)
+                else:  # the request's first token (a read, as any token)
+                    self._accept(seq, int(seq.pending), outs, self._sampled_logprob(seq, logits))
+            elif seq.done == seq.split:  # the rest of the prompt goes through decode steps
+                self._force(seq, seq.split, outs)
 
     def _decode(self, outs: dict[int, Output]) -> None:
         """One token for every request with a pending one. The step's one host sync is the read of the sampled
         tokens: positions live on the device and advance there, and the wall time of the step ends at that read
-        (a step that also prefilled counts the prefill work still running on the device as decode time)."""
+        (a step that also prefilled counts the prefill work still running on the device as decode time). A row
+        still being fed its prompt (teacher forcing) takes its next prompt token instead of a sampled one."""
         rows = [s for s in self.running if s.pending is not None]
         if not rows:
             return
@@ -285,22 +329,65 @@ class Runner:
         ids = torch.cat([s.pending for s in rows])[:, None]
         pos = torch.cat([s.pos for s in rows])  # [B, 1]
         cache = rows[0].cache if len(rows) == 1 else Rows([s.cache for s in rows])
+        free = [i for i, s in enumerate(rows) if s.forced >= len(s.req.prompt_ids)]
         try:
             logits = decode_step(self.engine, cache, ids, pos)
-            toks = sample_rows(logits, [s.req.sampling for s in rows], [s.gen for s in rows])
+            if len(free) == len(rows):
+                toks = sample_rows(logits, [s.req.sampling for s in rows], [s.gen for s in rows])
+            else:
+                forced = [s.req.prompt_ids[s.forced] if i not in free else 0 for i, s in enumerate(rows)]
+                toks = to_device(torch.tensor(forced), self.engine.device)
+                if free:
+                    picked = [rows[i] for i in free]
+                    toks[free] = sample_rows(logits[free], [s.req.sampling for s in picked], [s.gen for s in picked])
             nxt = pos + 1
             got = toks.tolist()  # the one host sync a step: the sampled tokens
+            lps = self._step_logprobs(rows, free, logits, toks)
         except Exception:
             self._fail(rows)
             raise
         for i, (seq, t) in enumerate(zip(rows, got, strict=True)):
             seq.pending, seq.pos = toks[i : i + 1], nxt[i : i + 1]
-            self._accept(seq, t, outs)
+            if i in free:
+                self._accept(seq, t, outs, lps.get(i))
+            else:
+                if i in lps:
+                    seq.prompt_lp.append(lps[i])
+                self._force(seq, seq.forced, outs, pending=seq.pending)
         self._stats.decode_steps += 1
         self._stats.decode_tokens += len(rows)
         self._stats.decode_s += time.perf_counter() - t0
 
-    def _accept(self, seq: _Seq, t: int, outs: dict[int, Output]) -> None:
+    def _step_logprobs(self, rows: list[_Seq], free: list[int], logits, toks) -> dict[int, Logprob]:
+        """The logprobs of the step's tokens for the rows that asked (sampled ones: Request.logprobs; forced
+        prompt tokens: Request.prompt_logprobs), read after the step's sync."""
+        want = {}
+        for i, s in enumerate(rows):
+            k = s.req.logprobs if i in free else s.req.prompt_logprobs
+            if k is not None:
+                want[i] = k
+        if not want:
+            return {}
+        idx = list(want)
+        return dict(zip(idx, logprobs(logits[idx], toks[idx], list(want.values())), strict=True))
+
+    def _sampled_logprob(self, seq: _Seq, logits) -> Logprob | None:
+        """The first new token's logprob (from the prefill's last logits [1, V]) when the request asked."""
+        if seq.req.logprobs is None:
+            return None
+        return logprobs(logits, seq.pending, [seq.req.logprobs])[0]
+
+    def _force(self, seq: _Seq, t: int, outs: dict[int, Output], pending=None) -> None:
+        """The last logits scored prompt token t: it is the row's next input (`pending`: already on the device),
+        unless the prompt is scored and no new token is asked for, when the request ends there."""
+        prompt = seq.req.prompt_ids
+        if t == len(prompt) - 1 and seq.req.max_new_tokens == 0:
+            self._finish(seq, "length", outs)
+            return
+        seq.pending = pending if pending is not None else to_device(torch.tensor([prompt[t]]), self.engine.device)
+        seq.forced = t + 1  # the next logits score the token after it (past the prompt: a new token is sampled)
+
+    def _accept(self, seq: _Seq, t: int, outs: dict[int, Output], lp: Logprob | None = None) -> None:
         """A sampled token: the end (eos), or one more token, then maybe a stop string or the limit."""
         out = outs.setdefault(seq.id, Output(seq.id, [], seq.out))
         if t in self.eos and not seq.req.ignore_eos:
@@ -308,6 +395,9 @@ class Runner:
         else:
             seq.out.append(t)
             out.new_token_ids.append(t)
+            if lp is not None:
+                seq.out_lp.append(lp)
+                out.new_logprobs.append(lp)
             if seq.req.stop:
                 text = self.engine.tokenizer.decode(seq.out)
                 hit = [text.index(x) for x in seq.req.stop if x in text]
@@ -318,6 +408,12 @@ class Runner:
         if seq.reason is not None:
             self._free(seq)
             out.generation, out.report = self._result(seq), seq.report
+
+    def _finish(self, seq: _Seq, reason: str, outs: dict[int, Output]) -> None:
+        out = outs.setdefault(seq.id, Output(seq.id, [], seq.out))
+        seq.reason = reason
+        self._free(seq)
+        out.generation, out.report = self._result(seq), seq.report
 
     def _free(self, seq: _Seq) -> None:
         """Its KV goes back at once (the cache closed, its blocks returned)."""
@@ -342,7 +438,24 @@ class Runner:
     def _result(self, seq: _Seq) -> Generation:
         tok = self.engine.tokenizer
         text = seq.text if seq.text is not None else (tok.decode(seq.out) if tok is not None else "")
-        return Generation(text, seq.out, list(seq.req.prompt_ids), seq.reason or "length")
+        req = seq.req
+        return Generation(
+            text, seq.out, list(req.prompt_ids), seq.reason or "length",
+            logprobs=seq.out_lp if req.logprobs is not None else None,
+            prompt_logprobs=seq.prompt_lp if req.prompt_logprobs is not None else None,
+        )  # fmt: skip
+
+
+def logprobs(logits: torch.Tensor, tokens: torch.Tensor, tops: list[int]) -> list[Logprob]:
+    """Row i of `logits` [k, V] scores tokens[i], with its tops[i] most likely tokens (a host read)."""
+    lp = torch.log_softmax(logits.float(), -1)
+    chosen = lp.gather(-1, tokens.view(-1, 1)).squeeze(-1).tolist()
+    best_v, best_i = lp.topk(max(tops), -1) if max(tops) else (lp[:, :0], lp[:, :0].long())
+    best_v, best_i = best_v.tolist(), best_i.tolist()
+    return [
+        Logprob(t, c, list(zip(best_i[i][:k], best_v[i][:k], strict=True)))
+        for i, (t, c, k) in enumerate(zip(tokens.tolist(), chosen, tops, strict=True))
+    ]
 
 
 def check_pool_options(kv_tokens: int | None, kv_memory: int | None = None) -> None:

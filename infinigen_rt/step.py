@@ -12,21 +12,25 @@ from infinigen_rt.policies.full import DenseCache
 
 
 def prefill(engine, cache: KVCache | list[KVCache], ids: torch.Tensor, positions: torch.Tensor,
-            chunk: int | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+            chunk: int | None = None, valid: torch.Tensor | None = None,
+            every: bool = False) -> torch.Tensor:  # fmt: skip
     """Prompt tokens ids [B, S] at positions [B, S] through the model, `chunk` tokens per forward (None: all at
-    once); the logits of the last position [B, V]. `valid` [B, S] bool: False at left padding (`pad_batch`);
-    None: no padding.
+    once); the logits of the last position [B, V], or with `every` of every position [B, S, V] (to score the
+    prompt). `valid` [B, S] bool: False at left padding (`pad_batch`); None: no padding.
 
     A list of caches shares one prefill: each stores what it keeps, and attention runs on the first, which must be
     a DenseCache (the exact prefill every policy with `dense_prefill` computes); each then decodes on its own."""
     if isinstance(cache, list):
         cache = cache[0] if len(cache) == 1 else _Shared(cache)
     chunk = chunk or ids.shape[1]
+    out = []
     for start in range(0, ids.shape[1], chunk):
         sl = slice(start, start + chunk)
         logits = engine.model(ids[:, sl], positions[:, sl], cache, None if valid is None else valid[:, sl],
-                              last_only=True)  # fmt: skip
-    return logits[:, -1]
+                              last_only=not every)  # fmt: skip
+        if every:
+            out.append(logits)
+    return torch.cat(out, 1) if every else logits[:, -1]
 
 
 def decode_step(engine, cache: KVCache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -88,19 +88,30 @@ def perplexity(engine: Engine, policy: Policy, ids: list[int], score_from: int,
     """Teacher-forced perplexity of ids[score_from:] given what precedes, decoding token by token under `policy`.
 
     Returns (perplexity, the cache's report, decode steps)."""
+    lps, report, steps = token_logprobs(engine, policy, ids, score_from, progress)
+    return math.exp(-lps.mean().item()), report, steps
+
+
+@torch.inference_mode()
+def token_logprobs(engine: Engine, policy: Policy, ids: list[int], score_from: int,
+                   progress=None) -> tuple[torch.Tensor, KVReport, int]:  # fmt: skip
+    """The log-probabilities of ids[score_from:] [len(ids) - score_from]: ids[:score_from] prefilled, each later
+    token fed one decode step under `policy` (the server's prompt scoring does the same through the runner).
+
+    Returns (logprobs, the cache's report, decode steps)."""
     dev = engine.device
     cache = policy.build(engine, 1, len(ids))
     try:
         x = torch.tensor([ids[:score_from]], device=dev)
         logits = prefill(engine, cache, x, torch.arange(score_from, device=dev)[None], policy.opts.prefill_chunk)
-        nll = [-torch.log_softmax(logits.float(), -1)[0, ids[score_from]]]
+        lps = [torch.log_softmax(logits.float(), -1)[0, ids[score_from]]]
         steps = len(ids) - 1 - score_from
         for i, t in enumerate(range(score_from, len(ids) - 1)):
             logits = decode_step(engine, cache, torch.tensor([[ids[t]]], device=dev), torch.tensor([[t]], device=dev))
-            nll.append(-torch.log_softmax(logits.float(), -1)[0, ids[t + 1]])
+            lps.append(torch.log_softmax(logits.float(), -1)[0, ids[t + 1]])
             if progress:
                 progress(i + 1, steps)
-        return math.exp(torch.stack(nll).mean().item()), cache.report(), steps
+        return torch.stack(lps), cache.report(), steps
     finally:
         cache.close()
 

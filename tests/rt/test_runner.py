@@ -316,3 +316,56 @@ def test_smollm2_joining_requests_generate_what_they_do_alone(policy, smollm2_bu
                 got[rids[out.id]] = out.generation.token_ids
         step += 1
     assert [got[i] for i in range(len(prompts))] == alone
+
+
+def run_all(run: Runner, reqs: list[Request]) -> list:
+    """Every request's Generation, in the order given (they share the runner's steps)."""
+    ids = [run.add(r) for r in reqs]
+    ends = {}
+    while run.has_work:
+        for out in run.step():
+            if out.finished:
+                ends[out.id] = out.generation
+    return [ends[i] for i in ids]
+
+
+@pytest.mark.parametrize("name", ["full", "infinigen", "h2o"])
+def test_prompt_scoring_by_decode_steps_equals_eval_and_joins_batches(name, bundles):
+    """A prompt's tail scored through decode steps (teacher forcing) gives eval's token logprobs under the same
+    policy, alone or sharing steps with generating requests; the head, scored by the prefill, is the dense
+    prefill's under every policy; max_new_tokens 0 scores without generating; logprobs of new tokens are the
+    raw distribution's at the sampled token, with the top alternatives best first."""
+    import torch
+
+    from infinigen_rt.measure.perplexity import token_logprobs
+
+    engine, policy = engine_for(bundles["llama31_gqa"], *POLICIES[name])
+    prompt = list(range(3, 60))
+    tail = 20
+    split = len(prompt) - 1 - tail
+    want, _, _ = token_logprobs(engine, policy, prompt, split)
+    dense, _, _ = token_logprobs(engine, configure(engine, "full", KVOptions()), prompt, 1)
+    for max_new, others in [(0, []), (3, [Request(list(range(30, 50)), 25), Request([7, 8, 9], 2)])]:
+        chunk = None if name == "h2o" else 16  # h2o evicts after every prefill pass: eval prefills in one
+        run = Runner(engine, policy, max_batch=4, prefill_chunk=chunk)
+        req = Request(prompt, max_new, prompt_logprobs=2, score_tail=tail, logprobs=3)
+        gen = run_all(run, [req, *others])[0]
+        lp = gen.prompt_logprobs
+        assert len(lp) == len(prompt) and lp[0] is None
+        assert [x.token for x in lp[1:]] == prompt[1:]
+        got = torch.tensor([x.logprob for x in lp[split:]])
+        assert torch.allclose(got, want, atol=1e-4), (name, max_new, (got - want).abs().max())
+        head = torch.tensor([x.logprob for x in lp[1 : split + 1]])
+        assert torch.allclose(head, dense[: split], atol=1e-4)
+        for x in lp[1:]:
+            assert len(x.top) == 2 and x.top[0][1] >= x.top[1][1] >= x.logprob - 1e-5 or x.token == x.top[0][0]
+        assert len(gen.token_ids) == max_new and len(gen.logprobs) == max_new
+        for t, x in zip(gen.token_ids, gen.logprobs, strict=True):
+            assert x.token == t and len(x.top) == 3 and x.top[0][0] == t  # greedy: the sampled token is the best
+            assert abs(x.top[0][1] - x.logprob) < 1e-6
+    if name != "full":  # the policy is measured: its tail differs from the dense one
+        assert not torch.allclose(want, dense[split - 1 :], atol=1e-3)
+    # without score_tail the whole prompt is scored by the prefill, as dense, and equals the dense scores
+    gen = run_all(Runner(engine, policy), [Request(prompt, 0, prompt_logprobs=0)])[0]
+    assert torch.allclose(torch.tensor([x.logprob for x in gen.prompt_logprobs[1:]]), dense, atol=1e-4)
+    assert all(x.top == [] for x in gen.prompt_logprobs[1:])
