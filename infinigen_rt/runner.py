@@ -124,6 +124,7 @@ class Output:
     new_token_ids: list[int]
     token_ids: list[int]  # every token so far (the list keeps growing: copy it to keep a snapshot)
     new_logprobs: list[Logprob] = field(default_factory=list)  # for new_token_ids, when the request asked
+    prompt_logprobs: list[Logprob | None] | None = None  # in the step its prompt is scored, when it asked
     generation: Generation | None = None  # set when the request finished in this step
     report: KVReport | None = None  # and what its cache did
 
@@ -146,6 +147,7 @@ class _Seq:
     out: list[int] = field(default_factory=list)
     out_lp: list[Logprob] = field(default_factory=list)
     prompt_lp: list[Logprob | None] = field(default_factory=lambda: [None])
+    prompt_told: bool = False  # its prompt logprobs were in an Output
     pending: torch.Tensor | None = None  # the sampled token not yet fed to the model: [1] on the device
     pos: torch.Tensor | None = None  # its position: [1, 1] on the device (advanced there, never read)
     reason: str | None = None
@@ -389,7 +391,7 @@ class Runner:
 
     def _accept(self, seq: _Seq, t: int, outs: dict[int, Output], lp: Logprob | None = None) -> None:
         """A sampled token: the end (eos), or one more token, then maybe a stop string or the limit."""
-        out = outs.setdefault(seq.id, Output(seq.id, [], seq.out))
+        out = self._output(seq, outs)
         if t in self.eos and not seq.req.ignore_eos:
             seq.reason = "stop"
         else:
@@ -409,8 +411,15 @@ class Runner:
             self._free(seq)
             out.generation, out.report = self._result(seq), seq.report
 
-    def _finish(self, seq: _Seq, reason: str, outs: dict[int, Output]) -> None:
+    def _output(self, seq: _Seq, outs: dict[int, Output]) -> Output:
+        """The request's Output of this step; the first one carries the prompt's logprobs (when it asked)."""
         out = outs.setdefault(seq.id, Output(seq.id, [], seq.out))
+        if not seq.prompt_told and seq.req.prompt_logprobs is not None:
+            out.prompt_logprobs, seq.prompt_told = seq.prompt_lp, True
+        return out
+
+    def _finish(self, seq: _Seq, reason: str, outs: dict[int, Output]) -> None:
+        out = self._output(seq, outs)
         seq.reason = reason
         self._free(seq)
         out.generation, out.report = self._result(seq), seq.report

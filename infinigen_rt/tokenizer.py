@@ -69,6 +69,6 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise InfinigenError(f"the bundle's chat template failed to render: {e}") from None
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         # the template writes any BOS itself, so no special tokens are added again
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)

@@ -46,6 +46,15 @@ def serve(
     prefill_chunk: Annotated[
         int, typer.Option(help="Prompt tokens prefilled per step, between decode steps of the running requests.")
     ] = 512,
+    score: Annotated[
+        str,
+        typer.Option(help="How prompt logprobs (echo with logprobs: lm-eval's loglikelihood) are computed: decode "
+                     "(the prompt's last --score-tail tokens fed one decode step each through the policy, as eval "
+                     "does: what the policy changes) or prefill (one dense pass: the same under every policy)."),
+    ] = "decode",
+    score_tail: Annotated[
+        int, typer.Option("--score-tail", help="Prompt tokens scored by decode steps under --score decode.")
+    ] = 128,
     revision: Revision = None,
     verify: Verify = True,
     tp: TPSize = 1,
@@ -53,7 +62,8 @@ def serve(
 ):
     """Serve a bundle over an OpenAI-compatible HTTP API (needs: pip install 'infinigen\\[serve]').
 
-    /v1/models, /v1/completions, /v1/chat/completions ("stream": true for SSE), /health, /metrics.
+    /v1/models, /v1/completions, /v1/chat/completions ("stream": true for SSE), /tokenize, /detokenize,
+    /tokenizer_info (lm-evaluation-harness's remote tokenizer), /health, /metrics.
 
     Requests join the running batch at the next step and leave it when they end (continuous batching).
     A request may override KV options with {"infinigen": {"alpha": A, "budget": B}}.
@@ -80,6 +90,8 @@ def serve(
     if check_tp_option(tp):
         raise typer.Exit(launch(tp, sys.argv[1:]))
     kv_bytes = _check_sizes(max_batch, max_queue, prefill_chunk, kv_tokens, kv_memory, max_body)
+    if score not in ("decode", "prefill") or score_tail < 1:
+        raise InfinigenError(f"--score is decode or prefill and --score-tail >= 1, got {score!r} and {score_tail}")
     policy_class(policy)  # before loading: a bad name or option fails fast (the options: kv_options)
     b, tp = _read(bundle, revision, verify, device)
     if tp is not None and tp.rank != 0:  # under torchrun: rank 0 serves, the others replay its steps
@@ -92,7 +104,7 @@ def serve(
     name = model_name or (Path(bundle).name if Path(bundle).exists() else bundle)
     server_app = create_app(
         engine, server_policy, name, max_batch=max_batch, max_queue=max_queue, api_key=api_key, max_body=max_body,
-        prefill_chunk=prefill_chunk, kv_tokens=kv_tokens, kv_memory=kv_bytes,
+        prefill_chunk=prefill_chunk, kv_tokens=kv_tokens, kv_memory=kv_bytes, score=score, score_tail=score_tail,
     )  # fmt: skip
     _run(server_app, sock, host, name, policy, engine, max_batch, tp, api_key)
 
@@ -136,6 +148,8 @@ def _follow(b, device: str, dtype: str, tp, policy: str, kv) -> None:
 
 def _run(server_app, sock, host: str, name: str, policy: str, engine, max_batch: int, tp, api_key) -> None:
     """Say where it serves, then serve until Ctrl+C or SIGTERM."""
+    import copy
+
     import uvicorn
 
     port = sock.getsockname()[1]
@@ -150,7 +164,12 @@ def _run(server_app, sock, host: str, name: str, policy: str, engine, max_batch:
     )
     # on Ctrl+C / SIGTERM the scheduler ends every request at once (their streams get an error event and close),
     # so uvicorn's graceful wait for open connections is short
-    config = uvicorn.Config(server_app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    # the server's own lines (a refused request's reason, a failed step) in uvicorn's format, beside its access log
+    logs = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    logs["loggers"]["infinigen_rt"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    config = uvicorn.Config(
+        server_app, host=host, port=port, log_level="info", log_config=logs, timeout_graceful_shutdown=5
+    )
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

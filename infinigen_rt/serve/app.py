@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -17,9 +18,11 @@ from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.policies import Policy
 from infinigen_rt.serve.metrics import CountRequests, Metrics
-from infinigen_rt.serve.protocol import APIError, error_body, validation_message
+from infinigen_rt.serve.protocol import SCORE_TAIL, APIError, error_body, validation_message
 from infinigen_rt.serve.routes import Routes
 from infinigen_rt.serve.scheduler import Scheduler
+
+log = logging.getLogger("infinigen_rt.serve")
 
 MIN_BODY_BYTES = 1 << 20
 BODY_BYTES_PER_TOKEN = 32  # a context's worth of text as JSON: long tokens, \uXXXX escapes, message wrappers
@@ -33,12 +36,14 @@ def body_limit(context: int) -> int:
 def create_app(
     engine: Engine, policy: Policy, model_name: str, *, max_batch: int = 8, max_queue: int = 64,
     api_key: str | None = None, prefill_chunk: int | None = 512, kv_tokens: int | None = None,
-    kv_memory: int | None = None, max_body: int | None = None,
+    kv_memory: int | None = None, max_body: int | None = None, score: str = "decode", score_tail: int = SCORE_TAIL,
 ) -> FastAPI:  # fmt: skip
     """An app serving `engine` with `policy` (a request may override some of its options) as `model_name`; its
     scheduler thread runs while the app does (lifespan).
 
-    `max_body`: larger request bodies get a 413 before they are parsed (default: `body_limit(context)`)."""
+    `max_body`: larger request bodies get a 413 before they are parsed (default: `body_limit(context)`).
+    `score`, `score_tail`: how prompt logprobs are computed ("decode": the last `score_tail` prompt tokens by
+    decode steps through the request's policy; "prefill": by the dense prefill)."""
     metrics = Metrics()
     scheduler = Scheduler(
         engine, policy, max_batch=max_batch, max_queue=max_queue, metrics=metrics, prefill_chunk=prefill_chunk,
@@ -56,7 +61,7 @@ def create_app(
     app.add_middleware(BodyLimit, limit=max_body or body_limit(engine.cfg.max_position_embeddings))
     app.add_middleware(CountRequests, metrics=metrics)  # the outer one: it counts the 413s too
     _add_error_handlers(app)
-    app.include_router(Routes(engine, policy, model_name, scheduler, metrics, api_key).router())
+    app.include_router(Routes(engine, policy, model_name, scheduler, metrics, api_key, score, score_tail).router())
     return app
 
 
@@ -104,27 +109,37 @@ class BodyLimit:
 
     async def refuse(self, scope, receive, send):
         message = f"the request body is larger than this server's limit of {self.limit:,} bytes"
+        log_refusal(scope["method"], scope["path"], 413, message)
         await ErrorResponse(error_body(message, code="request_too_large"), 413)(scope, receive, send)
 
 
+def log_refusal(method: str, path: str, status: int, message: str) -> None:
+    """A refused request in the server's log, one line with its reason (the access log says only the status)."""
+    log.warning("%s %s -> %d: %s", method, path, status, message.replace("\n", " "))
+
+
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error as an OpenAI error object; the server keeps serving."""
+    """Every error as an OpenAI error object, and one log line with its reason; the server keeps serving."""
+
+    def refuse(request: Request, status: int, body: dict, headers=None) -> ErrorResponse:
+        log_refusal(request.method, request.url.path, status, body["error"]["message"])
+        return ErrorResponse(body, status, headers=headers)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
         headers = {"Retry-After": "1"} if e.status == 429 else None
-        return ErrorResponse(e.body(), e.status, headers=headers)
+        return refuse(request, e.status, e.body(), headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):
         message, param = validation_message(list(e.errors()))
-        return ErrorResponse(error_body(message, param=param), 400)
+        return refuse(request, 400, error_body(message, param=param))
 
     @app.exception_handler(InfinigenError)
     async def engine_error(request: Request, e: InfinigenError):
-        return ErrorResponse(error_body(str(e)), 400)
+        return refuse(request, 400, error_body(str(e)))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return ErrorResponse(error_body(str(e.detail), kind), e.status_code, headers=e.headers)
+        return refuse(request, e.status_code, error_body(str(e.detail), kind), e.headers)

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.policies.options import SPEC_KEYS
+from infinigen_rt.runner import MAX_LOGPROBS, Logprob
 from infinigen_rt.tokenizer import check_text
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_MAX_TOKENS = 512  # OpenAI's chat default is "whatever fits"; on a CPU that is too long to wait for
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
+SCORING = ("decode", "prefill")  # how a prompt's logprobs are computed (serve --score)
+SCORE_TAIL = 128  # prompt tokens scored by decode steps by default (serve --score-tail)
+MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM's floor)
 
 
 class APIError(Exception):
@@ -44,9 +50,14 @@ class KVOverrides(BaseModel):
     budget: float | None = Field(None, gt=0, le=1)
     spec_keys: Literal[SPEC_KEYS] | None = None  # the request's sequences build their own speculation keys
     correct: float | None = Field(None, ge=0, lt=1)
+    # how the prompt's logprobs (echo with logprobs) are scored; not KV options (serve --score, --score-tail)
+    score: Literal[SCORING] | None = None
+    score_tail: int | None = Field(None, ge=1)
 
     def changes(self) -> dict[str, Any]:
-        return {name: v for name in type(self).model_fields if (v := getattr(self, name)) is not None}
+        """The KV options this request overrides."""
+        scoring = ("score", "score_tail")
+        return {n: v for n in type(self).model_fields if n not in scoring and (v := getattr(self, n)) is not None}
 
 
 class StreamOptions(BaseModel):
@@ -56,11 +67,7 @@ class StreamOptions(BaseModel):
 
 # fields that would change what comes back, and the values that leave it unchanged
 UNSUPPORTED = {
-    "n": (None, 1),
     "best_of": (None, 1),
-    "echo": (None, False),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "suffix": (None, ""),
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0),
@@ -76,8 +83,10 @@ UNSUPPORTED = {
 class BaseRequest(BaseModel):
     # strict: "0.5" is not a number and "yes" is not a boolean; unknown fields (user, metadata) are ignored
     model_config = ConfigDict(extra="ignore", strict=True)
+    unsupported: ClassVar[dict] = UNSUPPORTED
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=MAX_N)  # choices per prompt, each sampled on its own (seeded: seed + i)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
@@ -86,11 +95,7 @@ class BaseRequest(BaseModel):
     stream_options: StreamOptions | None = None
     infinigen: KVOverrides | None = None
     # accepted only at their no-op values (UNSUPPORTED)
-    n: Any = None
     best_of: Any = None
-    echo: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
     suffix: Any = None
     logit_bias: Any = None
     presence_penalty: Any = None
@@ -103,7 +108,7 @@ class BaseRequest(BaseModel):
 
     def check(self) -> None:
         """Refuse what the server would silently get wrong."""
-        for name, fine in UNSUPPORTED.items():
+        for name, fine in self.unsupported.items():
             value = getattr(self, name)
             if not any(_same(value, f) for f in fine):
                 raise APIError(400, f"{name}={value!r} is not supported by this server (accepted: {fine[1]!r})", name)
@@ -119,13 +124,38 @@ class BaseRequest(BaseModel):
 
 
 class CompletionRequest(BaseRequest):
-    prompt: str | list[str]
+    # text, texts, token ids, or lists of token ids (what lm-evaluation-harness sends with a tokenizer)
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0: only with echo (score the prompt)
+    echo: bool = False  # the prompt comes back before the completion (with its logprobs when `logprobs` is set)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each token's logprob and this many alternatives
 
-    def prompt_text(self) -> str:
-        if not isinstance(self.prompt, str) and len(self.prompt) != 1:
-            raise APIError(400, f"one prompt per request, got a list of {len(self.prompt)}; send one each", "prompt")
-        text = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
-        return text_param(text, "prompt", "prompt")
+    def check(self) -> None:
+        super().check()
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(
+                400, "max_tokens 0 asks for nothing: set echo to score the prompt, or ask for >= 1", "max_tokens"
+            )
+
+    def prompts(self, tok, vocab: int) -> list[tuple[list[int], str | None]]:
+        """Each prompt as (token ids, its text: None for ids given as ids)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            p = [p]
+        if not p:
+            raise APIError(400, "prompt is an empty list: send a string, strings, token ids or lists of them", "prompt")
+        if len(p) > MAX_PROMPTS:
+            raise APIError(400, f"{len(p)} prompts in one request; send at most {MAX_PROMPTS}", "prompt")
+        out = []
+        for i, one in enumerate(p):
+            if isinstance(one, str):
+                out.append((tok.encode(text_param(one, "prompt", "prompt")), one))
+                continue
+            bad = next((t for t in one if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"prompt[{i}]: token id {bad} is outside the vocabulary (0..{vocab - 1})", "prompt")
+            out.append((list(one), None))
+        return out
 
 
 class ContentPart(BaseModel):
@@ -151,8 +181,20 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(BaseRequest):
+    unsupported: ClassVar[dict] = {**UNSUPPORTED, "echo": (None, False)}
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+    logprobs: bool = False  # each new token's logprob
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and this many alternatives (needs logprobs)
+    echo: Any = None
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+
+    def n_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def plain_messages(self) -> list[dict]:
         """The messages as the chat template takes them; every text checked to be Unicode."""
@@ -161,6 +203,32 @@ class ChatRequest(BaseRequest):
             out.append({"role": "system" if m.role == "developer" else m.role, "content": m.text(i)})
             text_param(out[-1]["content"], f"messages[{i}].content", "messages")
         return out
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the bundle's template."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def prompt_text(self) -> str:
+        if self.prompt is None:
+            raise APIError(400, "send a prompt (a string) or messages", "prompt")
+        return text_param(self.prompt, "prompt", "prompt")
+
+    def plain_messages(self) -> list[dict]:
+        return ChatRequest(messages=self.messages).plain_messages()
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    tokens: list[int]
 
 
 def text_param(text: str, what: str, param: str) -> str:
@@ -204,35 +272,69 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def completion_body(rid: str, created: int, model: str, text: str, finish: str, use: dict) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": use,
-    }
+def completion_body(rid: str, created: int, model: str, choices: list[dict], use: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "usage": use}  # fmt: skip
 
 
-def chat_body(rid: str, created: int, model: str, text: str, finish: str, use: dict) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": use,
-    }
+def completion_choice(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
-def completion_chunk(rid: str, created: int, model: str, text: str, finish: str | None = None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+def chat_body(rid: str, created: int, model: str, choices: list[dict], use: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+            "usage": use}  # fmt: skip
+
+
+def chat_choice(index: int, text: str, finish: str, logprobs: dict | None = None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish}  # fmt: skip
+
+
+def completion_chunk(rid: str, created: int, model: str, text: str, finish: str | None = None, index: int = 0,
+                     logprobs: dict | None = None) -> dict:  # fmt: skip
+    choice = completion_choice(index, text, finish, logprobs)
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
 
-def chat_chunk(rid: str, created: int, model: str, delta: dict, finish: str | None = None) -> dict:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+def chat_chunk(rid: str, created: int, model: str, delta: dict, finish: str | None = None, index: int = 0,
+               logprobs: dict | None = None) -> dict:  # fmt: skip
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+
+
+def _lp(x: float) -> float:
+    return max(x, MIN_LOGPROB)
+
+
+def completion_logprobs(entries: list[Logprob | None], piece, offset: int, first: int | None = None) -> dict:
+    """The legacy completions `logprobs` object over `entries` (None: the prompt's first token, `first`, which has
+    nothing before it to score it): tokens, token_logprobs, top_logprobs (token -> logprob, the chosen token among
+    them, as vLLM) and text_offset (from `offset`, each token's text length after the one before). `piece(id)`: a
+    token's text."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for e in entries:
+        offsets.append(offset)
+        if e is None:
+            tokens.append(piece(first))
+            offset += len(tokens[-1])
+            lps.append(None)
+            tops.append(None)
+            continue
+        text = piece(e.token)
+        tokens.append(text)
+        offset += len(text)
+        lps.append(_lp(e.logprob))
+        tops.append({**{piece(t): _lp(v) for t, v in e.top}, text: _lp(e.logprob)})
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[Logprob], piece) -> dict:
+    """The chat `logprobs` object: content, one {token, logprob, bytes, top_logprobs} per new token."""
+
+    def one(t: int, v: float) -> dict:
+        text = piece(t)
+        return {"token": text, "logprob": _lp(v), "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]} for e in entries],
+            "refusal": None}  # fmt: skip

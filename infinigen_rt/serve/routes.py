@@ -4,10 +4,12 @@ events), /health and /metrics; an optional bearer key on /v1/*."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Request
@@ -21,21 +23,45 @@ from infinigen_rt.serve.metrics import Metrics
 from infinigen_rt.serve.protocol import (
     CHAT_MAX_TOKENS,
     COMPLETION_MAX_TOKENS,
+    SCORE_TAIL,
     APIError,
     BaseRequest,
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
     KVOverrides,
+    TokenizeRequest,
     chat_body,
+    chat_choice,
     chat_chunk,
+    chat_logprobs,
     completion_body,
+    completion_choice,
     completion_chunk,
+    completion_logprobs,
     error_body,
     usage,
 )
-from infinigen_rt.serve.scheduler import Done, Failed, Job, QueueFull, Scheduler, ShuttingDown
+from infinigen_rt.serve.scheduler import Done, Failed, Job, Piece, QueueFull, Scheduler, ShuttingDown
 
 DISCONNECT_POLL_S = 1.0  # how often a non-streaming request checks that its client is still there
+
+
+@dataclass
+class Spec:
+    """What one prompt of a request asks for."""
+
+    ids: list[int]
+    max_tokens: int
+    logprobs: int | None = None  # for each new token
+    prompt_logprobs: int | None = None  # for each prompt token (echo with logprobs)
+    echo: str | None = None  # the prompt's text, returned before the completion
+
+
+@dataclass
+class Choice:
+    spec: Spec
+    index: int
 
 
 class Routes:
@@ -44,18 +70,24 @@ class Routes:
 
     def __init__(
         self, engine: Engine, policy: Policy, model_name: str, scheduler: Scheduler, metrics: Metrics,
-        api_key: str | None,
+        api_key: str | None, score: str = "decode", score_tail: int = SCORE_TAIL,
     ):  # fmt: skip
+        """`score`, `score_tail`: how a prompt's logprobs are computed unless a request says (`scoring_tail`)."""
         self.engine, self.policy, self.model_name = engine, policy, model_name
         self.scheduler, self.metrics, self.api_key = scheduler, metrics, api_key
+        self.score, self.score_tail = score, score_tail
         self.tok, self.context = engine.tokenizer, engine.cfg.max_position_embeddings
         self.card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "infinigen"}
+        self.piece = functools.lru_cache(maxsize=1 << 16)(lambda t: self.tok.decode([t], skip_special_tokens=False))
 
     def router(self) -> APIRouter:
-        """/health and /metrics open to all; /v1/* behind the key."""
+        """/health, /metrics and the tokenizer's routes open to all (as vLLM's); /v1/* behind the key."""
         router = APIRouter()
         router.get("/health")(self.health)
         router.get("/metrics")(self.prometheus)
+        router.get("/tokenizer_info")(self.tokenizer_info)
+        router.post("/tokenize")(self.tokenize)
+        router.post("/detokenize")(self.detokenize)
         v1 = APIRouter(prefix="/v1", dependencies=[Depends(self.check_key)])
         v1.get("/models")(self.models)
         v1.get("/models/{model:path}")(self.model)
@@ -102,12 +134,51 @@ class Routes:
         self.check_model(model)
         return self.card
 
+    async def tokenizer_info(self):
+        """What lm-evaluation-harness's remote tokenizer reads (vLLM's /tokenizer_info): the special tokens and the
+        chat template."""
+        tok = self.tok
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": tok.eos_token,
+            "bos_token": tok.bos_token,
+            "pad_token": tok.tok.id_to_token(tok.pad_id),
+            "chat_template": tok.chat_template,
+            "model_max_length": self.context,
+            "vocab_size": self.engine.cfg.vocab_size,
+        }
+
+    async def tokenize(self, body: TokenizeRequest):
+        """vLLM's /tokenize: a prompt (or chat messages, rendered with the template) -> token ids."""
+        self.check_model(body.model)
+        if body.messages is not None:
+            if not self.tok.chat_template:
+                raise APIError(400, "this bundle has no chat template: tokenize a prompt instead", "messages")
+            ids = self.tok.encode_chat(body.plain_messages(), body.add_generation_prompt)
+        else:
+            ids = self.tok.encode(body.prompt_text(), add_special_tokens=body.add_special_tokens)
+        strs = [self.piece(t) for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.context, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, body: DetokenizeRequest):
+        self.check_model(body.model)
+        vocab = self.engine.cfg.vocab_size
+        if (bad := next((t for t in body.tokens if not 0 <= t < vocab), None)) is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", "tokens")
+        return {"prompt": self.tok.decode(body.tokens, skip_special_tokens=False)}
+
     async def completions(self, body: CompletionRequest, request: Request):
         self.check_model(body.model)
         body.check()
-        ids = self.tok.encode(body.prompt_text())
-        max_tokens = fit_context(len(ids), body.max_tokens, COMPLETION_MAX_TOKENS, self.context, "prompt")
-        return await self.run(request, body, ids, max_tokens, chat=False)
+        prompts = body.prompts(self.tok, self.engine.cfg.vocab_size)
+        specs = []
+        for ids, text in prompts:
+            max_tokens = fit_context(len(ids), body.max_tokens, COMPLETION_MAX_TOKENS, self.context, "prompt")
+            echo = None
+            if body.echo:
+                echo = text if text is not None else self.tok.decode(ids, skip_special_tokens=False)
+            specs.append(Spec(ids, max_tokens, body.logprobs, body.logprobs if body.echo else None, echo))
+        return await self.run(request, body, specs, chat=False)
 
     async def chat_completions(self, body: ChatRequest, request: Request):
         self.check_model(body.model)
@@ -117,45 +188,80 @@ class Routes:
         ids = self.tok.encode_chat(body.plain_messages())
         requested = body.max_completion_tokens or body.max_tokens
         max_tokens = fit_context(len(ids), requested, CHAT_MAX_TOKENS, self.context, "messages")
-        return await self.run(request, body, ids, max_tokens, chat=True)
+        return await self.run(request, body, [Spec(ids, max_tokens, body.n_logprobs())], chat=True)
 
-    async def run(self, request: Request, body: BaseRequest, ids: list[int], max_tokens: int, chat: bool):
-        """Queue the request; stream its pieces as SSE, or wait for the whole text."""
+    def scoring_tail(self, o: KVOverrides | None) -> int:
+        """Prompt tokens scored by decode steps (0: by the prefill): the request's `infinigen.score` and
+        `score_tail`, else the server's --score and --score-tail."""
+        score = (o.score if o is not None else None) or self.score
+        tail = (o.score_tail if o is not None else None) or self.score_tail
+        return tail if score == "decode" else 0
+
+    async def run(self, request: Request, body: BaseRequest, specs: list[Spec], chat: bool):
+        """Queue a job per prompt and choice (`n`); stream their pieces as SSE, or wait for every one."""
         temperature = 1.0 if body.temperature is None else body.temperature  # OpenAI's defaults
-        sampling = SamplingParams(temperature=temperature, top_p=body.top_p or 1.0, seed=body.seed)
+        policy = request_policy(self.engine, self.policy, body.infinigen)
+        tail = self.scoring_tail(body.infinigen)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        job = Job(
-            ids,
-            max_tokens,
-            sampling,
-            body.stops(),
-            request_policy(self.engine, self.policy, body.infinigen),
-            emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-            stream=body.stream,
-        )
-        self.submit(job)
+        jobs: list[Job] = []
+        for spec in specs:
+            for j in range(body.n):  # choice i * n + j of prompt i; a seeded request's choices differ by seed + j
+                seed = None if body.seed is None else (body.seed + j) % 2**64
+                sampling = SamplingParams(temperature=temperature, top_p=body.top_p or 1.0, seed=seed)
+                jobs.append(Job(
+                    spec.ids, spec.max_tokens, sampling, body.stops(), policy,
+                    emit=lambda ev, k=len(jobs): loop.call_soon_threadsafe(events.put_nowait, (k, ev)),
+                    stream=body.stream, logprobs=spec.logprobs, prompt_logprobs=spec.prompt_logprobs,
+                    score_tail=tail,
+                ))  # fmt: skip
+        self.submit(jobs)
         rid, created = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time())
+        choices = [Choice(specs[k // body.n], k) for k in range(len(jobs))]
+        prompt_tokens = sum(len(s.ids) for s in specs)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            chunks = Chunks(chat, rid, created, self.model_name, len(ids) if include_usage else None)
+            chunks = Chunks(chat, rid, created, self.model_name, prompt_tokens if include_usage else None, self.piece)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(
-                sse(self.scheduler, job, events, chunks), media_type="text/event-stream", headers=headers
+                sse(self.scheduler, jobs, choices, events, chunks), media_type="text/event-stream", headers=headers
             )
-        done = await wait_done(request, self.scheduler, job, events)
+        done = await wait_done(request, self.scheduler, jobs, events)
         if done is None:  # the client left; nobody reads this
             return Response(status_code=499)
-        make = chat_body if chat else completion_body
-        return make(
-            rid, created, self.model_name, done.text, done.finish_reason, usage(len(ids), done.completion_tokens)
-        )
+        use = usage(prompt_tokens, sum(d.completion_tokens for d in done))
+        if chat:
+            made = [
+                chat_choice(c.index, d.text, d.finish_reason,
+                            None if d.logprobs is None else chat_logprobs(d.logprobs, self.piece))
+                for c, d in zip(choices, done, strict=True)
+            ]  # fmt: skip
+            return chat_body(rid, created, self.model_name, made, use)
+        made = [self.completion_choice(c, d) for c, d in zip(choices, done, strict=True)]
+        return completion_body(rid, created, self.model_name, made, use)
 
-    def submit(self, job: Job) -> None:
-        """Hand `job` to the scheduler, or say as an API error why it cannot take it."""
+    def completion_choice(self, c: Choice, d: Done) -> dict:
+        """A finished completion: the echoed prompt first (with its logprobs), then the new text."""
+        echo = c.spec.echo or ""
+        logprobs = None
+        if d.logprobs is not None:
+            entries = (d.prompt_logprobs or []) + d.logprobs if c.spec.echo is not None else d.logprobs
+            offset = 0 if c.spec.echo is not None else len(echo)
+            logprobs = completion_logprobs(entries, self.piece, offset, c.spec.ids[0])
+        return completion_choice(c.index, echo + d.text, d.finish_reason, logprobs)
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Hand the request's jobs to the scheduler, or say as an API error why it cannot take them (those taken
+        already are cancelled)."""
         if not self.scheduler.alive:
             raise APIError(503, "the scheduler is not running; see the server log", type="server_error")
         try:
-            self.scheduler.submit(job)
+            for i, job in enumerate(jobs):
+                try:
+                    self.scheduler.submit(job)
+                except BaseException:
+                    for taken in jobs[:i]:
+                        self.scheduler.cancel(taken)
+                    raise
         except QueueFull:
             raise APIError(
                 429,
@@ -208,40 +314,69 @@ def request_policy(engine: Engine, base: Policy, o: KVOverrides | None) -> Polic
     return base.with_options(engine, **changes)
 
 
-async def wait_done(request: Request, scheduler: Scheduler, job: Job, events: asyncio.Queue) -> Done | None:
-    """The final event of a non-streaming job; None when the client left (the job is cancelled)."""
+async def wait_done(request: Request, scheduler: Scheduler, jobs: list[Job], events: asyncio.Queue):
+    """The final event of every job, in order; None when the client left (the jobs are cancelled). A failed job
+    fails the request (the others are cancelled)."""
+    done: dict[int, Done] = {}
     try:
-        while True:
+        while len(done) < len(jobs):
             try:
-                event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+                k, event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
-                    scheduler.cancel(job)
+                    _cancel(scheduler, jobs)
                     return None
                 continue
             if isinstance(event, Failed):
+                _cancel(scheduler, jobs)
                 raise _failed(event)
-            return event
+            if isinstance(event, Done):
+                done[k] = event
+        return [done[k] for k in range(len(jobs))]
     except asyncio.CancelledError:
-        scheduler.cancel(job)
+        _cancel(scheduler, jobs)
         raise
 
 
+def _cancel(scheduler: Scheduler, jobs: list[Job]) -> None:
+    for job in jobs:
+        scheduler.cancel(job)
+
+
 class Chunks:
-    """The streamed objects of one request: completion chunks, or chat chunks with the role first."""
+    """The streamed objects of one request: completion chunks, or chat chunks with the role first, per choice."""
 
-    def __init__(self, chat: bool, rid: str, created: int, model: str, usage_prompt_tokens: int | None):
-        self.chat, self.head = chat, (rid, created, model)
+    def __init__(self, chat: bool, rid: str, created: int, model: str, usage_prompt_tokens: int | None, piece):
+        self.chat, self.head, self.piece = chat, (rid, created, model), piece
         self.usage_prompt_tokens = usage_prompt_tokens  # None: no usage chunk (stream_options.include_usage)
+        self.offsets: dict[int, int] = {}  # a completion choice's text sent so far (its logprobs' text_offset)
 
-    def first(self) -> dict | None:
-        return chat_chunk(*self.head, {"role": "assistant", "content": ""}) if self.chat else None
+    def first(self, c: Choice) -> dict | None:
+        """The role (chat), or the echoed prompt when no logprobs come with it (they come once it is scored)."""
+        if self.chat:
+            return chat_chunk(*self.head, {"role": "assistant", "content": ""}, index=c.index)
+        if c.spec.echo is not None and c.spec.prompt_logprobs is None:
+            return self.text(c, c.spec.echo, None)
+        return None
 
-    def piece(self, text: str) -> dict:
-        return chat_chunk(*self.head, {"content": text}) if self.chat else completion_chunk(*self.head, text)
+    def event(self, c: Choice, ev: Piece) -> dict | None:
+        if ev.prompt is not None:  # completions with echo and logprobs: the prompt and its logprobs
+            return self.text(c, c.spec.echo or "", ev.prompt)
+        if self.chat:
+            lp = None if c.spec.logprobs is None else chat_logprobs(ev.logprobs, self.piece)
+            return chat_chunk(*self.head, {"content": ev.text}, index=c.index, logprobs=lp)
+        return self.text(c, ev.text, ev.logprobs if c.spec.logprobs is not None else None)
 
-    def final(self, reason: str) -> dict:
-        return chat_chunk(*self.head, {}, reason) if self.chat else completion_chunk(*self.head, "", reason)
+    def text(self, c: Choice, text: str, entries) -> dict:
+        at = self.offsets.get(c.index, 0)
+        lp = None if entries is None else completion_logprobs(entries, self.piece, at, c.spec.ids[0])
+        self.offsets[c.index] = at + len(text)
+        return completion_chunk(*self.head, text, index=c.index, logprobs=lp)
+
+    def final(self, c: Choice, reason: str) -> dict:
+        if self.chat:
+            return chat_chunk(*self.head, {}, reason, index=c.index)
+        return completion_chunk(*self.head, "", reason, index=c.index)
 
     def usage(self, completion_tokens: int) -> dict | None:
         if self.usage_prompt_tokens is None:
@@ -252,32 +387,36 @@ class Chunks:
         return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
 
 
-async def sse(scheduler: Scheduler, job: Job, events: asyncio.Queue, chunks: Chunks):
-    """Server-sent events: a chunk per new piece, a chunk with the finish reason, the usage if asked, [DONE].
-    A client that leaves cancels this generator (starlette) and so the job."""
-    finished = False
+async def sse(scheduler: Scheduler, jobs: list[Job], choices: list[Choice], events: asyncio.Queue, chunks: Chunks):
+    """Server-sent events: a chunk per new piece of any choice, a chunk with each choice's finish reason, the usage
+    if asked, [DONE]. A client that leaves cancels this generator (starlette) and so the jobs."""
+    finished, left, completion_tokens = False, len(jobs), 0
     try:
-        if (first := chunks.first()) is not None:
-            yield _data(first)
-        while True:
-            event = await events.get()
-            if isinstance(event, str):
-                yield _data(chunks.piece(event))
+        for c in choices:
+            if (first := chunks.first(c)) is not None:
+                yield _data(first)
+        while left:
+            k, event = await events.get()
+            c = choices[k]
+            if isinstance(event, Piece):
+                if (chunk := chunks.event(c, event)) is not None:
+                    yield _data(chunk)
                 continue
             if isinstance(event, Failed):
                 yield _data(_failed(event).body())
                 break
             if event.text:
-                yield _data(chunks.piece(event.text))
-            yield _data(chunks.final(event.finish_reason))
-            if (use := chunks.usage(event.completion_tokens)) is not None:
-                yield _data(use)
-            break
+                yield _data(chunks.event(c, Piece(event.text)))
+            yield _data(chunks.final(c, event.finish_reason))
+            completion_tokens += event.completion_tokens
+            left -= 1
+        if not left and (use := chunks.usage(completion_tokens)) is not None:
+            yield _data(use)
         finished = True
         yield "data: [DONE]\n\n"
     finally:
-        if not finished:
-            scheduler.cancel(job)
+        if not finished or left:
+            _cancel(scheduler, jobs)
 
 
 def _data(obj: dict) -> str:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.policies import Policy
-from infinigen_rt.runner import Request, Runner, pool_tokens
+from infinigen_rt.runner import Logprob, Request, Runner, pool_tokens
 from infinigen_rt.sampling import SamplingParams
 from infinigen_rt.serve.metrics import Metrics
 
@@ -36,10 +36,22 @@ class ShuttingDown(Exception):
 
 
 @dataclass
+class Piece:
+    """Streaming: new text, and the logprobs of the step's tokens when asked (the text may lag behind them: an
+    incomplete character or a possible stop string is held back); `prompt`: the prompt's, once scored."""
+
+    text: str
+    logprobs: list[Logprob] = field(default_factory=list)
+    prompt: list[Logprob | None] | None = None
+
+
+@dataclass
 class Done:
     text: str  # streaming: the text not sent yet; otherwise the whole completion
     finish_reason: str  # "stop" | "length"
     completion_tokens: int
+    logprobs: list[Logprob] | None = None  # not streaming, when asked: the new tokens'
+    prompt_logprobs: list[Logprob | None] | None = None  # and the prompt's
 
 
 @dataclass
@@ -86,8 +98,11 @@ class Job:
     sampling: SamplingParams
     stop: list[str]
     policy: Policy  # this request's (the server's, with its overrides)
-    emit: Callable[[str | Done | Failed], None]
+    emit: Callable[[Piece | Done | Failed], None]
     stream: bool = False
+    logprobs: int | None = None  # Request.logprobs, prompt_logprobs and score_tail
+    prompt_logprobs: int | None = None
+    score_tail: int = 0
     cancelled: bool = False  # set from the HTTP side when the client leaves
     seen: int = 0  # tokens of this request already handed on
     arrived: float = 0.0  # time.perf_counter() at submit
@@ -201,7 +216,10 @@ class Scheduler:
             if job.cancelled:
                 self.metrics.count_cancelled()
                 continue
-            req = Request(job.prompt_ids, job.max_tokens, job.sampling, job.stop, policy=job.policy)
+            req = Request(
+                job.prompt_ids, job.max_tokens, job.sampling, job.stop, policy=job.policy, logprobs=job.logprobs,
+                prompt_logprobs=job.prompt_logprobs, score_tail=job.score_tail,
+            )  # fmt: skip
             try:
                 self.jobs[self.runner.add(req)] = job
             except InfinigenError as e:
@@ -233,19 +251,26 @@ class Scheduler:
         self.metrics.record_step(st.decode_steps - steps, st.decode_tokens - rows, rate)
         for out in outs:  # every token of the step counted first: a scrape after an answer includes its step
             job = self.jobs[out.id]
+            if job.stream and out.prompt_logprobs is not None:
+                _emit(job, Piece("", prompt=out.prompt_logprobs))
             if n := len(out.new_token_ids):
                 first = job.seen == 0
                 self.metrics.record_tokens(n, now - (job.arrived if first else job.last_token), first)
                 job.seen, job.last_token = job.seen + n, now
-                if job.stream and (piece := job.text.update(tok.decode(out.token_ids))):
-                    _emit(job, piece)
+                if job.stream:
+                    piece = job.text.update(tok.decode(out.token_ids))
+                    if piece or out.new_logprobs:
+                        _emit(job, Piece(piece, out.new_logprobs))
         for out in outs:
             if out.finished:  # counted before its client sees its end
                 job, gen = self.jobs.pop(out.id), out.generation
                 self.metrics.record_request(len(gen.prompt_token_ids), out.report)
                 self.metrics.e2e.observe(now - job.arrived)
-                text = job.text.finish(gen.text) if job.stream else gen.text
-                _emit(job, Done(text, gen.finish_reason, len(gen.token_ids)))
+                if job.stream:
+                    _emit(job, Done(job.text.finish(gen.text), gen.finish_reason, len(gen.token_ids)))
+                else:
+                    _emit(job, Done(gen.text, gen.finish_reason, len(gen.token_ids), gen.logprobs,
+                                    gen.prompt_logprobs))  # fmt: skip
 
     def _fail_all(self) -> None:
         """Shutting down: every request not finished gets its end now (no stream is left hanging)."""

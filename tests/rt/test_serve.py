@@ -27,7 +27,7 @@ from infinigen_rt.policies.full import DenseCache
 from infinigen_rt.runner import Generation, Output, RunStats
 from infinigen_rt.sampling import SamplingParams
 from infinigen_rt.serve.metrics import Metrics
-from infinigen_rt.serve.scheduler import Done, Failed, Job, QueueFull, Scheduler, ShuttingDown, TextStream
+from infinigen_rt.serve.scheduler import Done, Failed, Job, Piece, QueueFull, Scheduler, ShuttingDown, TextStream
 from tests.conftest import ROOT, TOKENIZER_TEXT, ServerProcess, run_cli
 from tests.test_cli import one_line_error
 
@@ -277,14 +277,23 @@ BAD = [
     ({"prompt": "x", "max_tokens": "10"}, 400, "max_tokens"),
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ({"prompt": "x", "stream": "yes"}, 400, "stream"),
-    ({"prompt": "x", "n": 2}, 400, "n=2"),
-    ({"prompt": "x", "logprobs": 1}, 400, "logprobs"),
-    ({"prompt": "x", "echo": True}, 400, "echo"),
+    ({"prompt": "x", "n": 0}, 400, "n: input should be greater than or equal to 1"),
+    ({"prompt": "x", "n": 17}, 400, "n: input should be less than or equal to 16"),
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs: input should be less than or equal to 20"),
+    ({"prompt": "x", "logprobs": True}, 400, "logprobs"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "set echo"),
+    ({"prompt": [1, 2, 99999]}, 400, "token id 99999 is outside the vocabulary"),
+    ({"prompt": [[1, 2], [-1]]}, 400, "prompt[1]: token id -1"),
+    ({"prompt": []}, 400, "empty list"),
+    ({"prompt": [[]]}, 400, "encodes to no tokens"),
+    ({"prompt": [1, "a"]}, 400, "prompt"),
+    ({"prompt": ["x"] * 65}, 400, "at most 64"),
+    ({"prompt": "x", "echo": 1}, 400, "echo"),
+    ({"prompt": "x", "echo": True, "logprobs": 1, "infinigen": {"score": "dense"}}, 400, "infinigen.score"),
     ({"prompt": "x", "best_of": 3}, 400, "best_of"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "does not exist"),
     ({"prompt": "king " * 300}, 400, "context"),
     ({"prompt": "x", "max_tokens": 1000}, 400, "context"),
-    ({"prompt": ["a", "b"]}, 400, "one prompt"),
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
     ({"prompt": "x", "infinigen": {"alpha": 1}}, 400, "infinigen policy"),
     ({"prompt": "x", "infinigen": {"budgett": 1}}, 400, "budgett"),
@@ -310,6 +319,114 @@ def test_bad_input_is_a_4xx_and_the_server_keeps_serving(tiny, body, status, wor
     assert tiny.post("/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
 
 
+def lp_of(choice) -> SimpleNamespace:
+    return choice.logprobs
+
+
+def test_logprobs_echo_token_prompts_and_choices_parse_in_the_openai_client(tiny, bundles):
+    """lm-evaluation-harness's requests: token-id prompts, several in one request, echo with logprobs and max_tokens
+    0 or 1; the legacy logprobs object (tokens, token_logprobs with null first, top_logprobs with the chosen token,
+    text_offset into the returned text) as the openai client parses it; n choices; a text prompt and its ids score
+    the same."""
+    from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.tokenizer import Tokenizer
+
+    tok = Tokenizer(read_bundle(bundles["llama31_gqa"]))
+    c = tiny.client()
+    texts = PROMPTS[:3]
+    ids = [tok.encode(t) for t in texts]
+    by_ids = c.completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0, logprobs=2, echo=True)
+    by_text = c.completions.create(model="tiny", prompt=texts, max_tokens=3, temperature=0, logprobs=2, echo=True)
+    assert [ch.index for ch in by_ids.choices] == [0, 1, 2]
+    assert by_ids.usage.prompt_tokens == sum(map(len, ids))
+    for a, b, t, i in zip(by_ids.choices, by_text.choices, texts, ids, strict=True):
+        assert a.text.startswith(tok.decode(i, skip_special_tokens=False)) and b.text.startswith(t)
+        assert a.text[len(tok.decode(i, skip_special_tokens=False)):] == b.text[len(t):]
+        la, lb = lp_of(a), lp_of(b)
+        n = len(i) + (3 if a.finish_reason == "length" else len(la.tokens) - len(i))
+        assert len(la.tokens) == len(la.token_logprobs) == len(la.top_logprobs) == len(la.text_offset) == n
+        assert la.token_logprobs[0] is None and la.top_logprobs[0] is None
+        assert all(abs(x - y) < 1e-5 for x, y in zip(la.token_logprobs[1:], lb.token_logprobs[1:], strict=True))
+        assert la.text_offset == [sum(map(len, la.tokens[:k])) for k in range(n)]
+        for k in range(1, n):
+            top = la.top_logprobs[k]
+            # 2 alternatives and the chosen token (keys may merge: pieces of a character all read "\ufffd")
+            assert la.tokens[k] in top and 1 <= len(top) <= 3 and all(v <= 0 for v in top.values())
+        for k in range(len(i), n):  # greedy: each new token is its position's best
+            assert la.token_logprobs[k] == max(la.top_logprobs[k].values())
+    # max_tokens 0 with echo scores the prompt only: the same scores
+    zero = c.completions.create(model="tiny", prompt=texts[0], max_tokens=0, echo=True, logprobs=0)
+    ch = zero.choices[0]
+    assert ch.text == texts[0] and ch.finish_reason == "length" and zero.usage.completion_tokens == 0
+    assert len(lp_of(ch).tokens) == len(ids[0]) and all(len(t) == 1 for t in lp_of(ch).top_logprobs[1:])
+    assert all(abs(x - y) < 1e-5 for x, y in zip(lp_of(ch).token_logprobs[1:], lp_of(by_text.choices[0])
+                                                   .token_logprobs[1 : len(ids[0])], strict=True))  # fmt: skip
+    # logprobs without echo: the new tokens only, offsets into the new text
+    plain = c.completions.create(model="tiny", prompt=texts[1], max_tokens=3, temperature=0, logprobs=1)
+    assert plain.choices[0].text == by_text.choices[1].text[len(texts[1]) :]
+    assert lp_of(plain.choices[0]).token_logprobs == lp_of(by_text.choices[1]).token_logprobs[len(ids[1]) :]
+    # n choices per prompt, seeded: each its own sample, the same again with the same seed
+    kw = dict(model="tiny", prompt=texts[:2], max_tokens=8, temperature=1.0, seed=7, n=2)
+    first, again = c.completions.create(**kw), c.completions.create(**kw)
+    assert [ch.index for ch in first.choices] == [0, 1, 2, 3]
+    assert [ch.text for ch in first.choices] == [ch.text for ch in again.choices]
+    assert first.choices[0].text != first.choices[1].text
+    # streamed: the same choices, each by its index, with logprobs for every new token
+    texts_by, lps_by = {}, {}
+    for chunk in c.completions.create(**kw, stream=True, logprobs=1):
+        for ch in chunk.choices:
+            texts_by[ch.index] = texts_by.get(ch.index, "") + ch.text
+            if ch.logprobs is not None:
+                lps_by.setdefault(ch.index, []).extend(ch.logprobs.token_logprobs)
+    assert [texts_by[k] for k in range(4)] == [ch.text for ch in first.choices]
+    assert all(len(lps_by[k]) >= 1 for k in range(4))
+    # streamed with echo and logprobs: the prompt and its scores first
+    chunks = list(c.completions.create(model="tiny", prompt=texts[0], max_tokens=2, temperature=0, echo=True,
+                                       logprobs=0, stream=True))  # fmt: skip
+    assert chunks[0].choices[0].text == texts[0]
+    assert chunks[0].choices[0].logprobs.token_logprobs == lp_of(zero.choices[0]).token_logprobs
+
+
+def test_chat_logprobs_and_the_tokenizer_routes(tiny, bundles):
+    """Chat logprobs (content: token, logprob, bytes, top_logprobs) through the openai client; /tokenize,
+    /detokenize and /tokenizer_info as vLLM answers them, which lm-evaluation-harness's remote tokenizer probes and
+    uses; a refused request's reason in the server's log."""
+    from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.tokenizer import Tokenizer
+
+    tok = Tokenizer(read_bundle(bundles["llama31_gqa"]))
+    r = tiny.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi there"}], max_tokens=4, temperature=0, logprobs=True,
+        top_logprobs=2,
+    )  # fmt: skip
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for e in content:
+        assert e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 2
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob  # greedy
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    text = PROMPTS[5]
+    got = httpx.post(tiny.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    assert got["tokens"] == tok.encode(text, add_special_tokens=False) and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == 256 and got["token_strs"] is None
+    back = httpx.post(tiny.url + "/detokenize", json={"tokens": got["tokens"]}).json()
+    assert back == {"prompt": text}
+    chat = httpx.post(tiny.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"] == tok.encode_chat([{"role": "user", "content": "hi"}])
+    info = httpx.get(tiny.url + "/tokenizer_info").json()
+    assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+    bad = httpx.post(tiny.url + "/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
+    lm_utils = pytest.importorskip("lm_eval.utils")
+    assert lm_utils.check_remote_tokenizer_support(tiny.url + "/v1/completions")
+    remote = lm_utils.RemoteTokenizer(tiny.url + "/v1/completions")
+    assert remote.eos_token_id in tok.eos_ids and remote.decode(remote.encode(text)) == text
+    r = tiny.post("/v1/completions", {"prompt": "x", "n": 0})
+    assert r.status_code == 400
+    line = "POST /v1/completions -> 400: n: Input should be greater than or equal to 1"
+    wait_for(lambda: line in tiny.log.read_text(), "the refusal's reason in the log")
+
+
 def test_bad_chat_input(tiny):
     for body, words in [
         ({"messages": []}, "messages"),
@@ -317,12 +434,20 @@ def test_bad_chat_input(tiny):
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
         ({"messages": [{"role": "tool", "content": "42"}]}, "'user' or 'assistant'"),
+
         (b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "messages[0].content holds a lone surrogate"),
         (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}', "lone surrogate"),
     ]:
         r = tiny.post("/v1/chat/completions", body)
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
         assert r.json()["error"]["param"] == "messages"
+    for body, words, param in [
+        ({"top_logprobs": 2}, "top_logprobs needs logprobs", "top_logprobs"),
+        ({"echo": True}, "echo=True is not supported", "echo"),
+        ({"logprobs": 1}, "logprobs: Input should be a valid boolean", "logprobs"),
+    ]:
+        r = tiny.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **body})
+        assert r.status_code == 400 and words in r.json()["error"]["message"] and r.json()["error"]["param"] == param
     body = {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]}
     assert tiny.post("/v1/chat/completions", {**body, "max_tokens": 2}).status_code == 200
 
@@ -581,7 +706,7 @@ def test_requests_with_their_own_kv_options_share_steps_and_each_ends_in_its_own
     wait_for(lambda: sum(isinstance(ev, Done) for _, ev in events) == 3, "three answers")
     sched.stop()
     assert [r.policy for r in engine.made.added] == [engine.policy, other, engine.policy]  # each request's own
-    assert [ev for n, ev in events if n == 3] == ["a", "b", "c", Done("", "length", 3)]  # streamed, then done
+    assert [ev for n, ev in events if n == 3] == [Piece("a"), Piece("b"), Piece("c"), Done("", "length", 3)]  # streamed
     dones = [n for n, ev in events if isinstance(ev, Done)]
     assert dones == [3, 5, 4]  # the 3-token one answered at step 3; the third request took its row at step 4
     assert (5, Done("abcde", "length", 5)) in events and (4, Done("abcd", "length", 4)) in events
