@@ -15,6 +15,7 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_MAX_TOKENS = 512  # OpenAI's chat default is "whatever fits"; on a CPU that is too long to wait for
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_CHOICES = 64  # prompts x n
 SCORING = ("decode", "prefill")  # how a prompt's logprobs are computed (serve --score)
 SCORE_TAIL = 128  # prompt tokens scored by decode steps by default (serve --score-tail)
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM's floor)

@@ -23,6 +23,7 @@ from infinigen_rt.serve.metrics import Metrics
 from infinigen_rt.serve.protocol import (
     CHAT_MAX_TOKENS,
     COMPLETION_MAX_TOKENS,
+    MAX_CHOICES,
     SCORE_TAIL,
     APIError,
     BaseRequest,
@@ -171,6 +172,9 @@ class Routes:
         self.check_model(body.model)
         body.check()
         prompts = body.prompts(self.tok, self.engine.cfg.vocab_size)
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise APIError(400, f"{len(prompts)} prompts x n={body.n} make more than {MAX_CHOICES} choices; split "
+                           "the request", "n")  # fmt: skip
         specs = []
         for ids, text in prompts:
             max_tokens = fit_context(len(ids), body.max_tokens, COMPLETION_MAX_TOKENS, self.context, "prompt")

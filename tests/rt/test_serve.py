@@ -288,6 +288,7 @@ BAD = [
     ({"prompt": [[]]}, 400, "encodes to no tokens"),
     ({"prompt": [1, "a"]}, 400, "prompt"),
     ({"prompt": ["x"] * 65}, 400, "at most 64"),
+    ({"prompt": ["x"] * 10, "n": 7}, 400, "more than 64 choices"),
     ({"prompt": "x", "echo": 1}, 400, "echo"),
     ({"prompt": "x", "echo": True, "logprobs": 1, "infinigen": {"score": "dense"}}, 400, "infinigen.score"),
     ({"prompt": "x", "best_of": 3}, 400, "best_of"),
@@ -487,7 +488,8 @@ def test_fuzz_against_the_servers_own_openapi_schema(tiny):
 
     schema = schemathesis.openapi.from_url(tiny.url + "/openapi.json")
     ops = [op.ok() for op in schema.get_all_operations()]
-    assert {op.label for op in ops} >= {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models"}
+    assert {op.label for op in ops} >= {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models",
+                                        "POST /tokenize", "POST /detokenize", "GET /tokenizer_info"}  # fmt: skip
     modes = (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
     statuses, t0 = Counter(), time.monotonic()
 
