@@ -99,6 +99,10 @@ needle: (setup "gguf,plot") texts smollm2
       --correct 0
     infinigen-rt eval {{bundle}} $o --policies full,infinigen,oracle --plot artifacts/results/needle-smollm2.png
 
+# lm-evaluation-harness against serve, one server per policy: a local multiple-choice task from held-out texts
+lmeval: (setup "gguf,test") texts smollm2
+    {{python}} benchmarks/lmeval_policies.py --bundle {{bundle}} --items 8 --score-tail 32
+
 # long context on Gemma 3 270M (this CPU): decode speed vs context, needles 4k-32k, perplexity at 2k/16k/32k tokens
 gemma3-long: (setup "gguf,plot") texts gemma3
     #!/usr/bin/env bash

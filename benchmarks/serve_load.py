@@ -60,8 +60,9 @@ CHARS_PER_TOKEN = 4  # English text in BPE tokenizers (SmolLM2, Llama): open-loo
 POLL_S = 0.2  # how often the open loop reads the server's queue from /health
 
 
-def start_server(bundle: str, policy: str, max_batch: int, device: str, threads: int | None):
-    """`infinigen-rt serve BUNDLE --port 0`; returns (process, base url) once /health answers."""
+def start_server(bundle: str, policy: str, max_batch: int, device: str, threads: int | None, extra: tuple = ()):
+    """`infinigen-rt serve BUNDLE --port 0` (and `extra` options); returns (process, base url) once /health
+    answers."""
     log = Path(tempfile.mkstemp(prefix="serve_load_", suffix=".log")[1])
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     cmd = [
@@ -80,6 +81,7 @@ def start_server(bundle: str, policy: str, max_batch: int, device: str, threads:
         str(max_batch),
         "--max-queue",
         "1024",
+        *extra,
     ]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
