@@ -252,6 +252,15 @@ def smollm2_path():
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    """transformers' model of the same GGUF, the reference (loaded once a session: it dequantizes the GGUF)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
 def smollm2_bundle(tmp_path_factory, smollm2_path):
     """SmolLM2 converted from its GGUF in float32 (for exact comparisons), calibrated on Macbeth."""
     from infinigen_prep.convert import convert

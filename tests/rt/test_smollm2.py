@@ -25,12 +25,8 @@ def engine(smollm2_bundle):
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_path):
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
-    ).eval()
+def hf_model(smollm2_hf):
+    return smollm2_hf
 
 
 def test_bundle_records_the_real_model(engine, smollm2_path):
