@@ -406,6 +406,12 @@ def test_chat_logprobs_and_the_tokenizer_routes(tiny, bundles):
         assert e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 2
         assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob  # greedy
     assert "".join(e.token for e in content) == r.choices[0].message.content
+    streamed = tiny.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi there"}], max_tokens=4, temperature=0, logprobs=True,
+        top_logprobs=2, stream=True,
+    )  # fmt: skip
+    parts = [e for chunk in streamed for ch in chunk.choices if ch.logprobs for e in ch.logprobs.content]
+    assert [(e.token, e.logprob) for e in parts] == [(e.token, e.logprob) for e in content]
     text = PROMPTS[5]
     got = httpx.post(tiny.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
     assert got["tokens"] == tok.encode(text, add_special_tokens=False) and got["count"] == len(got["tokens"])
