@@ -298,7 +298,7 @@ class Runner:
                     logits = prefill(self.engine, seq.cache, ids, pos, every=scored)
                     if scored:  # position j scores the prompt token after it
                         m = min(n, len(prompt) - 1 - seq.done)
-                        targets = torch.tensor(prompt[seq.done + 1 : seq.done + 1 + m], device=dev)
+                        targets = to_device(torch.tensor(prompt[seq.done + 1 : seq.done + 1 + m]), dev)
                         seq.prompt_lp += logprobs(logits[0, :m], targets, [seq.req.prompt_logprobs] * m)
                         logits = logits[:, -1]
                     if seq.done + n == len(prompt):
@@ -340,8 +340,10 @@ class Runner:
                 forced = [s.req.prompt_ids[s.forced] if i not in free else 0 for i, s in enumerate(rows)]
                 toks = to_device(torch.tensor(forced), self.engine.device)
                 if free:
-                    picked = [rows[i] for i in free]
-                    toks[free] = sample_rows(logits[free], [s.req.sampling for s in picked], [s.gen for s in picked])
+                    picked, at = [rows[i] for i in free], self._index(free)
+                    sampled = sample_rows(logits.index_select(0, at), [s.req.sampling for s in picked],
+                                          [s.gen for s in picked])  # fmt: skip
+                    toks.index_copy_(0, at, sampled)
             nxt = pos + 1
             got = toks.tolist()  # the one host sync a step: the sampled tokens
             lps = self._step_logprobs(rows, free, logits, toks)
@@ -370,8 +372,14 @@ class Runner:
                 want[i] = k
         if not want:
             return {}
-        idx = list(want)
-        return dict(zip(idx, logprobs(logits[idx], toks[idx], list(want.values())), strict=True))
+        at = self._index(list(want))
+        entries = logprobs(logits.index_select(0, at), toks.index_select(0, at), list(want.values()))
+        return dict(zip(want, entries, strict=True))
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        """Row numbers as an index on the device, copied without waiting (a list index would copy from pageable
+        memory)."""
+        return to_device(torch.tensor(rows), self.engine.device)
 
     def _sampled_logprob(self, seq: _Seq, logits) -> Logprob | None:
         """The first new token's logprob (from the prefill's last logits [1, V]) when the request asked."""
@@ -408,8 +416,7 @@ class Runner:
             if seq.reason is None and len(seq.out) >= seq.req.max_new_tokens:
                 seq.reason = "length"
         if seq.reason is not None:
-            self._free(seq)
-            out.generation, out.report = self._result(seq), seq.report
+            self._finish(seq, seq.reason, outs)
 
     def _output(self, seq: _Seq, outs: dict[int, Output]) -> Output:
         """The request's Output of this step; the first one carries the prompt's logprobs (when it asked)."""

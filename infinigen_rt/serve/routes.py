@@ -247,10 +247,9 @@ class Routes:
         """A finished completion: the echoed prompt first (with its logprobs), then the new text."""
         echo = c.spec.echo or ""
         logprobs = None
-        if d.logprobs is not None:
+        if d.logprobs is not None:  # offsets into the text returned, the echoed prompt's included
             entries = (d.prompt_logprobs or []) + d.logprobs if c.spec.echo is not None else d.logprobs
-            offset = 0 if c.spec.echo is not None else len(echo)
-            logprobs = completion_logprobs(entries, self.piece, offset, c.spec.ids[0])
+            logprobs = completion_logprobs(entries, self.piece, 0, c.spec.ids[0])
         return completion_choice(c.index, echo + d.text, d.finish_reason, logprobs)
 
     def submit(self, jobs: list[Job]) -> None:

@@ -183,6 +183,35 @@ def test_the_gpu_path_gives_the_cpus_tokens_through_the_runner(policy, bundles):
             assert gpu.launches and {d for _, d, _ in gpu.launches} == {"cuda:0"}
 
 
+def test_prompt_scoring_by_decode_steps_on_the_gpu_path(bundles):
+    """serve's prompt scoring (lm-eval's log-likelihoods) on a (fake) GPU: a prompt's tail fed by decode steps under
+    infinigen, sharing its steps with a generating request (forced and sampled rows in one forward): the CPU's
+    logprobs and tokens, no race."""
+    b = read_bundle(bundles["llama31_gqa"])
+    kv = KVOptions(alpha=2.0, budget=0.5, capacity=0.4, window=4)
+
+    def run(device, gpu=None):
+        engine = Engine(b, device=device, dtype="float32")
+        runner = Runner(engine, configure(engine, "infinigen", kv), max_batch=2, prefill_chunk=16, kv_tokens=4096)
+        scored = runner.add(Request(list(range(3, 60)), 2, prompt_logprobs=1, score_tail=20, logprobs=1))
+        runner.add(Request(PROMPTS[0], 12))
+        ends = {}
+        while runner.has_work:
+            for o in runner.step():
+                if o.finished:
+                    ends[o.id] = o.generation
+        gen = ends.pop(scored)
+        return [(x.token, x.logprob, x.top) for x in gen.prompt_logprobs[1:] + gen.logprobs], [
+            g.token_ids for g in ends.values()]  # fmt: skip
+
+    want_lp, want_tokens = run("cpu")
+    with FakeCuda() as gpu:
+        got_lp, got_tokens = run("cuda", gpu)
+    assert got_tokens == want_tokens and gpu.races == []
+    assert [(t, top[0][0]) for t, _, top in got_lp] == [(t, top[0][0]) for t, _, top in want_lp]
+    assert max(abs(a[1] - b[1]) for a, b in zip(got_lp, want_lp, strict=True)) < 1e-4
+
+
 @pytest.mark.parametrize("keys, correct", [("int4", 0.0), ("int2", 0.25), ("partial", 0.25), ("int4", 0.5)])
 def test_every_speculation_key_choice_and_the_correction_on_the_gpu_path(keys, correct, bundles):
     """infinigen's low-bit speculation keys (written on the device as each key arrives) and its correction step
