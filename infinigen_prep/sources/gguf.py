@@ -8,6 +8,7 @@ metadata is rebuilt as a `tokenizers` tokenizer.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -118,6 +119,87 @@ def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+class _Corrupt(Exception):
+    """A length or count in a GGUF's tables that its file cannot hold."""
+
+
+# GGUF value types (gguf.GGUFValueType) -> bytes of one value; 8 (string) and 9 (array) have their own layout
+_VALUE_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+# gguf's reader makes a numpy object per array element (about 100 bytes each): a real vocabulary's tables hold
+# about a million (Gemma 3: 3 x 262,144); a file claiming more is refused before the reader runs
+MAX_ARRAY_ELEMENTS = 1 << 22
+_MAX_NESTING = 4  # arrays of arrays (the reader recurses per level)
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
+def check_lengths(path: Path) -> None:
+    """Walk a GGUF's header, metadata and tensor table, checking every count and length against the file's size,
+    before gguf's reader (which loops over a lying array length without end, growing its memory) sees it.
+    Raises _Corrupt; a file that is not GGUF v2/v3 at all is left to the reader's own checks."""
+    import mmap
+    import struct
+
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:
+            raise _Corrupt("shorter than a GGUF header")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if data[:4] != b"GGUF":
+                return
+            order = "<" if struct.unpack_from("<I", data, 4)[0] & 0xFFFF else ">"
+            if struct.unpack_from(order + "I", data, 4)[0] not in (2, 3):
+                return
+            pos, elements = 8, 0
+
+            def take(fmt: str):
+                nonlocal pos
+                n = struct.calcsize(fmt)
+                if pos + n > size:
+                    raise _Corrupt(f"ends inside a field at byte {pos}")
+                value = struct.unpack_from(order + fmt, data, pos)
+                pos += n
+                return value[0] if len(value) == 1 else value
+
+            def skip(n: int) -> None:
+                nonlocal pos
+                if n > size - pos:
+                    raise _Corrupt(f"a length at byte {pos} runs {n:,} bytes past the end")
+                pos += n
+
+            def value(kind: int, depth: int) -> None:
+                nonlocal elements
+                if kind == _STRING:
+                    skip(take("Q"))
+                elif kind == _ARRAY:
+                    item, count = take("I"), take("Q")
+                    elements += count
+                    if elements > MAX_ARRAY_ELEMENTS or depth >= _MAX_NESTING:
+                        raise _Corrupt(f"metadata arrays of {elements:,} elements or {depth + 1} levels")
+                    if item in _VALUE_BYTES:
+                        skip(count * _VALUE_BYTES[item])
+                    else:
+                        for _ in range(count):  # bounded: each element takes at least 8 bytes of the file
+                            value(item, depth + 1)
+                elif kind in _VALUE_BYTES:
+                    skip(_VALUE_BYTES[kind])
+                else:
+                    raise _Corrupt(f"unknown value type {kind}")
+
+            n_tensors, n_fields = take("Q"), take("Q")
+            if n_fields * 13 > size or n_tensors * 24 > size:  # a key of >= 1 byte, its type and value
+                raise _Corrupt(f"{n_fields:,} fields and {n_tensors:,} tensors cannot fit")
+            for _ in range(n_fields):
+                skip(take("Q"))  # the key
+                value(take("I"), 0)
+            for _ in range(n_tensors):
+                skip(take("Q"))  # the name
+                dims = take("I")
+                if dims > _MAX_DIMS:
+                    raise _Corrupt(f"a tensor of {dims} dimensions")
+                skip(8 * dims + 4 + 8)  # the dimensions, the ggml type, the data offset
+
+
 class GGUFSource(Source):
     """A single-file llama.cpp GGUF checkpoint (see `SUPPORTED`); any quant type gguf can dequantize."""
 
@@ -127,10 +209,11 @@ class GGUFSource(Source):
         if not self.path.is_file():
             raise InfinigenError(f"GGUF file not found: {self.path}")
         try:
+            check_lengths(self.path)  # gguf's reader trusts every length: a lying one makes it loop or eat memory
             self._reader = gguf.GGUFReader(self.path)
         except OSError as e:
             raise InfinigenError(f"cannot read {self.path} ({e.strerror or e})") from None
-        except (ValueError, IndexError, KeyError, OverflowError, MemoryError, TypeError):
+        except (ValueError, IndexError, KeyError, OverflowError, MemoryError, TypeError, RecursionError, _Corrupt):
             # numpy's own text (reshape sizes, dtype views) says nothing to a user: say what is wrong instead
             with open(self.path, "rb") as f:
                 magic = f.read(4)
@@ -138,7 +221,7 @@ class GGUFSource(Source):
                 raise InfinigenError(f"{self.path} is not a GGUF file (it does not start with 'GGUF')") from None
             raise InfinigenError(
                 f"{self.path} is a truncated or corrupt GGUF file ({self.path.stat().st_size:,} bytes: its tables or "
-                "tensors end early); download it again"
+                "tensors end early, or a length in them is impossible); download it again"
             ) from None
         arch = self._meta("general.architecture")
         if arch not in _HF_CLASSES:

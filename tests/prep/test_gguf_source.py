@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import os
+import resource
+import struct
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -13,6 +17,7 @@ from tokenizers import Tokenizer, pre_tokenizers
 
 from infinigen_prep.sources.gguf import GGUFSource
 from infinigen_rt.errors import InfinigenError
+from tests.conftest import ROOT
 
 TEXTS = [
     "Hello world! In 2024, I paid $1,234.56 for 3 items.\n\nNew   paragraph\ttab.",
@@ -126,6 +131,71 @@ def test_truncated_gguf_says_so_without_numpy_text(smollm2_path, tmp_path, keep)
     assert "truncated or corrupt GGUF file" in message and "download it again" in message
     for numpy_text in ("reshape", "dtype", "axis", "array"):
         assert numpy_text not in message
+
+
+def _gguf_header(fields: bytes, n_fields: int, n_tensors: int = 0, tensors: bytes = b"") -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_fields) + fields + tensors
+
+
+def _key(name: bytes) -> bytes:
+    return struct.pack("<Q", len(name)) + name
+
+
+U32, STR, ARR = 4, 8, 9
+LYING_GGUFS = {
+    # the 52-byte file of the report: one uint32 array claiming 2^50 elements, none in the file
+    "array past the end": _gguf_header(_key(b"evil") + struct.pack("<IIQ", ARR, U32, 1 << 50), 1),
+    "strings past the end": _gguf_header(_key(b"tokens") + struct.pack("<IIQ", ARR, STR, 1 << 40), 1),
+    "a key past the end": _gguf_header(struct.pack("<Q", 1 << 60), 1),
+    "fields past the end": _gguf_header(b"", 1 << 62),
+    "arrays in arrays": _gguf_header(_key(b"x") + struct.pack("<I", ARR) + struct.pack("<IQ", ARR, 1) * 64
+                                     + struct.pack("<IQ", U32, 0), 1),  # fmt: skip
+    # a file that holds its array, but more elements than any vocabulary (the reader: ~100 bytes of memory each)
+    "too many elements": _gguf_header(_key(b"x") + struct.pack("<IIQ", ARR, 0, 5_000_000) + bytes(5_000_000), 1),
+    "tensor of 2^32 - 1 dimensions": _gguf_header(b"", 0, 1, _key(b"w") + struct.pack("<I", 2**32 - 1)),
+}
+
+
+def _capped(cmd: list[str], cwd) -> subprocess.CompletedProcess:
+    """Run in a child capped at 4 GiB of address space and 60 s: before the length check, gguf's reader looped over
+    a lying length without end, growing its memory; a regression fails here instead of taking the machine."""
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, preexec_fn=cap, cwd=cwd)
+
+
+def test_ggufs_whose_lengths_lie_are_refused_at_once(tmp_path):
+    for case, data in LYING_GGUFS.items():
+        (tmp_path / f"{case}.gguf").write_bytes(data)
+    code = (
+        "import sys, time; from infinigen_prep.sources.gguf import GGUFSource\n"
+        "for path in sys.argv[1:]:\n"
+        "    t = time.perf_counter()\n"
+        "    try: GGUFSource(path); print('loaded', path)\n"
+        "    except Exception as e: print(round(time.perf_counter() - t, 2), type(e).__name__, e)\n"
+    )
+    paths = [str(tmp_path / f"{case}.gguf") for case in LYING_GGUFS]
+    r = _capped([sys.executable, "-c", code, *paths], ROOT)
+    lines = r.stdout.strip().splitlines()
+    assert r.returncode == 0 and len(lines) == len(LYING_GGUFS), r.stdout + r.stderr
+    for case, line in zip(LYING_GGUFS, lines, strict=True):
+        seconds, kind, message = line.split(" ", 2)
+        assert kind == "InfinigenError" and "truncated or corrupt GGUF file" in message, (case, line)
+        assert float(seconds) < 5, (case, line)
+
+
+def test_convert_of_the_52_byte_gguf_fails_at_once_and_leaves_nothing(tmp_path):
+    bad = tmp_path / "evil.gguf"
+    bad.write_bytes(LYING_GGUFS["array past the end"])
+    assert len(bad.read_bytes()) == 52
+    cmd = [sys.executable, "-m", "infinigen_prep.cli", "convert", str(bad), "--out", str(tmp_path / "X"),
+           "--no-infinigen"]  # fmt: skip
+    r = _capped(cmd, tmp_path)
+    assert r.returncode == 1 and r.stderr.strip().startswith("error:"), r.stderr
+    assert "truncated or corrupt GGUF file" in r.stderr and "Traceback" not in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["evil.gguf"]  # no X, no .X.partial-PID
 
 
 # --- Tiny synthetic GGUFs ----------------------------------------------------------------------------
