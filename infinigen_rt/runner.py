@@ -49,6 +49,8 @@ if TYPE_CHECKING:
     from infinigen_rt.engine import Engine
 
 MAX_LOGPROBS = 20  # top alternatives a token's logprob may come with (vLLM's default limit)
+# stop strings are searched for in every step's text: bounded so that one request cannot slow everyone's steps
+MAX_STOPS, MAX_STOP_CHARS = 16, 4096
 BLOCK_TOKENS = 16  # the unit in which the KV budget is taken and reported (the metrics' pool blocks)
 
 
@@ -194,6 +196,7 @@ class Runner:
         eng = self.engine
         if not req.prompt_ids:
             raise InfinigenError("every prompt needs at least one token")
+        check_stops(req.stop)
         if req.max_new_tokens < (0 if req.prompt_logprobs is not None else 1):
             raise InfinigenError(f"max-new-tokens must be >= 1 (0 only to score the prompt), got {req.max_new_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -463,7 +466,10 @@ class Runner:
 
 
 def logprobs(logits: torch.Tensor, tokens: torch.Tensor, tops: list[int]) -> list[Logprob]:
-    """Row i of `logits` [k, V] scores tokens[i], with its tops[i] most likely tokens (a host read)."""
+    """Row i of `logits` [k, V] scores tokens[i], with its tops[i] most likely tokens (a host read); k may be 0 (a
+    one-token prompt has no token to score)."""
+    if not tops:
+        return []
     lp = torch.log_softmax(logits.float(), -1)
     chosen = lp.gather(-1, tokens.view(-1, 1)).squeeze(-1).tolist()
     best_v, best_i = lp.topk(max(tops), -1) if max(tops) else (lp[:, :0], lp[:, :0].long())
@@ -472,6 +478,17 @@ def logprobs(logits: torch.Tensor, tokens: torch.Tensor, tops: list[int]) -> lis
         Logprob(t, c, list(zip(best_i[i][:k], best_v[i][:k], strict=True)))
         for i, (t, c, k) in enumerate(zip(tokens.tolist(), chosen, tops, strict=True))
     ]
+
+
+def check_stops(stops: list[str]) -> None:
+    """Stop strings a request may bring: none empty (it would end before the first token), at most MAX_STOPS of
+    at most MAX_STOP_CHARS characters in all."""
+    if any(s == "" for s in stops):
+        raise InfinigenError("an empty stop string would end the text before its first token: give a non-empty one")
+    if len(stops) > MAX_STOPS:
+        raise InfinigenError(f"{len(stops)} stop strings: at most {MAX_STOPS}")
+    if (n := sum(map(len, stops))) > MAX_STOP_CHARS:
+        raise InfinigenError(f"stop strings of {n:,} characters in all: at most {MAX_STOP_CHARS:,}")
 
 
 def check_pool_options(kv_tokens: int | None, kv_memory: int | None = None) -> None:

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.policies.options import SPEC_KEYS
-from infinigen_rt.runner import MAX_LOGPROBS, Logprob
+from infinigen_rt.runner import MAX_LOGPROBS, Logprob, check_stops
 from infinigen_rt.tokenizer import check_text
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -113,8 +113,10 @@ class BaseRequest(BaseModel):
             value = getattr(self, name)
             if not any(_same(value, f) for f in fine):
                 raise APIError(400, f"{name}={value!r} is not supported by this server (accepted: {fine[1]!r})", name)
-        if any(s == "" for s in self.stops()):
-            raise APIError(400, "stop strings must not be empty", "stop")
+        try:
+            check_stops(self.stops())
+        except InfinigenError as e:
+            raise APIError(400, str(e), "stop") from None
         for s in self.stops():
             text_param(s, "stop", "stop")
 

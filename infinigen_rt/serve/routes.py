@@ -253,18 +253,11 @@ class Routes:
         return completion_choice(c.index, echo + d.text, d.finish_reason, logprobs)
 
     def submit(self, jobs: list[Job]) -> None:
-        """Hand the request's jobs to the scheduler, or say as an API error why it cannot take them (those taken
-        already are cancelled)."""
+        """Hand the request's jobs to the scheduler, all or none, or say as an API error why it cannot take them."""
         if not self.scheduler.alive:
             raise APIError(503, "the scheduler is not running; see the server log", type="server_error")
         try:
-            for i, job in enumerate(jobs):
-                try:
-                    self.scheduler.submit(job)
-                except BaseException:
-                    for taken in jobs[:i]:
-                        self.scheduler.cancel(taken)
-                    raise
+            self.scheduler.submit(*jobs)
         except QueueFull:
             raise APIError(
                 429,

@@ -265,6 +265,16 @@ def test_full_queue_answers_429(smol):
     assert smol.post("/v1/completions", {"prompt": "Hello", "max_tokens": 2}, key=None).status_code == 200
 
 
+def test_a_request_of_more_choices_than_the_queue_holds_runs_on_an_idle_server(smol):
+    """--max-queue 1: each choice waits as a request of its own, and a request is taken whole whenever the queue is
+    not full (it was a 429 forever: its second choice found the queue full of its first)."""
+    for body in ({"prompt": "Hi", "n": 2}, {"prompt": ["Hi", "Ho", "Ha"]}):
+        r = smol.post("/v1/completions", {**body, "max_tokens": 2, "temperature": 0}, key=None)
+        assert r.status_code == 200, r.text
+        assert [c["index"] for c in r.json()["choices"]] == list(range(2 if "n" in body else 3))
+    assert httpx.get(smol.url + "/health").json()["queue_depth"] == 0
+
+
 # ---- bad input, auth, a flood ----
 
 BAD = [
@@ -296,6 +306,9 @@ BAD = [
     ({"prompt": "king " * 300}, 400, "context"),
     ({"prompt": "x", "max_tokens": 1000}, 400, "context"),
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
+    # searched for in every step's text: one request's 900,000-character stop stalled every client for 38 s
+    ({"prompt": "x", "stop": ["q" * 900_000], "stream": True}, 400, "at most 4,096"),
+    ({"prompt": "x", "stop": [str(i) for i in range(17)]}, 400, "at most 16"),
     ({"prompt": "x", "infinigen": {"alpha": 1}}, 400, "infinigen policy"),
     ({"prompt": "x", "infinigen": {"budgett": 1}}, 400, "budgett"),
     ({"prompt": "x", "infinigen": {"spec_keys": "int4"}}, 400, "infinigen policy"),
@@ -318,6 +331,24 @@ def test_bad_input_is_a_4xx_and_the_server_keeps_serving(tiny, body, status, wor
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
     assert words.lower() in err["message"].lower(), err["message"]
     assert tiny.post("/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+@pytest.mark.parametrize("prompt", [[5], "x"])
+@pytest.mark.parametrize("extra", [{}, {"infinigen": {"score": "prefill"}}, {"stream": True}])
+def test_a_one_token_prompt_echoed_with_logprobs_has_one_null_entry(tiny, prompt, extra):
+    """Its only token has nothing before it to be scored by (this was a 500: max() of an empty sequence)."""
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 3, **extra}
+    r = tiny.post("/v1/completions", body)
+    assert r.status_code == 200, r.text
+    if extra.get("stream"):
+        chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+        lp = chunks[0]["choices"][0]["logprobs"]
+        assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    else:
+        choice = r.json()["choices"][0]
+        lp, text = choice["logprobs"], choice["text"]
+        assert choice["finish_reason"] == "length" and len(lp["tokens"]) == 1 and "".join(lp["tokens"]) == text
+    assert lp["token_logprobs"] == [None] and lp["top_logprobs"] == [None] and lp["text_offset"] == [0]
 
 
 def lp_of(choice) -> SimpleNamespace:
@@ -803,6 +834,35 @@ def test_text_stream_holds_back_partial_characters_and_stops():
     assert ts.done and ts.sent == "Hi\nXENd " and ts.finish("Hi\nXENd ") == ""
     ts = TextStream([])
     assert ts.update("caf\ufffd") == "caf" and ts.finish("café") == "é"
+
+
+def test_text_stream_holds_back_what_the_quadratic_definition_does():
+    """Against the definition (the longest ending that starts a stop string, every split tried) on random texts
+    that grow, are re-decoded differently, and meet stop strings with many borders."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 7))) for _ in range(rng.randint(1, 3))]
+        ts, text = TextStream(stops), ""
+        for _ in range(12):
+            text = text[: rng.randint(len(text) - 2, len(text))] if rng.random() < 0.2 else text
+            text += "".join(rng.choice("abc") for _ in range(rng.randint(0, 3)))
+            if any(s in text for s in stops):
+                break
+            want = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            assert ts._partial_stop(text) == want, (stops, text)
+
+
+def test_a_long_stop_string_costs_each_step_what_the_step_adds():
+    """A 100,000-character stop string (more than the server takes) was about 5e9 characters of slicing a step."""
+    ts = TextStream(["q" * 100_000 + "!"])
+    text, start = "", time.perf_counter()
+    for _ in range(200):
+        text += "q" * 7
+        assert ts.update(text) == ""  # all of it may still become the stop string
+    assert time.perf_counter() - start < 2
+    assert ts.update(text + "x") == text + "x"
 
 
 # ---- the CLI ----
