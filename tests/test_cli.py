@@ -132,6 +132,28 @@ def test_truncated_and_tampered_bundles(bundles, tmp_path):
     one_line_error(run_cli("rt", "generate", future, "hi"), "format version 99")
 
 
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--temperature", "nan"], ["temperature must be a finite number"]),  # was torch.multinomial's traceback
+        (["--max-new-tokens", "-1"], ["--max-new-tokens must be >= 1, got -1"]),  # was a load, then --kv-tokens
+        (["--stop", ""], ["--stop", "empty stop string"]),  # was one token, empty output, rc 0
+        (["--policy", "full", "--budget", "0.1"], ["--budget applies to the infinigen and h2o policies", "not full"]),
+        (["--policy", "h2o", "--capacity", "0.5"], ["--capacity applies to", "not h2o"]),
+    ],
+    ids=["nan-temperature", "negative-tokens", "empty-stop", "budget-under-full", "capacity-under-h2o"],
+)
+def test_generate_refuses_impossible_values_before_loading(bundles, tmp_path, args, words):
+    """One line naming the option, from a real bundle; and from a missing one, so it is said before any load."""
+    one_line_error(run_cli("rt", "generate", bundles["tied_hd64"], "hi", "--device", "cpu", *args), *words)
+    one_line_error(run_cli("rt", "generate", tmp_path / "nothing", "hi", *args), *words)
+
+
+def test_serve_refuses_an_option_its_policy_does_not_read(tmp_path):
+    one_line_error(run_cli("rt", "serve", tmp_path / "nothing", "--policy", "offload", "--alpha", "4"),
+                   "--alpha applies to the infinigen policy", "not offload")  # fmt: skip
+
+
 def test_impossible_options(bundles):
     b = bundles["tied_hd64"]
     one_line_error(run_cli("rt", "generate", b, "hi", "--temperature", "-1"), "temperature")

@@ -56,12 +56,21 @@ def generate(
     """
     from infinigen_rt.errors import InfinigenError
     from infinigen_rt.policies import policy_class
+    from infinigen_rt.runner import check_stops
     from infinigen_rt.sampling import SamplingParams
     from infinigen_rt.tp import check_tp_option, follower_env, launch
 
-    policy_class(policy)  # a bad name or option fails before anything loads
+    # a bad name, option, limit, sampling value or stop string fails before anything loads
+    policy_class(policy)
     kv = replace(kv, prefill_chunk=prefill_chunk, trace_recall=trace_recall)
     kv.check()
+    if max_new_tokens < 1:
+        raise InfinigenError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    try:
+        check_stops(stop or [])
+    except InfinigenError as e:
+        raise InfinigenError(f"--stop: {e}") from None
     if check_tp_option(tp):
         if prompt == "-":
             raise InfinigenError("--tp with the prompt on standard input: give it as an argument, or run torchrun")
@@ -70,7 +79,6 @@ def generate(
     quiet = json_out or follower_env()
     engine, run_policy, follower = _load(bundle, revision, verify, device, dtype, policy, kv, quiet)
     ids, max_new_tokens = _prompt_ids(engine, prompt, chat, max_new_tokens)
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     printer = _StreamPrinter(engine.tokenizer) if stream and not quiet else None
     progress = _progress(max_new_tokens) if printer is None and not quiet else None
     res, stats = _run(engine, run_policy, ids, max_new_tokens, sampling, stop, printer, progress)

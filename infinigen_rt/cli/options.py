@@ -54,14 +54,36 @@ def kv_options(command):
              for name, hint, default in KV_PARAMS]  # fmt: skip
 
     @functools.wraps(command)
-    def run(**given):
+    def run(kv_ctx: typer.Context, **given):
         kv = KVOptions(**{name: given.pop(name) for name, _, _ in KV_PARAMS})
         kv.check()
+        check_read(given.get("policy"), typed_kv_options(kv_ctx))
         return command(kv=kv, **given)
 
-    run.__signature__ = inspect.Signature([p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + added)
+    ctx = inspect.Parameter("kv_ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)
+    run.__signature__ = inspect.Signature([p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + added + [ctx])
     run.__annotations__ = {p.name: p.annotation for p in run.__signature__.parameters.values()}
     return run
+
+
+def typed_kv_options(ctx: typer.Context) -> list[str]:
+    """The KV options (KVOptions' names) given on this command line, not left at their defaults."""
+    sources = {name: ctx.get_parameter_source(name) for name, _, _ in KV_PARAMS}
+    return [name for name, src in sources.items() if src is not None and src.name in ("COMMANDLINE", "ENVIRONMENT")]
+
+
+def check_read(policy: str | None, names: list[str]) -> None:
+    """Refuse a KV option that `policy` does not read (`--policy full --budget 0.1` would run full at every token,
+    silently), as the server refuses such an override; a one-line error naming the policies that read it."""
+    from infinigen_rt.errors import InfinigenError
+    from infinigen_rt.policies import POLICIES, read_by
+
+    if policy not in POLICIES:
+        return  # an unknown name: the command's own error says which exist
+    for name in names:
+        if name not in POLICIES[policy].knobs:
+            flag = "--" + name.replace("_", "-")
+            raise InfinigenError(f"{flag} applies to {read_by(name)}, not {policy}: drop it or change --policy")
 
 
 def floats(text: str | None, name: str) -> list[float]:

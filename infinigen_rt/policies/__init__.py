@@ -32,9 +32,18 @@ def policy_class(name: str) -> type[KVCache]:
     return POLICIES[name]
 
 
+def read_by(option: str) -> str:
+    """'the infinigen policy', 'the infinigen and h2o policies': the runtime policies that read a KV option."""
+    users = [n for n, cls in POLICIES.items() if cls.runtime and option in cls.knobs]
+    return "the " + (users[0] + " policy" if len(users) == 1 else ", ".join(users[:-1]) + f" and {users[-1]} policies")
+
+
 def configure(engine, name: str = BASELINE, opts: KVOptions | None = None) -> Policy:
     """The policy `name` with `opts` (default options if None), checked against `engine`: one-line errors."""
     return policy_class(name).configure(opts or KVOptions(), engine)
 
 
-__all__ = ["BASELINE", "POLICIES", "RUNTIME_POLICIES", "KVOptions", "KVReport", "Policy", "configure", "policy_class"]
+__all__ = [
+    "BASELINE", "POLICIES", "RUNTIME_POLICIES", "KVOptions", "KVReport", "Policy", "configure", "policy_class",
+    "read_by",
+]  # fmt: skip

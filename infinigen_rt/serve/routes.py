@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from infinigen_rt.engine import Engine
-from infinigen_rt.policies import POLICIES, Policy
+from infinigen_rt.policies import Policy, read_by
 from infinigen_rt.sampling import SamplingParams
 from infinigen_rt.serve.metrics import Metrics
 from infinigen_rt.serve.protocol import (
@@ -302,11 +302,8 @@ def request_policy(engine: Engine, base: Policy, o: KVOverrides | None) -> Polic
     knobs = base.cls.knobs
     for name in changes:
         if name not in knobs:
-            users = [n for n, cls in POLICIES.items() if cls.runtime and name in cls.knobs]
-            which = " and ".join(users) + (" policy" if len(users) == 1 else " policies")
-            raise APIError(
-                400, f"infinigen.{name} applies to the {which}; this server runs {base.name}", "infinigen"
-            )
+            message = f"infinigen.{name} applies to {read_by(name)}; this server runs {base.name}"
+            raise APIError(400, message, "infinigen")
     return base.with_options(engine, **changes)
 
 
