@@ -145,7 +145,7 @@ def bench_cmd(
     variants = _variants(names, spec_keys, correct)
     check_outputs(out, plot_path)
     if check_tp_option(tp):
-        raise typer.Exit(launch(tp, sys.argv[1:]))
+        raise typer.Exit(launch(tp, sys.argv[1:], bundle))
     quiet = json_out or follower_env()
     with console.status("building the model", spinner="dots") if not quiet else nullcontext():
         engine, model_name, tp = _load(bundle, synthetic, device, dtype, seed)

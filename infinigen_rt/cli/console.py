@@ -19,6 +19,7 @@ from infinigen_rt.errors import InfinigenError, InfinigenWarning
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
 DEBUG_ENV = "INFINIGEN_DEBUG"
+RANK_ERRORS_ENV = "INFINIGEN_RANK_ERRORS"  # set by `--tp`'s launcher (tp.launch): where each rank writes its error
 
 
 def print_json(obj) -> None:
@@ -106,15 +107,25 @@ def show_notices() -> None:
     warnings.simplefilter("always", InfinigenWarning)
 
 
+def print_error(message: str) -> None:
+    err_console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+
+
 def run_app(app: typer.Typer) -> None:
     """Run a Typer app; user errors print as one line (INFINIGEN_DEBUG=1 shows the traceback)."""
     show_notices()
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # click returns a typer.Exit's code here instead of exiting with it
+        if type(code) is int and code:
+            sys.exit(code)
     except InfinigenError as e:
         if os.environ.get(DEBUG_ENV):
             raise
-        err_console.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
+        if path := os.environ.get(RANK_ERRORS_ENV):  # a rank started by `--tp`: the launcher prints each line once
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(" ".join(str(e).split()) + "\n")
+        else:
+            print_error(str(e))
         sys.exit(1)
     except KeyboardInterrupt:
         err_console.print("[bold red]interrupted[/]")

@@ -74,7 +74,7 @@ def generate(
     if check_tp_option(tp):
         if prompt == "-":
             raise InfinigenError("--tp with the prompt on standard input: give it as an argument, or run torchrun")
-        raise typer.Exit(launch(tp, sys.argv[1:]))
+        raise typer.Exit(launch(tp, sys.argv[1:], bundle, revision))
     prompt = _read_prompt(prompt)
     quiet = json_out or follower_env()
     engine, run_policy, follower = _load(bundle, revision, verify, device, dtype, policy, kv, quiet)

@@ -87,12 +87,12 @@ def serve(
         from infinigen_rt.serve.app import create_app
     except ImportError as e:
         raise InfinigenError(f"serve needs {e.name or 'fastapi'}: pip install 'infinigen[serve]'") from None
-    if check_tp_option(tp):
-        raise typer.Exit(launch(tp, sys.argv[1:]))
     kv_bytes = _check_sizes(max_batch, max_queue, prefill_chunk, kv_tokens, kv_memory, max_body)
     if score not in ("decode", "prefill") or score_tail < 1:
         raise InfinigenError(f"--score is decode or prefill and --score-tail >= 1, got {score!r} and {score_tail}")
     policy_class(policy)  # before loading: a bad name or option fails fast (the options: kv_options)
+    if check_tp_option(tp):
+        raise typer.Exit(launch(tp, sys.argv[1:], bundle, revision))
     b, tp = _read(bundle, revision, verify, device)
     if tp is not None and tp.rank != 0:  # under torchrun: rank 0 serves, the others replay its steps
         _follow(b, device, dtype, tp, policy, kv)

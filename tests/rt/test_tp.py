@@ -199,6 +199,25 @@ def test_bad_tp_options_are_one_line_errors(bundles):
     one_line_error(run_cli("rt", "generate", b, "hi", "--tp", "4", env=env), "--tp 4 under torchrun with WORLD_SIZE 2")
 
 
+@pytest.mark.parametrize("cmd", [["generate", "hi", "-n", "2"], ["bench", "--context", "64"], ["serve"]])
+def test_a_tp_size_the_bundle_cannot_split_fails_before_torchrun_starts(bundles, cmd):
+    """Read from the bundle by the launcher (it printed the error once per rank, then torchrun's traceback, and
+    exited 0: click returns a typer.Exit's code under standalone_mode=False, and it was dropped)."""
+    args = [cmd[0], bundles["llama31_gqa"], *cmd[1:], "--tp", "4", "--device", "cpu"]
+    start = time.monotonic()
+    r = run_cli("rt", *args, timeout=120)
+    one_line_error(r, "tensor-parallel size 4", "2 KV heads", "use one of: 1, 2")
+    assert "torch.distributed" not in r.stderr + r.stdout and time.monotonic() - start < 60
+
+
+def test_a_user_error_in_every_rank_is_one_line_and_the_launchers_exit_code(bundles):
+    """Found by the ranks (the prompt is longer than the context): each rank's line, said once; no torchrun
+    traceback, banner or log; the exit code of the failed ranks."""
+    r = run_cli("rt", "generate", bundles["llama31_gqa"], "king " * 400, "--tp", "2", "--device", "cpu", timeout=300)
+    one_line_error(r, "the prompt is 401 tokens", "context is 256")
+    assert r.returncode == 1 and "ChildFailedError" not in r.stderr and "OMP_NUM_THREADS" not in r.stderr
+
+
 @pytest.mark.slow
 def test_smollm2_over_two_ranks_is_a_one_line_error_naming_the_sizes(smollm2_bundle):
     """Checked before waiting for the other ranks: one process told it is rank 0 of 2 fails at once."""
