@@ -17,20 +17,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import UnionType
-from typing import ClassVar, get_args, get_origin, get_type_hints
+from typing import ClassVar
 
 import torch
 
 from infinigen_rt.config import ModelConfig
 from infinigen_rt.errors import InfinigenError
+from infinigen_rt.schema import BUNDLE_JSON, Section
 from infinigen_rt.system import DTYPES
 
 FORMAT = "infinigen-bundle"
 FORMAT_VERSION = 1
-BUNDLE_JSON = "bundle.json"
 # a bundle being built holds its manifest under this name; bundle.json is written last, so nothing loads a
 # folder that a killed convert left behind
 PARTIAL_JSON = "bundle.partial.json"
@@ -58,70 +57,6 @@ DENSE_LAYERS = 2
 def dense_layers_for(n_layers: int) -> int:
     """DENSE_LAYERS, less for a model too shallow to keep a speculated layer (at least 1: layer 0 is dense)."""
     return max(1, min(DENSE_LAYERS, n_layers - 1))
-
-
-def _type_name(hint) -> str:
-    """A field's type as its annotation reads ("list[float] | None"), for an error."""
-    if get_origin(hint) is UnionType:
-        return " | ".join(map(_type_name, get_args(hint)))
-    if hint is type(None):
-        return "None"
-    return hint.__name__ if get_origin(hint) is None and isinstance(hint, type) else str(hint)
-
-
-def _at(where: str) -> str:
-    """A place in bundle.json, for an error: the file, or a key path in it."""
-    return f"{BUNDLE_JSON} {where}" if where else BUNDLE_JSON
-
-
-def _fits(value, hint) -> bool:
-    """Whether a JSON value has the annotated type: an int is a float too, a bool is no number."""
-    origin, args = get_origin(hint), get_args(hint)
-    if origin is UnionType:
-        return any(_fits(value, a) for a in args)
-    if origin is list:
-        return isinstance(value, list) and all(_fits(v, args[0]) for v in value)
-    if origin is dict:
-        return isinstance(value, dict) and all(_fits(v, args[1]) for v in value.values())
-    if hint in (int, float) and isinstance(value, bool):
-        return False
-    if hint is float:
-        return isinstance(value, (int, float))
-    return isinstance(value, hint)
-
-
-def _parse(hint, value, where: str):
-    """`value` as the field's type: a section (or the model config) built from its object, anything else as
-    read once its type is checked; a one-line error otherwise."""
-    for t in get_args(hint) if get_origin(hint) is UnionType else (hint,):
-        if is_dataclass(t) and isinstance(value, dict):
-            return t.from_dict(value)
-        if _fits(value, t):
-            return value
-    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:36] + " ..."
-    raise InfinigenError(f"{_at(where)} is {shown}, not {_type_name(hint)}; re-convert the bundle")
-
-
-class Section:
-    """A dataclass for an object of bundle.json. from_dict drops keys it does not know (a newer converter's),
-    fills the fields that older bundles lack with their defaults, and turns a missing required key or a value
-    of the wrong type into a one-line InfinigenError."""
-
-    where: ClassVar[str]  # the object's key path in bundle.json ("" for the whole), for errors
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict):
-        hints = get_type_hints(cls)
-        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
-        missing = [name for name in required if name not in d]
-        if missing:
-            raise InfinigenError(f"{_at(cls.where)} lacks {missing[0]!r}; re-convert the bundle")
-        given = [f.name for f in fields(cls) if f.name in d]
-        key = f"{cls.where}." if cls.where else ""
-        return cls(**{name: _parse(hints[name], d[name], key + name) for name in given})
 
 
 @dataclass
@@ -270,8 +205,41 @@ def read_bundle(path: str | Path, verify: bool = True, partial: bool = False) ->
     manifest = BundleMeta.from_dict(meta)
     if manifest.dtype not in DTYPES:
         raise InfinigenError(f"bundle dtype {manifest.dtype!r} is not one of {', '.join(DTYPES)}")
+    check_files(manifest)
     verify_files(path, manifest.files, hashes=verify)
     return Bundle(path, meta, manifest)
+
+
+def read_files(manifest: BundleMeta) -> list[str]:
+    """The files the runtime reads: the weight shards, the tokenizer and the InfiniGen tensors."""
+    names = sorted(set(manifest.weight_map.values())) + [manifest.tokenizer.file]
+    return names + ([manifest.infinigen.file] if manifest.infinigen else [])
+
+
+def _bare(name: str) -> bool:
+    """A plain file name inside the bundle folder: no folder part, not hidden, not '.' or '..'."""
+    return bool(name) and not name.startswith(".") and not any(c in name for c in "/\\\0")
+
+
+def check_files(manifest: BundleMeta) -> None:
+    """`files` names only files inside the bundle folder, each with its size and sha256, and lists every file the
+    runtime reads: a file it does not list would be read unverified, and one outside the folder hashed (and pushed)
+    from wherever it points."""
+    for name, rec in manifest.files.items():
+        if not _bare(name):
+            raise InfinigenError(f"{BUNDLE_JSON} files lists {name!r}, which is not a file name inside the bundle "
+                                 "folder; re-convert the bundle")  # fmt: skip
+        size, digest = rec.get("size"), rec.get("sha256")
+        if type(size) is not int or size < 0 or not isinstance(digest, str) or len(digest) != 64:
+            raise InfinigenError(f"{BUNDLE_JSON} files.{name} needs a 'size' (bytes) and a 'sha256' (64 hex digits), "
+                                 f"got {rec!r:.80}; re-convert the bundle")  # fmt: skip
+    for name in read_files(manifest):
+        if not _bare(name):
+            raise InfinigenError(f"{BUNDLE_JSON} names {name!r} as a bundle file, which is not a file name inside the "
+                                 "bundle folder; re-convert the bundle")  # fmt: skip
+        if name not in manifest.files:
+            raise InfinigenError(f"{BUNDLE_JSON} files does not list {name}, which the bundle reads, so it cannot be "
+                                 "verified; re-convert the bundle or pull it again")  # fmt: skip
 
 
 def verify_files(path: Path, files: dict, hashes: bool = True) -> None:

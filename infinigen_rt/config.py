@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from infinigen_rt.errors import InfinigenError
+from infinigen_rt.schema import Section
 
 # model_type in a HF config.json -> our architecture (one model file each)
 ARCHITECTURES = {
@@ -16,10 +17,16 @@ ACTIVATIONS = ("silu", "relu", "gelu", "gelu_new")
 SLIDING, GLOBAL = "sliding_attention", "full_attention"  # HF's layer_types
 
 
+# the sizes every model has, each a positive count
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "head_dim", "max_position_embeddings")  # fmt: skip
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     """Everything the model code needs; field names follow the HF Llama config where one exists."""
 
+    where: ClassVar[str] = "config"  # in bundle.json
     arch: str  # "llama", "gemma3" or "opt"
     vocab_size: int
     hidden_size: int
@@ -53,6 +60,10 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self):
+        for name in _SIZES:
+            n = getattr(self, name)
+            if type(n) is not int or n < 1:
+                raise InfinigenError(f"the model config's {name} must be a positive integer, got {n!r}")
         if self.arch not in ("llama", "gemma3", "opt"):
             raise InfinigenError(f"unsupported architecture {self.arch!r}; supported: llama, gemma3, opt")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -87,18 +98,6 @@ class ModelConfig:
     @property
     def sliding_layers(self) -> list[int]:
         return [i for i in range(self.num_hidden_layers) if self.window(i) is not None]
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ModelConfig:
-        """Build from bundle.json's "config"; unknown keys are dropped, missing required keys are an error."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        try:
-            return cls(**{k: v for k, v in d.items() if k in names})
-        except TypeError as e:
-            raise InfinigenError(f"bundle config is incomplete ({e}); re-convert the model") from None
 
     @classmethod
     def from_hf(cls, hf: dict, generation_eos: list[int] | None = None) -> ModelConfig:

@@ -124,6 +124,10 @@ def set_key(path: str, value):
         ("infinigen.partial_dim", ..., ["bundle.json infinigen lacks 'partial_dim'"]),
         ("tokenizer.chat_template", 3, ["tokenizer.chat_template", "str | None"]),
         ("weight_map", ..., ["bundle.json lacks 'weight_map'"]),
+        # the model config is typed too ("30" was a TypeError in generate)
+        ("config.num_hidden_layers", "30", ["bundle.json config.num_hidden_layers is '30', not int"]),
+        ("config.rope_theta", "big", ["config.rope_theta", "not float"]),
+        ("config.vocab_size", ..., ["bundle.json config lacks 'vocab_size'"]),
     ],
 )
 def test_a_malformed_bundle_json_is_a_one_line_error(bundles, tmp_path, path, value, words):
@@ -133,6 +137,58 @@ def test_a_malformed_bundle_json_is_a_one_line_error(bundles, tmp_path, path, va
     message = str(e.value)
     assert "\n" not in message and "re-convert" in message, message
     assert all(w in message for w in words), message
+
+
+SHARD = "model-00001-of-00001.safetensors"
+
+
+def _files(edit):
+    def change(meta):
+        edit(meta["files"], meta)
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda f, m: f.clear(), [f"files does not list {SHARD}, which the bundle reads"]),
+        (lambda f, m: f.pop("tokenizer.json"), ["files does not list tokenizer.json"]),
+        (lambda f, m: f.pop("infinigen.safetensors"), ["files does not list infinigen.safetensors"]),
+        (lambda f, m: f[SHARD].pop("size"), [f"files.{SHARD} needs a 'size'"]),  # was a KeyError
+        (lambda f, m: f[SHARD].update(size="12"), [f"files.{SHARD} needs a 'size'"]),
+        (lambda f, m: f[SHARD].update(sha256=None), [f"files.{SHARD} needs a 'size' (bytes) and a 'sha256'"]),
+        (lambda f, m: f.update({"../x": f[SHARD]}), ["files lists '../x', which is not a file name inside"]),
+        (lambda f, m: f.update({"/etc/hostname": f[SHARD]}), ["'/etc/hostname', which is not a file name inside"]),
+        (lambda f, m: m["tokenizer"].update(file="../tok.json"), ["names '../tok.json' as a bundle file"]),
+        (lambda f, m: m["weight_map"].update({"x": "/tmp/w.safetensors"}), ["'/tmp/w.safetensors' as a bundle"]),
+    ],
+    ids=["none", "no-tokenizer", "no-infinigen", "no-size", "str-size", "no-sha", "dotdot", "absolute",
+         "tokenizer-outside", "shard-outside"],  # fmt: skip
+)
+def test_files_must_list_every_file_the_bundle_reads_by_a_name_inside_it(bundles, tmp_path, edit, words):
+    """`files: {}` with a corrupted shard was `verified: true`, and generate ran on the corrupted weights."""
+    bad = with_meta(bundles["llama31_gqa"], tmp_path, _files(edit))
+    shard = bad / SHARD
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    for verify in (True, False):
+        with pytest.raises(InfinigenError) as e:
+            read_bundle(bad, verify=verify)
+        message = str(e.value)
+        assert "\n" not in message and "re-convert" in message, message
+        assert all(w in message for w in words), message
+
+
+@pytest.mark.slow
+def test_inspect_and_generate_refuse_an_unlisted_shard_and_a_config_of_the_wrong_type(bundles, tmp_path):
+    bad = with_meta(bundles["llama31_gqa"], tmp_path, _files(lambda f, m: f.clear()))
+    one_line_error(run_cli("prep", "inspect", bad, "--verify", "--json"), "files does not list", "re-convert")
+    wrong = with_meta(bundles["llama31_gqa"], tmp_path / "t", set_key("config.num_hidden_layers", "30"))
+    one_line_error(run_cli("rt", "generate", wrong, "hi", "--device", "cpu"), "config.num_hidden_layers is '30'")
+    zero = with_meta(bundles["llama31_gqa"], tmp_path / "z", set_key("config.num_attention_heads", 0))
+    one_line_error(run_cli("rt", "generate", zero, "hi", "--device", "cpu"), "num_attention_heads must be a positive")
 
 
 @pytest.mark.slow

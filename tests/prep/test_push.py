@@ -166,6 +166,25 @@ def test_a_corrupt_bundle_is_refused_before_any_upload(hub, bundles, tmp_path):
     one_line_error(push(hub, tmp_path, bundles["opt"], "not a repo id"), "OWNER/NAME")
 
 
+@pytest.mark.parametrize("name", ["../secret.txt", "/abs/secret.txt"])
+def test_a_bundle_listing_a_file_outside_its_folder_is_refused_before_any_upload(hub, bundles, tmp_path, name):
+    """bundle.json's `files` is the bundle's word only for names inside the folder: `../` and absolute entries were
+    hashed from outside it and pushed (the repo received the outside file under its local path)."""
+    import hashlib
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not part of any bundle\n")
+    local = tmp_path / "b"
+    shutil.copytree(bundles["tied_hd64"], local)
+    meta = json.loads((local / "bundle.json").read_text())
+    entry = "../secret.txt" if name.startswith("..") else str(secret)
+    meta["files"][entry] = {"sha256": hashlib.sha256(secret.read_bytes()).hexdigest(), "size": secret.stat().st_size}
+    (local / "bundle.json").write_text(json.dumps(meta))
+    seen = len(hub.requests)
+    one_line_error(push(hub, tmp_path, local, "test-user/outside"), "not a file name inside the bundle folder")
+    assert hub.requests[seen:] == [] and not repo_exists(hub, "test-user/outside")
+
+
 def test_push_help_has_examples():
     r = run_cli("prep", "push", "--help")
     assert r.returncode == 0 and "Examples" in r.stdout and "--revision" in r.stdout, r.stdout + r.stderr
