@@ -37,7 +37,7 @@ from infinigen_rt.bundle import (
 )
 from infinigen_rt.config import ModelConfig
 from infinigen_rt.errors import InfinigenError
-from infinigen_rt.files import check_writable_dir
+from infinigen_rt.files import check_writable_dir, clean_stale_partials
 from infinigen_rt.hub import from_hub, looks_like_repo_id
 from infinigen_rt.models import MODELS
 from infinigen_rt.system import DTYPES
@@ -124,24 +124,6 @@ def shards(mapping: dict[str, str], source: Source, dtype: torch.dtype, limit: i
     if cur:
         out.append(cur)
     return out
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def clean_stale_partials(out: Path) -> None:
-    """Remove `.NAME.partial-PID` folders left by a killed convert (their process is gone)."""
-    for d in out.parent.glob(f".{out.name}.partial-*"):
-        pid = d.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            shutil.rmtree(d, ignore_errors=True)
 
 
 def write_meta(folder: Path, meta: BundleMeta, final: bool) -> None:

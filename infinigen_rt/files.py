@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -37,6 +38,24 @@ def check_writable_dir(folder: Path, what: str) -> None:
         os.unlink(probe)
     except OSError as e:
         raise InfinigenError(f"cannot write {what} ({folder}: {e.strerror}); choose a writable path") from None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_partials(out: Path) -> None:
+    """Remove `.NAME.partial-PID` folders beside `out` left by a killed convert or pull (their process is gone)."""
+    for d in out.parent.glob(f".{out.name}.partial-*"):
+        pid = d.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def check_writable_file(path: Path, option: str) -> None:

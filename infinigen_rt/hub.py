@@ -5,7 +5,9 @@ HF_HUB_OFFLINE=1 (cache only)."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 from pathlib import Path
 
 from infinigen_rt.errors import InfinigenError
@@ -115,3 +117,43 @@ def resolve_bundle(arg: str, revision: str | None = None) -> Path:
     if p.exists() or not looks_like_repo_id(arg):
         return p
     return from_hub(arg, lambda: download(arg, revision), "bundle folder")
+
+
+def pull_into(repo_id: str, revision: str | None, out: str | Path) -> Path:
+    """Download the bundle `repo_id` into the folder `out`, verified, whole or not at all: it is built in a hidden
+    sibling `.NAME.partial-PID` and renamed into place. `out` may be missing, an empty folder, or a bundle (then
+    replaced); anything else is refused before any download, and a failed pull leaves nothing behind."""
+    from infinigen_rt.bundle import is_bundle, read_bundle
+    from infinigen_rt.files import check_writable_dir, clean_stale_partials
+
+    target = Path(os.path.abspath(Path(out).expanduser()))
+    if os.path.lexists(target):
+        if target.is_symlink() or not target.is_dir():
+            raise InfinigenError(f"--out {out} is {'a link' if target.is_symlink() else 'a file'}; give a folder path")
+        if not is_bundle(target) and any(target.iterdir()):
+            raise InfinigenError(f"--out {out} is a folder of other files (no InfiniGen bundle); pulling would mix or "
+                                 "overwrite them: choose an empty or new folder")  # fmt: skip
+    made = [p for p in [target.parent, *target.parent.parents] if not p.exists()]  # removed again on failure
+    check_writable_dir(target.parent, f"--out {out}")
+    clean_stale_partials(target)
+    tmp = target.parent / f".{target.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        download(repo_id, revision, local_dir=tmp)
+        read_bundle(tmp, verify=True)
+        if os.path.lexists(target):  # an empty folder, or the bundle this one replaces: swapped out, then dropped
+            old = target.parent / f".{target.name}.old-{os.getpid()}"
+            target.rename(old)
+            tmp.rename(target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for p in made:  # the folders made for --out, innermost first, if nothing else went in them
+            try:
+                p.rmdir()
+            except OSError:
+                break
+        raise
+    return target

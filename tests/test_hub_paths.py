@@ -22,6 +22,11 @@ def folder_files(path):
     return {p.relative_to(path).as_posix(): p.read_bytes() for p in path.rglob("*") if p.is_file()}
 
 
+def visible(path):
+    """A pulled folder's own files, less the hidden .cache/ huggingface_hub keeps beside them."""
+    return {p.name: p.read_bytes() for p in path.iterdir() if p.is_file() and not p.name.startswith(".")}
+
+
 @pytest.fixture(scope="module")
 def hub():
     with HubServer() as server:
@@ -81,6 +86,47 @@ def test_generate_and_pull_a_bundle_by_repo_id(hub, bundles, tmp_path):
     offline = {**env, "HF_HUB_OFFLINE": "1"}
     r = run_cli("rt", "generate", "test-user/tiny-bundle", "The king said", "-n", "6", "--json", env=offline)
     assert r.returncode == 0, r.stderr
+
+
+def test_pull_out_never_overwrites_what_is_not_a_bundle_and_a_failed_pull_leaves_nothing(hub, bundles, tmp_path):
+    """`pull --out d` into a folder of the user's own files replaced them (rc 0); a failed pull left an empty
+    folder. Now: refused before any download; a bundle there is replaced whole; a failure leaves nothing."""
+    hub.add_repo("test-user/out-bundle", folder_files(bundles["tied_hd64"]))
+    env = hub_env(hub, tmp_path)
+    mine = tmp_path / "d"
+    mine.mkdir()
+    (mine / "README.md").write_text("mine\n")
+    seen = len(hub.requests)
+    one_line_error(run_cli("rt", "pull", "test-user/out-bundle", "--out", mine, env=env), "other files", "empty")
+    assert hub.requests[seen:] == [] and [p.name for p in mine.iterdir()] == ["README.md"]
+    assert (mine / "README.md").read_text() == "mine\n"
+    (tmp_path / "f").write_text("a file")
+    one_line_error(run_cli("rt", "pull", "test-user/out-bundle", "--out", tmp_path / "f", env=env), "a file")
+
+    # a failed pull (no such repo; a tampered one) leaves no folder, no partial folder and no new parents
+    files = folder_files(bundles["tied_hd64"])
+    shard = next(n for n in files if n.endswith(".safetensors"))
+    files[shard] = files[shard][:-3] + bytes(b ^ 0xFF for b in files[shard][-3:])
+    hub.add_repo("test-user/out-tampered", files)
+    root = tmp_path / "fresh"
+    root.mkdir()
+    for repo, words in (("test-user/out-nothing", "not found"), ("test-user/out-tampered", "sha256")):
+        one_line_error(run_cli("rt", "pull", repo, "--out", root / "a" / "b", env=env), words)
+        assert list(root.iterdir()) == [], list(root.rglob("*"))
+
+    # into an empty folder; then over the bundle it holds, replaced whole (a file only the old one had goes); a
+    # failed pull over it leaves it as it was
+    empty = root / "e"
+    empty.mkdir()
+    for _ in range(2):
+        r = run_cli("rt", "pull", "test-user/out-bundle", "--out", empty, "--json", env=env)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["path"] == str(empty) and not (empty / "stray.txt").exists()
+        assert visible(empty) == folder_files(bundles["tied_hd64"])
+        (empty / "stray.txt").write_text("only in the old one")
+    before = folder_files(empty)
+    one_line_error(run_cli("rt", "pull", "test-user/out-tampered", "--out", empty, env=env), "sha256")
+    assert folder_files(empty) == before and sorted(p.name for p in root.iterdir()) == ["e"]
 
 
 def test_tampered_bundle_on_the_hub_is_refused(hub, bundles, tmp_path):

@@ -23,7 +23,8 @@ app.command()(generate)
 def pull(
     repo_id: Annotated[str, typer.Argument(help="Hub repo id of a bundle.")],
     revision: Revision = None,
-    out: Annotated[Optional[str], typer.Option(help="Copy into this folder instead of the HF cache.")] = None,
+    out: Annotated[Optional[str], typer.Option(
+        help="Into this folder instead of the HF cache: a new or empty folder, or a bundle to replace.")] = None,
     json_out: JsonOut = False,
 ):
     """Download a bundle from the Hub and verify it.
@@ -32,15 +33,10 @@ def pull(
       infinigen-rt pull user/smollm2-135m-infinigen
       infinigen-rt pull user/smollm2-135m-infinigen --revision v1 --out bundles/smol
     """
-    from pathlib import Path
-
     from infinigen_rt.bundle import read_bundle
-    from infinigen_rt.files import check_writable_dir
-    from infinigen_rt.hub import download
+    from infinigen_rt.hub import download, pull_into
 
-    if out is not None:
-        check_writable_dir(Path(out), "the bundle")
-    path = download(repo_id, revision, local_dir=out)
+    path = download(repo_id, revision) if out is None else pull_into(repo_id, revision, out)
     b = read_bundle(path, verify=True)
     if json_out:
         print_json({"path": str(path), "repo_id": repo_id, "architecture": b.config.arch, "verified": True})
