@@ -36,6 +36,10 @@ def serve(
         Optional[int],
         typer.Option("--max-body", help="Largest request body in bytes, else 413 (default: 32 x context, >= 1 MiB)."),
     ] = None,
+    body_timeout: Annotated[
+        float, typer.Option("--body-timeout", help="Seconds a request body may take to arrive after its headers, "
+                            "else 408 and the connection is closed.")
+    ] = 30.0,
     api_key: Annotated[
         Optional[str],
         typer.Option("--api-key", envvar="INFINIGEN_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*."),
@@ -90,6 +94,8 @@ def serve(
     kv_bytes = _check_sizes(max_batch, max_queue, prefill_chunk, kv_tokens, kv_memory, max_body)
     if score not in ("decode", "prefill") or score_tail < 1:
         raise InfinigenError(f"--score is decode or prefill and --score-tail >= 1, got {score!r} and {score_tail}")
+    if not 0 < body_timeout < float("inf"):
+        raise InfinigenError(f"--body-timeout must be a number of seconds > 0, got {body_timeout}")
     policy_class(policy)  # before loading: a bad name or option fails fast (the options: kv_options)
     if check_tp_option(tp):
         raise typer.Exit(launch(tp, sys.argv[1:], bundle, revision))
@@ -105,6 +111,7 @@ def serve(
     server_app = create_app(
         engine, server_policy, name, max_batch=max_batch, max_queue=max_queue, api_key=api_key, max_body=max_body,
         prefill_chunk=prefill_chunk, kv_tokens=kv_tokens, kv_memory=kv_bytes, score=score, score_tail=score_tail,
+        body_timeout=body_timeout,
     )  # fmt: skip
     _run(server_app, sock, host, name, policy, engine, max_batch, tp, api_key)
 

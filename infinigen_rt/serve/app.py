@@ -26,6 +26,7 @@ log = logging.getLogger("infinigen_rt.serve")
 
 MIN_BODY_BYTES = 1 << 20
 BODY_BYTES_PER_TOKEN = 32  # a context's worth of text as JSON: long tokens, \uXXXX escapes, message wrappers
+BODY_TIMEOUT_S = 30.0  # a whole body after its headers (a 4 MiB one needs 140 KB/s)
 
 
 def body_limit(context: int) -> int:
@@ -37,11 +38,13 @@ def create_app(
     engine: Engine, policy: Policy, model_name: str, *, max_batch: int = 8, max_queue: int = 64,
     api_key: str | None = None, prefill_chunk: int | None = 512, kv_tokens: int | None = None,
     kv_memory: int | None = None, max_body: int | None = None, score: str = "decode", score_tail: int = SCORE_TAIL,
+    body_timeout: float = BODY_TIMEOUT_S,
 ) -> FastAPI:  # fmt: skip
     """An app serving `engine` with `policy` (a request may override some of its options) as `model_name`; its
     scheduler thread runs while the app does (lifespan).
 
-    `max_body`: larger request bodies get a 413 before they are parsed (default: `body_limit(context)`).
+    `max_body`: larger request bodies get a 413 before they are parsed (default: `body_limit(context)`); one not
+    all sent within `body_timeout` seconds of its headers gets a 408.
     `score`, `score_tail`: how prompt logprobs are computed ("decode": the last `score_tail` prompt tokens by
     decode steps through the request's policy; "prefill": by the dense prefill)."""
     metrics = Metrics()
@@ -58,7 +61,8 @@ def create_app(
 
     app = FastAPI(title="infinigen-rt", version=__version__, lifespan=lifespan)
     app.state.scheduler, app.state.metrics = scheduler, metrics
-    app.add_middleware(BodyLimit, limit=max_body or body_limit(engine.cfg.max_position_embeddings))
+    limit = max_body or body_limit(engine.cfg.max_position_embeddings)
+    app.add_middleware(BodyLimit, limit=limit, timeout=body_timeout)
     app.add_middleware(CountRequests, metrics=metrics)  # the outer one: it counts the 413s too
     _add_error_handlers(app)
     app.include_router(Routes(engine, policy, model_name, scheduler, metrics, api_key, score, score_tail).router())
@@ -74,10 +78,12 @@ class ErrorResponse(JSONResponse):
 
 class BodyLimit:
     """Pure ASGI middleware: a request body over `limit` bytes is answered 413 before anything parses it,
-    whether it declares its length or comes in chunks (then it is read, up to the limit, and replayed)."""
+    whether it declares its length or comes in chunks (then it is read, up to the limit, and replayed); one that
+    has not all arrived `timeout` seconds after its headers is answered 408, and its connection closed (a client
+    trickling a body held its connection, and a slot of the server's, for as long as it liked)."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, timeout: float = BODY_TIMEOUT_S):
+        self.app, self.limit, self.timeout = app, limit, timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -86,8 +92,12 @@ class BodyLimit:
         if declared.isdigit() and int(declared) > self.limit:
             return await self.refuse(scope, receive, send)
         chunks, size = [], 0
+        deadline = asyncio.get_running_loop().time() + self.timeout
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except asyncio.TimeoutError:
+                return await self.too_slow(scope, receive, send, size)
             if message["type"] != "http.request":  # the client left mid-body
                 return
             chunks.append(message.get("body", b""))
@@ -106,6 +116,12 @@ class BodyLimit:
             return await receive()  # after the body: wait for the client to disconnect
 
         await self.app(scope, replay, send)
+
+    async def too_slow(self, scope, receive, send, size: int):
+        message = f"the request body did not arrive within {self.timeout:g} s ({size:,} bytes came); send it at once"
+        log_refusal(scope["method"], scope["path"], 408, message)
+        response = ErrorResponse(error_body(message, code="request_timeout"), 408, headers={"Connection": "close"})
+        await response(scope, receive, send)
 
     async def refuse(self, scope, receive, send):
         message = f"the request body is larger than this server's limit of {self.limit:,} bytes"

@@ -83,6 +83,8 @@ def tiny(bundles, tmp_path_factory):
         "8",
         "--model-name",
         "tiny",
+        "--body-timeout",
+        "3",
     )
     s.model = "tiny"
     yield s
@@ -548,6 +550,33 @@ def test_fuzz_against_the_servers_own_openapi_schema(tiny):
     # requests rarely fit the tiny model's 256 positions; the tests above cover chat's 200s)
     assert statuses["POST /v1/completions", 200] > 0 and statuses["POST /v1/completions", 400] > 0, statuses
     assert statuses["POST /v1/chat/completions", 400] > 0, statuses
+
+
+def test_a_body_trickled_slower_than_the_timeout_gets_a_408_and_the_connection_closes(tiny):
+    """--body-timeout 3: 70 clients holding a partial body were never timed out. Twelve such clients are answered
+    408 at the deadline and dropped, while a request beside them is served at once."""
+    import socket
+
+    host, port = tiny.url.removeprefix("http://").split(":")
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 200\r\n\r\n{\"prompt\": ")  # fmt: skip
+    slow = []
+    for _ in range(12):
+        s = socket.create_connection((host, int(port)), timeout=20)
+        s.sendall(head.encode())
+        slow.append(s)
+    start = time.monotonic()
+    assert tiny.post("/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
+    assert time.monotonic() - start < 2.5  # before any slow client's deadline
+    for s in slow:
+        reply = b""
+        while chunk := s.recv(65536):  # read until the server closes the connection
+            reply += chunk
+        s.close()
+        status, _, rest = reply.partition(b"\r\n")
+        assert status.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert b"did not arrive within 3 s" in rest and b"request_timeout" in rest
+    assert 2.5 < time.monotonic() - start < 15
 
 
 def test_api_key(tiny):
