@@ -79,7 +79,7 @@ def generate(
     quiet = json_out or follower_env()
     engine, run_policy, follower = _load(bundle, revision, verify, device, dtype, policy, kv, quiet)
     ids, max_new_tokens = _prompt_ids(engine, prompt, chat, max_new_tokens)
-    printer = _StreamPrinter(engine.tokenizer) if stream and not quiet else None
+    printer = _StreamPrinter(engine.tokenizer, stop or []) if stream and not quiet else None
     progress = _progress(max_new_tokens) if printer is None and not quiet else None
     res, stats = _run(engine, run_policy, ids, max_new_tokens, sampling, stop, printer, progress)
     if not follower:  # a tensor-parallel rank other than 0 runs every step with rank 0 and prints nothing
@@ -169,24 +169,21 @@ def _show(res, stats, shown_prompt: str, json_out: bool, printer) -> None:
 
 
 class _StreamPrinter:
-    """Prints the new text of sequence 0 after each step, holding back half-decoded UTF-8."""
+    """Prints the new text of sequence 0 after each step, holding back half-decoded UTF-8 and what may become a
+    stop string (it printed a stop string's first tokens, and a token's text past it, that the result then cut)."""
 
-    def __init__(self, tok):
-        self.tok, self.shown = tok, ""
+    def __init__(self, tok, stops: list[str]):
+        from infinigen_rt.stream import TextStream
+
+        self.tok, self.text = tok, TextStream(stops)
 
     def update(self, generated):
-        text = self.tok.decode(generated[0])
-        if text.endswith("\ufffd"):
-            return
-        if text.startswith(self.shown):
-            sys.stdout.write(text[len(self.shown) :])
+        if piece := self.text.update(self.tok.decode(generated[0])):
+            sys.stdout.write(piece)
             sys.stdout.flush()
-            self.shown = text
 
     def finish(self, final: str):
-        if final.startswith(self.shown):
-            sys.stdout.write(final[len(self.shown) :])
-        sys.stdout.write("\n")
+        sys.stdout.write(self.text.finish(final) + "\n")
         sys.stdout.flush()
 
 
