@@ -154,11 +154,11 @@ def test_generate_stream_prints_what_the_result_is_with_a_stop_string(bundles):
     b, args = bundles["llama31_gqa"], ["The king said", "-n", "16", "--device", "cpu"]
     r = run_cli("rt", "generate", b, *args, "--json")
     text = json.loads(r.stdout)["text"]
-    for stop in (text[len(text) // 2 : len(text) // 2 + 3], text[3:5]):
-        want = json.loads(run_cli("rt", "generate", b, *args, "--stop", stop, "--json").stdout)["text"]
-        assert want == text[: text.index(stop)]
-        streamed = run_cli("rt", "generate", b, *args, "--stop", stop, "--stream")
-        assert streamed.returncode == 0 and streamed.stdout == want + "\n", (stop, streamed.stdout, want)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    want = json.loads(run_cli("rt", "generate", b, *args, "--stop", stop, "--json").stdout)["text"]
+    assert want == text[: text.index(stop)]
+    streamed = run_cli("rt", "generate", b, *args, "--stop", stop, "--stream")
+    assert streamed.returncode == 0 and streamed.stdout == want + "\n", (stop, streamed.stdout, want)
 
 
 def test_serve_refuses_an_option_its_policy_does_not_read(tmp_path):
