@@ -37,7 +37,7 @@ from infinigen_rt.bundle import (
 )
 from infinigen_rt.config import ModelConfig
 from infinigen_rt.errors import InfinigenError
-from infinigen_rt.files import check_writable_dir, clean_stale_partials
+from infinigen_rt.files import check_writable_dir, clean_stale_partials, swap_into_place
 from infinigen_rt.hub import from_hub, looks_like_repo_id
 from infinigen_rt.models import MODELS
 from infinigen_rt.system import DTYPES
@@ -215,14 +215,9 @@ def bundle_meta(
 def move_into_place(tmp: Path, target: Path, out: Path, source: str, force: bool) -> None:
     """Rename the finished `tmp` to `target` (--out made absolute): the bundle appears whole or not at all. With
     --force the old bundle there is swapped out, then dropped."""
-    if os.path.lexists(target):  # --force: swap, then drop the old bundle
+    if os.path.lexists(target):  # --force
         check_out(out, source, force)  # still a bundle, not something put there meanwhile
-        old = target.parent / f".{target.name}.old-{os.getpid()}"
-        target.rename(old)
-        tmp.rename(target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(target)
+    swap_into_place(tmp, target)
 
 
 def convert(

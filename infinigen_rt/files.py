@@ -58,6 +58,18 @@ def clean_stale_partials(out: Path) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
+def swap_into_place(tmp: Path, target: Path) -> None:
+    """Rename the finished folder `tmp` to `target`, so that it appears whole or not at all; what is at `target` (the
+    caller has checked it may go) is renamed aside first, then dropped."""
+    if not os.path.lexists(target):
+        tmp.rename(target)
+        return
+    old = target.parent / f".{target.name}.old-{os.getpid()}"
+    target.rename(old)
+    tmp.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def check_writable_file(path: Path, option: str) -> None:
     """`path` can be written by `write_atomic` (its folder is writable; it is not a folder itself)."""
     if path.is_dir():

@@ -120,11 +120,11 @@ def resolve_bundle(arg: str, revision: str | None = None) -> Path:
 
 
 def pull_into(repo_id: str, revision: str | None, out: str | Path) -> Path:
-    """Download the bundle `repo_id` into the folder `out`, verified, whole or not at all: it is built in a hidden
-    sibling `.NAME.partial-PID` and renamed into place. `out` may be missing, an empty folder, or a bundle (then
-    replaced); anything else is refused before any download, and a failed pull leaves nothing behind."""
+    """Download the bundle `repo_id` into the folder `out`, whole or not at all: it is built in a hidden sibling
+    `.NAME.partial-PID`, verified there and renamed into place. `out` may be missing, an empty folder, or a bundle
+    (then replaced); anything else is refused before any download, and a failed pull leaves nothing behind."""
     from infinigen_rt.bundle import is_bundle, read_bundle
-    from infinigen_rt.files import check_writable_dir, clean_stale_partials
+    from infinigen_rt.files import check_writable_dir, clean_stale_partials, swap_into_place
 
     target = Path(os.path.abspath(Path(out).expanduser()))
     if os.path.lexists(target):
@@ -141,13 +141,7 @@ def pull_into(repo_id: str, revision: str | None, out: str | Path) -> Path:
     try:
         download(repo_id, revision, local_dir=tmp)
         read_bundle(tmp, verify=True)
-        if os.path.lexists(target):  # an empty folder, or the bundle this one replaces: swapped out, then dropped
-            old = target.parent / f".{target.name}.old-{os.getpid()}"
-            target.rename(old)
-            tmp.rename(target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(target)
+        swap_into_place(tmp, target)  # over an empty folder, or the bundle this one replaces
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         for p in made:  # the folders made for --out, innermost first, if nothing else went in them

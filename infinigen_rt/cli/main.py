@@ -37,7 +37,7 @@ def pull(
     from infinigen_rt.hub import download, pull_into
 
     path = download(repo_id, revision) if out is None else pull_into(repo_id, revision, out)
-    b = read_bundle(path, verify=True)
+    b = read_bundle(path, verify=out is None)  # pull_into verified it before moving it into place
     if json_out:
         print_json({"path": str(path), "repo_id": repo_id, "architecture": b.config.arch, "verified": True})
     else:
