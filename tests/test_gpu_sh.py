@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
+from infinigen_rt.measure.fakecuda import available
 from tests.conftest import ROOT
-from tests.fakecuda import available
 
 GPU_SH = ROOT / "benchmarks" / "gpu.sh"
 PARTS = ("tests", "llama2-8k", "llama2-32k", "llama31-32k", "llama31-128k")

@@ -97,6 +97,9 @@ Wide = Annotated[
         "width, even past the terminal's.",
     ),
 ]
+Rehearse = Annotated[bool, typer.Option(
+    help="Project each point's decode step on an H100 from the ops the GPU path issues (fake CUDA, meta tensors: "
+         "any CPU, nothing computed) against its floor, instead of timing it; needs --synthetic.")]  # fmt: skip
 Tp = Annotated[
     int, typer.Option("--tp", help="Tensor-parallel ranks: starts this many processes (torchrun); needs a BUNDLE.")
 ]
@@ -128,6 +131,7 @@ def bench_cmd(
     json_out: JsonOut = False,
     wide: Wide = False,
     tp: Tp = 1,
+    rehearse: Rehearse = False,
 ):
     """Decode speed of each KV policy for every batch x context, with bytes moved, memory and the floor.
 
@@ -135,6 +139,7 @@ def bench_cmd(
       infinigen-rt bench --synthetic llama-2-7b --batch 8 --context 8192 --policies offload,infinigen
       infinigen-rt bench artifacts/bundles/smollm2-135m --device cpu --batch 1 --context 8192 --gen 32
       infinigen-rt bench --synthetic smollm2-135m --batch 1,4 --context 1024,4096 --out bench.json --plot bench.png
+      infinigen-rt bench --synthetic llama-3.1-8b --batch 1,8 --context 32768 --policies full,infinigen --rehearse
     """
     import math
 
@@ -144,6 +149,17 @@ def bench_cmd(
                                       tp)  # fmt: skip
     variants = _variants(names, spec_keys, correct)
     check_outputs(out, plot_path)
+    if rehearse:
+        from infinigen_rt.errors import InfinigenError
+
+        if synthetic is None or tp > 1:
+            raise InfinigenError("--rehearse projects a synthetic model's step: give --synthetic PRESET (no bundle, no "
+                                 "--tp)")  # fmt: skip
+        if plot_path is not None:
+            raise InfinigenError("--rehearse draws no plot: drop --plot")
+        _rehearse(synthetic, dtype, variants, batches, contexts, dict(budget=budget, max_kv=max_kv, alpha=alpha,
+                  seed=seed), out, json_out)  # fmt: skip
+        return
     if check_tp_option(tp):
         raise typer.Exit(launch(tp, sys.argv[1:], bundle))
     quiet = json_out or follower_env()
@@ -182,6 +198,50 @@ def bench_cmd(
         return
     table = bench_table(meta["points"], wide)
     print_wide(table) if wide else console.print(table)
+
+
+def _rehearse(preset: str, dtype: str, variants: list, batches: list[int], contexts: list[int], kw: dict, out,
+              json_out: bool) -> None:  # fmt: skip
+    """bench --rehearse: every point projected (measure/rehearse.py), printed as a table or JSON, saved to `out`."""
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from infinigen_rt import __version__
+    from infinigen_rt.measure.projection import H100
+    from infinigen_rt.measure.rehearse import rehearse, rows
+    from infinigen_rt.system import resolve_dtype
+
+    dt = torch.bfloat16 if dtype == "auto" else resolve_dtype(dtype, torch.bfloat16, torch.device("cuda"))
+    meta = {"model": f"synthetic:{preset}", "dtype": str(dt).removeprefix("torch."), "infinigen": __version__,
+            "rehearsal": "fake CUDA, meta tensors: one decode step's ops replayed (measure/projection.py)",
+            "hardware": asdict(H100), **kw, "points": []}  # fmt: skip
+    todo = [(b, c) for c in contexts for b in batches]
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=err_console, transient=True, disable=json_out)  # fmt: skip
+    with bar:
+        task = bar.add_task("rehearse", total=len(todo))
+        for b, c in todo:
+            bar.update(task, description=f"batch {b} context {c}")
+            meta["points"] += rows(rehearse(preset, dt, variants, b, c, **kw))
+            if out:
+                save(out, meta)
+            bar.advance(task)
+    if json_out:
+        print_json(meta)
+        return
+    console.print(rehearse_table(meta["points"]))
+
+
+def rehearse_table(points: list[dict]):
+    """The projected points: launches a step, the projected step, the host's share of it, the floor and the ratio."""
+    table = results_table("projected decode step (H100, from the ops issued)",
+                          ["policy", "batch", "context", "launches", "ms", "issue ms", "floor ms", "x floor",
+                           "PCIe"])  # fmt: skip
+    for p in points:
+        table.add_row(point_label(p), str(p["batch"]), str(p["context"]), f"{p['launches']:,}",
+                      f"{p['projected_ms']:.1f}", f"{p['issue_ms']:.1f}", f"{p['floor_ms']:.1f}",
+                      f"{p['over_floor']:.2f}", human_bytes(p["pcie_bytes"]))  # fmt: skip
+    return table
 
 
 def _check(bundle, synthetic, policies: str, batch: str, context: str, gen: int, warmup: int, budget: float, probe,

@@ -1,4 +1,4 @@
-"""The GPU path rehearsed on a CPU (tests/fakecuda.py): what the runtime does on a CUDA device, run here.
+"""The GPU path rehearsed on a CPU (infinigen_rt/measure/fakecuda.py): what the runtime does on a CUDA device, run here.
 
 With values (tiny models): the GPU path's tokens equal the CPU path's for every policy, through the runner
 (generate, serve and bench), private and paged pools, with and without eviction, and a cache of two sequences; no
@@ -15,9 +15,9 @@ import torch
 
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.engine import Engine
+from infinigen_rt.measure.fakecuda import FakeCuda, GiB, available
 from infinigen_rt.policies import KVOptions, Policy, configure
 from infinigen_rt.runner import Request, Runner
-from tests.fakecuda import FakeCuda, GiB, available
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"fake CUDA: {available()}")
 CUDA = torch.device("cuda", 0)

@@ -27,7 +27,8 @@ value). It checks what a GPU would refuse, and what a GPU user needs of the code
   page-locked host memory, whose registration fails past `host_limit` with CUDA error 2 and leaves the runtime's
   last error set, as the real runtime does: the next operator on the device raises it unless it was cleared.
 
-Only for a CPU-only build of torch (a small C++ device guard is compiled and loaded: tests/fakecuda_guard.cpp).
+Only for a CPU-only build of torch (a small C++ device guard is compiled and loaded: fakecuda_guard.cpp, beside
+this file).
 """
 
 from __future__ import annotations
@@ -52,7 +53,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from infinigen_rt.measure.projection import Op
+
 GUARD_SRC = Path(__file__).with_name("fakecuda_guard.cpp")
+HARNESS_FILE = "measure/fakecuda.py"  # its own frames are never where the code under test is
 GiB = 1 << 30
 CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_MEMORY_ALLOCATION, CUDA_ERROR_NOT_REGISTERED = 1, 2, 713
 aten = torch.ops.aten
@@ -132,7 +136,8 @@ class Region:
 
 def where(skip_harness: bool = True) -> str:
     """The innermost frames in the project's packages (infinigen_rt, infinigen_prep, benchmarks)."""
-    frames = [f for f in traceback.extract_stack() if re.search(r"infinigen_(rt|prep)/|benchmarks/", f.filename)]
+    frames = [f for f in traceback.extract_stack()
+              if re.search(r"infinigen_(rt|prep)/|benchmarks/", f.filename) and not f.filename.endswith(HARNESS_FILE)]
     return " <- ".join(f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}"
                        for f in reversed(frames[-3:])) or "(outside the project)"  # fmt: skip
 
@@ -263,6 +268,7 @@ class Stream:
     def wait_event(self, event) -> None:
         if event.vc is not None:
             _merge(_HARNESS.vc[self.name], event.vc)
+            _HARNESS.note(Op("wait", "wait_event", self.name, event=event.serial))
 
     def wait_stream(self, stream) -> None:
         self.wait_event(Event().record(stream))
@@ -286,13 +292,15 @@ class Stream:
 
 class Event:
     def __init__(self, enable_timing=False, blocking=False, interprocess=False):
-        self.vc, self.stream = None, None
+        self.vc, self.stream, self.serial = None, None, 0
 
     def record(self, stream=None):
         h = _HARNESS
         stream = stream or h.current_stream()
         _merge(h.vc[stream.name], h.vc["host"])
         self.vc, self.stream = dict(h.vc[stream.name]), stream
+        self.serial = next(h.counter)
+        h.note(Op("record", "record_event", stream.name, event=self.serial))
         return self
 
     def wait(self, stream=None) -> None:
@@ -438,6 +446,7 @@ class FakeCuda:
         self.next_addr = 1 << 44
         self.profile: list | None = None  # events while a fake profiler runs
         self.ticks = defaultdict(float)  # per actor: a fake timeline for the profiler
+        self.ops: list[Op] | None = None  # what the device is asked to do, while `recording`
 
     # ---- thread state
     def streams_tls(self) -> dict:
@@ -483,6 +492,7 @@ class FakeCuda:
         """The host waited for `actors` (streams): everything they did is done, as far as the host knows."""
         for a in actors:
             _merge(self.vc["host"], vc if vc is not None else self.vc.get(a, {}))
+        self.note(Op("sync", kind, streams=tuple(actors)))
         self.note_sync(kind, what)
         self.release_pending()
 
@@ -663,6 +673,21 @@ class FakeCuda:
         finally:
             self.regions.remove(r)
 
+    @contextmanager
+    def recording(self):
+        """The ops issued inside the block, in order (projection.Op: kernels with their bytes and FLOPs, Triton
+        launches, copies, events, syncs): what `projection.project` replays."""
+        outer, self.ops = self.ops, []
+        ops = self.ops
+        try:
+            yield ops
+        finally:
+            self.ops = outer
+
+    def note(self, op: Op) -> None:
+        if self.ops is not None:
+            self.ops.append(op)
+
     # ---- launches: every Triton kernel of infinigen_rt.kv._gather_kernel, at the call torch's launcher makes
     def launch(self, kernel, grid, *args, **meta) -> None:
         """kernel[grid](*args, **meta) as Triton's launcher sees it: on the current device and stream."""
@@ -702,6 +727,8 @@ class FakeCuda:
         key += sorted(meta.items())
         self.kernel_keys[name].add(tuple(key))
         self.launches.append((name, f"cuda:{idx}", stream.name))
+        if self.ops is not None:
+            self.note(_row_kernel_op(name, stream.name, named, written))
         for r in self.regions:
             r.launches.append(name)
         self.profile_event(stream.name, name)
@@ -944,6 +971,10 @@ class _Functions(TorchFunctionMode):
             if x is not None:
                 h.touch(x, actor, t, False, "scaled_dot_product_attention")
         h.touch(out, actor, t, True, "scaled_dot_product_attention")
+        if dev.type == "cuda":
+            b_h_s, kv_len = q.numel() // q.shape[-1], k.shape[-2]
+            flops = 2 * b_h_s * kv_len * (q.shape[-1] + v.shape[-1])  # q.k and p.v
+            h.note(Op("kernel", "fused_attention", actor, _bytes(q, k, v, attn_mask, out), flops))
         h.profile_event(actor, "fused_attention")
         return out
 
@@ -1083,6 +1114,11 @@ class _Dispatch(TorchDispatchMode):
                 h.touch(x, actor, t, storage_key(x) not in in_keys, info.name)
         if dev.type == "cuda":
             h.profile_event(actor, f"aten::{info.name}")
+            if h.ops is not None and info.name not in NO_KERNEL:
+                outs = [x for x in _tensors(result if isinstance(result, (list, tuple)) else (result,), {})
+                        if not any(x is w for w in written)]  # fmt: skip
+                h.note(Op("kernel", info.name, actor, _op_bytes(info.name, tensors, written, outs),
+                          _flops(info.name, args)))  # fmt: skip
         return result
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool):
@@ -1106,6 +1142,9 @@ class _Dispatch(TorchDispatchMode):
         d.copy_(s)
         pinned = h.is_pinned(host_side)
         h.profile_event(stream.name, f"Memcpy {direction} ({'Pinned' if pinned else 'Pageable'})")
+        n = _bytes(src)
+        h.note(Op("copy", f"Memcpy {direction}", stream.name, hbm_bytes=n, pcie_bytes=n if dd.type == "cuda" else 0,
+                  d2h_bytes=0 if dd.type == "cuda" else n))  # fmt: skip
         if not non_blocking or not pinned:
             h.host_waits([stream.name], f"copy {direction} of {tuple(src.shape)} {src.dtype}"
                          + (" from/to pageable memory" if not pinned else ""), kind="copy")  # fmt: skip
@@ -1113,6 +1152,66 @@ class _Dispatch(TorchDispatchMode):
 
 
 _NOT_SPECIAL = object()
+# operators that launch nothing on a GPU: allocation and metadata
+NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view", "resize_",
+             "set_", "record_stream", "lift_fresh", "lift_fresh_copy", "detach_", "_reshape_alias"}  # fmt: skip
+# indexing operators: of their indexed argument they touch only what the index picks (the output's size)
+INDEXED_OPS = {"gather", "scatter", "scatter_", "scatter_add", "scatter_add_", "index_select", "index",
+               "index_put", "index_put_", "_index_put_impl_", "index_copy", "index_copy_", "index_fill_",
+               "embedding", "take_along_dim"}  # fmt: skip
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """Bytes a kernel touches of a tensor view: its elements, or less where it is expanded (strides of 0)."""
+    lo, hi = span(t)
+    return min(t.numel() * t.element_size(), hi - lo) if t.numel() else 0
+
+
+def _bytes(*ts) -> int:
+    return sum(_nbytes(t) for t in ts if isinstance(t, torch.Tensor))
+
+
+def _op_bytes(name: str, inputs: list, written: list, outputs: list) -> int:
+    """Device bytes an operator reads and writes: its inputs, its outputs, what it writes in place (read and
+    written); an indexing operator reads of its indexed tensor what its output holds."""
+    if name in INDEXED_OPS and inputs:
+        small = [t for t in inputs if t is not inputs[0]]
+        moved = max([_nbytes(t) for t in outputs + small] or [0])
+        return _bytes(*small) + _bytes(*outputs) + moved * (1 + len(written))
+    return _bytes(*inputs) + _bytes(*outputs) + _bytes(*written)
+
+
+def _flops(name: str, args) -> int:
+    """Matrix products' FLOPs (2 per multiply-add); other operators are memory-bound and count 0."""
+    if name in ("mm", "addmm", "bmm", "baddbmm", "matmul"):
+        a, b = (args[0], args[1]) if name in ("mm", "bmm", "matmul") else (args[1], args[2])
+        return 2 * a.numel() * b.shape[-1]
+    if name == "linear":  # x [..., in] by weight [out, in]
+        return 2 * args[0].numel() * args[1].shape[0]
+    return 0
+
+
+def _row_kernel_op(name: str, stream: str, named: list, written: set) -> Op:
+    """A row kernel's op: each row it moves, read and written once per tensor of the pair, across PCIe for the
+    tensors in pinned host memory (read: host to device; written: device to host); its row numbers (and validity)
+    read from the device. Shapes only: every row counts as moved."""
+    args = dict(named)
+    rows = args["rows"]
+    hbm = h2d = d2h = 0
+    for pname, a in named:
+        if not isinstance(a, torch.Tensor):
+            continue
+        if pname in ("rows", "ok"):
+            hbm += _nbytes(a)
+            continue
+        moved = rows.numel() * a.shape[-1] * a.element_size()
+        if vdev(a).type != "cpu":
+            hbm += moved
+        elif pname in written:
+            d2h += moved
+        else:
+            h2d += moved
+    return Op("triton", name, stream, hbm_bytes=hbm, pcie_bytes=h2d, d2h_bytes=d2h)
 SPECIAL = {"_local_scalar_dense", "item", "is_nonzero", "is_pinned", "_pin_memory", "pin_memory", "lift_fresh",
            "copy_", "_to_copy", "to"}  # fmt: skip
 
@@ -1188,8 +1287,8 @@ def _index_tensors(func, args) -> list:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m tests.fakecuda [--shapes] (-m MODULE | SCRIPT) ARGS...: a command of the GPU path, run on this CPU
-    inside fake CUDA (values by default: tiny shapes; --shapes: meta tensors). The benchmarks' rehearsal."""
+    """python -m infinigen_rt.measure.fakecuda [--shapes] (-m MODULE | SCRIPT) ARGS...: a command of the GPU path, run
+    on this CPU inside fake CUDA (values by default: tiny shapes; --shapes: meta tensors). The benchmarks' rehearsal."""
     import runpy
     import sys
 

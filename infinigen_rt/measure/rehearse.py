@@ -1,0 +1,85 @@
+"""`bench --rehearse`: a decode step on an H100 projected from the operations the GPU path issues, run on any
+CPU under fake CUDA with meta tensors (fakecuda.py; nothing is computed, the shapes are real).
+
+Per point (policy, batch, context): a runner over a paged pool of `batch` requests of `context` prompt tokens, as
+bench runs them; the prompts prefilled and two decode steps taken, one more decode step is recorded op by op and
+replayed by projection.py against the same step's physical floor: the weights and the device-resident KV read at
+HBM speed beside the rows it fetched over PCIe."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from infinigen_rt.errors import InfinigenError
+from infinigen_rt.measure.projection import H100, Hardware, project
+
+NEW_TOKENS = 6  # what each request asks for: its prefill's token, two warm-up steps, the recorded one, spare
+
+
+@dataclass
+class Projected:
+    model: str
+    policy: str
+    batch: int
+    context: int
+    spec_keys: str | None
+    correct: float | None
+    launches: int
+    projected_ms: float
+    issue_ms: float  # the host's time issuing the launches (within projected_ms)
+    floor_ms: float
+    over_floor: float
+    hbm_bytes: int
+    pcie_bytes: int
+    syncs: int
+    streams: int
+    hardware: str
+
+
+def rehearse(preset: str, dtype: torch.dtype, variants: list, batch: int, context: int, *, budget: float = 0.1,
+             max_kv: int | None = None, alpha: float | None = None, seed: int = 0,
+             hw: Hardware = H100) -> list[Projected]:  # fmt: skip
+    """The projected decode step of every variant (measure.bench.Variant) at one (batch, context) of `preset`."""
+    from infinigen_rt.measure.bench import start_runner
+    from infinigen_rt.measure.fakecuda import FakeCuda, available
+    from infinigen_rt.measure.floor import floor_seconds
+    from infinigen_rt.measure.synthetic import synthetic_engine
+    from infinigen_rt.policies import KVOptions, configure
+
+    why = available()
+    if why:
+        raise InfinigenError(f"--rehearse runs the GPU path under fake CUDA, which cannot run here: {why}")
+    bw = {"device_bytes_per_s": hw.hbm_bytes_per_s, "h2d_bytes_per_s": hw.pcie_bytes_per_s}
+    out = []
+    with FakeCuda(values=False, host_memory=1 << 50) as gpu:
+        engine = synthetic_engine(preset, torch.device("cuda"), dtype, seed)
+        cfg = engine.cfg
+        cfg.max_position_embeddings = max(cfg.max_position_embeddings, context + NEW_TOKENS)
+        opts = KVOptions(alpha=alpha, budget=budget, max_kv=max_kv, prefill_chunk=context)
+        for v in variants:
+            policy = configure(engine, v.policy, replace(opts, **v.changes()))
+            prompts = [[3 + i] * context for i in range(batch)]
+            runner, _ = start_runner(engine, policy, prompts, NEW_TOKENS, warmup=3)
+            try:
+                with gpu.recording() as ops:
+                    runner.step()
+            finally:
+                runner.close()
+                del runner
+            p = project(ops, hw)
+            floor = floor_seconds(engine, policy, batch, context, p.pcie_bytes, bw)
+            spec = "spec_keys" in policy.cls.knobs
+            out.append(Projected(
+                f"synthetic:{preset}", v.policy, batch, context, policy.opts.spec_keys if spec else None,
+                policy.opts.correct if spec else None, p.launches, round(1000 * p.seconds, 3),
+                round(1000 * p.issue_s, 3), round(1000 * floor, 3), round(p.seconds / floor, 3), p.hbm_bytes,
+                p.pcie_bytes, p.syncs, p.streams, hw.name,
+            ))  # fmt: skip
+        del engine
+    return out
+
+
+def rows(points: list[Projected]) -> list[dict]:
+    return [asdict(p) for p in points]

@@ -1,0 +1,105 @@
+"""The GPU step projected from the ops it issues (measure/projection.py, measure/rehearse.py): the replay of streams,
+events and shared resources on hand-made ops, the fake-CUDA recorder's ops for known operations, and the decode
+step of every policy at Llama-3.1-8B bf16, 32k, held to its launches and its ratio to the floor at batch 1 and 8."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infinigen_rt.measure.fakecuda import FakeCuda, available
+from infinigen_rt.measure.projection import H100, Hardware, Op, project
+
+HW = Hardware("test", hbm_bytes_per_s=1e9, flops_per_s=1e12, pcie_bytes_per_s=1e8, launch_s=1e-6)
+
+
+def kernel(stream: str, hbm: int = 0, pcie: int = 0, flops: int = 0) -> Op:
+    return Op("kernel", "k", stream, hbm_bytes=hbm, flops=flops, pcie_bytes=pcie)
+
+
+def test_one_stream_runs_its_ops_in_order_each_at_its_slowest_resource():
+    ops = [kernel("s", hbm=1000), kernel("s", flops=4_000_000), kernel("s", pcie=100, hbm=10)]
+    p = project(ops, HW)
+    # 1 us (launch) + 1 us (1000 B at 1 GB/s); then FLOPs 4 us; then 1 us over the link (10 B of HBM hide under it)
+    assert p.seconds == pytest.approx(1e-6 + 1e-6 + 4e-6 + 1e-6)
+    assert (p.launches, p.hbm_bytes, p.pcie_bytes, p.flops) == (3, 1010, 100, 4_000_000)
+
+
+def test_a_side_stream_overlaps_the_link_with_compute_until_its_event_is_waited_for():
+    copy = [Op("copy", "Memcpy HtoD", "side", hbm_bytes=100, pcie_bytes=1000), Op("record", "e", "side", event=1)]
+    compute = [kernel("main", hbm=5000) for _ in range(2)]  # 5 us each
+    wait = [Op("wait", "w", "main", event=1), kernel("main", hbm=1000), Op("sync", "read", streams=("main",))]
+    p = project(copy + compute + wait, HW)
+    # the copy: issued at 1 us, on the link 1..11 (its 0.1 us of HBM first); compute 2..7 and 7..12 (the device runs
+    # one op at a time); the wait would hold main until 11, but it is at 12 already; the last op 12..13
+    assert p.seconds == pytest.approx(13e-6)
+    assert p.syncs == 1 and p.streams == 2
+    serial = project([Op("copy", "c", "main", pcie_bytes=1000)] + compute + wait[1:], HW)
+    assert serial.seconds > p.seconds + 9e-6  # on one stream the copy's 10 us are not hidden
+
+
+def test_two_streams_share_the_link_and_the_host_issues_every_launch():
+    two = [Op("copy", "c", f"s{i}", pcie_bytes=1000) for i in range(2)]
+    assert project(two, HW).seconds == pytest.approx(1e-6 + 2 * 10e-6)  # one link: the copies take turns
+    many = [kernel(f"s{i % 4}") for i in range(100)]  # empty kernels: the host's launches alone
+    p = project(many, HW)
+    assert p.seconds == pytest.approx(100e-6) and p.issue_s == pytest.approx(100e-6)
+
+
+@pytest.mark.skipif(available() is not None, reason=f"fake CUDA: {available()}")
+def test_the_recorder_sees_kernels_copies_events_and_syncs_with_their_bytes():
+    with FakeCuda(values=False) as gpu, torch.inference_mode():  # (as the runtime runs: linear is one op)
+        a = torch.empty(64, 128, dtype=torch.bfloat16, device="cuda")
+        w = torch.empty(256, 128, dtype=torch.bfloat16, device="cuda")
+        host = torch.empty(1000, dtype=torch.uint8).pin_memory()
+        side = torch.cuda.Stream()
+        with gpu.recording() as ops:
+            y = torch.nn.functional.linear(a, w)  # [64, 256]
+            v = y.view(-1)  # a view: no kernel
+            with torch.cuda.stream(side):
+                dev = host.to("cuda", non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(side)
+            torch.cuda.current_stream().wait_event(done)
+            (v.float().sum() + dev.float().sum()).item()
+    kinds = [(o.kind, o.name) for o in ops]
+    assert kinds[0] == ("kernel", "linear")
+    lin = ops[0]
+    assert lin.flops == 2 * 64 * 256 * 128
+    assert lin.hbm_bytes == (64 * 128 + 256 * 128 + 64 * 256) * 2
+    copy = next(o for o in ops if o.kind == "copy")
+    assert copy.pcie_bytes == 1000 and copy.stream == side.name
+    rec = next(o for o in ops if o.kind == "record")
+    wait = next(o for o in ops if o.kind == "wait")
+    assert rec.event == wait.event and wait.stream != side.name
+    assert ops[-1].kind == "sync"
+    assert ("kernel", "view") not in kinds and not any(o.name == "empty" for o in ops)
+
+
+# (launches at batch 1, the most at batch 8 as a multiple of those at batch 1, the most projected step over its floor
+# at batch 1 and at batch 8): measured on the code as it is, with a little room, so that a regression fails here
+STEP_LIMITS = {
+    ("full", None, None): (1_200, 1.7, 1.05, 1.05),
+    ("offload", None, None): (1_600, 3.3, 1.05, 1.05),
+    ("infinigen", "partial", 0.0): (2_450, 5.0, 1.40, 1.15),
+    ("infinigen", "int4", 0.25): (6_100, 7.0, 1.95, 1.65),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(available() is not None, reason=f"fake CUDA: {available()}")
+@pytest.mark.parametrize("variant", list(STEP_LIMITS), ids=lambda v: "-".join(str(x) for x in v if x is not None))
+def test_the_projected_decode_step_at_llama31_8b_32k(variant):
+    """bench --rehearse's points: launches per step, and the projected step over its floor, at batch 1 and 8."""
+    from infinigen_rt.measure.bench import Variant
+    from infinigen_rt.measure.rehearse import rehearse
+
+    limit_b1, growth, over_b1, over_b8 = STEP_LIMITS[variant]
+    v = Variant(variant[0], variant[1], variant[2])
+    (one,) = rehearse("llama-3.1-8b", torch.bfloat16, [v], 1, 32768)
+    (eight,) = rehearse("llama-3.1-8b", torch.bfloat16, [v], 8, 32768)
+    assert one.hardware == H100.name and one.syncs == 1 and eight.syncs == 1
+    assert one.launches <= limit_b1, one
+    assert eight.launches <= growth * one.launches, (one.launches, eight.launches)
+    assert one.over_floor <= over_b1 and eight.over_floor <= over_b8, (one, eight)
+    assert eight.pcie_bytes == pytest.approx(8 * one.pcie_bytes, rel=0.02)  # each row fetches its own rows
