@@ -223,6 +223,39 @@ def test_every_policy_the_docs_list_exists():
     assert all(f"`{p}`" in readme for p in RUNTIME_POLICIES), "the README names every runtime policy"
 
 
+
+def test_the_docs_list_every_kv_option_with_its_default_and_choices():
+    """usage.md's list of KV options names every flag of the commands that run one policy, with the default and
+    the choices policies/options.py declares (`--spec-keys partial|int4|int2` (int4)); serving.md names the KV
+    options a request may override."""
+    from infinigen_rt.policies.options import DEFAULTS, OPTS, flag
+    from infinigen_rt.serve.protocol import KV_REQUEST
+
+    usage = (ROOT / "docs" / "usage.md").read_text()
+    bullets = usage[usage.index("\n- ", usage.index("KV options (`generate` and `serve`")) :].split("\n\n")[0]
+    # `--flag`, `--flag a|b|c` or `--flag X`, then its default in parentheses when it has one; the first mention
+    mention = re.compile(r"`(--[\w-]+)( [^`]*)?`(?: \(([^;):]+))?")
+    written = {}
+    for m in mention.finditer(bullets):
+        written.setdefault(m[1], ((m[2] or "").strip(), m[3]))
+    bad = []
+    for name, o in OPTS.items():
+        if not o.cli:
+            continue
+        if flag(name) not in written:
+            bad.append(f"{flag(name)}: not listed")
+            continue
+        arg, default = written[flag(name)]
+        if o.choices is not None and arg != "|".join(o.choices):
+            bad.append(f"{flag(name)}: choices {arg!r}, declared {'|'.join(o.choices)}")
+        if DEFAULTS[name] is not None and default != str(DEFAULTS[name]):
+            bad.append(f"{flag(name)}: default {default!r}, declared {DEFAULTS[name]}")
+    assert not bad, "usage.md's KV options against policies/options.py:\n" + "\n".join(bad)
+    serving = (ROOT / "docs" / "serving.md").read_text()
+    listed = re.search(r"`infinigen`:\s*`\{([^}]*)\}` overrides", serving)
+    assert listed and tuple(re.findall(r'"(\w+)"', listed[1])) == KV_REQUEST, listed
+
+
 def slug(heading: str) -> str:
     """GitHub's anchor for a heading."""
     text = heading.lstrip("#").strip().lower()

@@ -14,7 +14,9 @@ from typing import Annotated, Optional
 import typer
 
 from infinigen_rt.cli.console import console, err_console, human_bytes, print_json, print_wide, results_table
+from infinigen_rt.cli.options import kv_option
 from infinigen_rt.files import check_outputs, write_atomic
+from infinigen_rt.policies.options import DEFAULTS, OPTS, check_value, flag
 
 
 def _ints(text: str, name: str) -> list[int]:
@@ -58,21 +60,24 @@ Context = Annotated[str, typer.Option(help="Context lengths (prompt tokens), com
 Gen = Annotated[int, typer.Option(help="Timed decode steps per point (after the warm-up).")]
 Warmup = Annotated[int, typer.Option(help="Untimed decode steps first.")]
 Policies = Annotated[str, typer.Option(help="Comma-separated: full, offload, infinigen, h2o, int4.")]
-Budget = Annotated[float, typer.Option(help="infinigen/h2o: share of the context fetched or kept.")]
-SpecKeys = Annotated[Optional[str], typer.Option(
-    help="infinigen: speculation keys, comma-separated (partial, int4, int2); several time one point each, side "
-         "by side with --interleave [default: the options' default].")]  # fmt: skip
-Correct = Annotated[Optional[str], typer.Option(
-    help="infinigen: the share of the budget the correction step fetches with the true query, comma-separated "
-         "(0: off); every key choice runs with each [default: the options' default].")]  # fmt: skip
-MaxKv = Annotated[Optional[int], typer.Option("--max-kv", help="infinigen: most rows fetched per head.")]
-Alpha = Annotated[
-    Optional[float], typer.Option(help="infinigen alpha (a margin) [none: the budget alone].")
-]
+# the KV options bench takes: their help and checks are the KV options' (policies/options.py); bench's budget
+# default is its own (0.1), and it sweeps the speculation keys and the correction share as lists
+Budget = Annotated[float, kv_option("budget")]
+
+
+def _list_help(name: str, what: str) -> str:
+    return f"{OPTS[name].help.rstrip('.')}, comma-separated; {what} [default: {DEFAULTS[name]}]."
+
+
+SpecKeys = Annotated[Optional[str], kv_option("spec_keys", help=_list_help(
+    "spec_keys", "several time one point each, side by side with --interleave"))]  # fmt: skip
+Correct = Annotated[Optional[str], kv_option("correct", help=_list_help("correct", "every key choice runs with each"))]
+MaxKv = Annotated[Optional[int], kv_option("max_kv")]
+Alpha = Annotated[Optional[float], kv_option("alpha")]
 Text = Annotated[
     Optional[Path], typer.Option(help="Prompt from this UTF-8 text (a bundle) [random tokens].")
 ]
-PrefillChunk = Annotated[Optional[int], typer.Option(help="Prefill in chunks of this many tokens per row.")]
+PrefillChunk = Annotated[Optional[int], kv_option("prefill_chunk")]
 Device = Annotated[str, typer.Option(help="auto, cpu, cuda.")]
 Dtype = Annotated[
     str, typer.Option(help="auto (fp16 synthetic on GPU, fp32 on CPU), float32, float16, bfloat16.")
@@ -145,8 +150,9 @@ def bench_cmd(
 
     from infinigen_rt.tp import check_tp_option, follower_env, launch
 
-    names, batches, contexts = _check(bundle, synthetic, policies, batch, context, gen, warmup, budget, probe, text,
-                                      tp)  # fmt: skip
+    names, batches, contexts = _check(bundle, synthetic, policies, batch, context, gen, warmup, probe, text, tp)
+    for name, value in (("budget", budget), ("max_kv", max_kv), ("alpha", alpha), ("prefill_chunk", prefill_chunk)):
+        check_value(name, value)
     variants = _variants(names, spec_keys, correct)
     check_outputs(out, plot_path)
     if rehearse:
@@ -244,8 +250,8 @@ def rehearse_table(points: list[dict]):
     return table
 
 
-def _check(bundle, synthetic, policies: str, batch: str, context: str, gen: int, warmup: int, budget: float, probe,
-           text, tp: int) -> tuple[list[str], list[int], list[int]]:  # fmt: skip
+def _check(bundle, synthetic, policies: str, batch: str, context: str, gen: int, warmup: int, probe, text,
+           tp: int) -> tuple[list[str], list[int], list[int]]:  # fmt: skip
     """One-line errors for arguments that cannot work, before anything loads: (policies, batches, contexts)."""
     from infinigen_rt.errors import InfinigenError
     from infinigen_rt.measure.synthetic import PRESETS
@@ -266,8 +272,6 @@ def _check(bundle, synthetic, policies: str, batch: str, context: str, gen: int,
     batches, contexts = _ints(batch, "--batch"), _ints(context, "--context")
     if gen < 1 or warmup < 0:
         raise InfinigenError(f"--gen must be >= 1 and --warmup >= 0, got {gen} and {warmup}")
-    if not 0 < budget <= 1:
-        raise InfinigenError(f"--budget must be in (0, 1], got {budget}")
     if probe is not None and probe < 1 << 16:
         raise InfinigenError(f"--probe must be at least 65536 bytes, got {probe}")
     if synthetic is not None and synthetic not in PRESETS:
@@ -284,15 +288,14 @@ def _variants(names: list[str], spec_keys: str | None, correct: str | None) -> l
     from infinigen_rt.errors import InfinigenError
     from infinigen_rt.measure.bench import Variant
     from infinigen_rt.policies import POLICIES
-    from infinigen_rt.policies.options import SPEC_KEYS
 
     keys = [k.strip() for k in spec_keys.split(",") if k.strip()] if spec_keys is not None else [None]
-    bad = [k for k in keys if k is not None and k not in SPEC_KEYS]
-    if bad or not keys:
-        raise InfinigenError(f"--spec-keys must be among {', '.join(SPEC_KEYS)}, got {spec_keys!r}")
     shares = [None] if correct is None else floats(correct, "--correct")
-    if not shares or any(c is not None and not 0 <= c < 1 for c in shares):
-        raise InfinigenError(f"--correct must be in [0, 1) (the share of the budget it fetches), got {correct!r}")
+    for name, given, values in (("spec_keys", spec_keys, keys), ("correct", correct, shares)):
+        if not values:
+            raise InfinigenError(f"{flag(name)} takes values separated by commas, got {given!r}")
+        for v in values:
+            check_value(name, v)
     out = []
     for n in names:
         spec = "spec_keys" in POLICIES[n].knobs

@@ -10,6 +10,7 @@ import typer
 from infinigen_rt.cli.console import console, err_console, print_json, results_table
 from infinigen_rt.cli.options import floats
 from infinigen_rt.files import check_outputs
+from infinigen_rt.policies.options import SPEC_KEYS, check_value
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -30,7 +31,7 @@ def eval_cmd(
     alphas: Annotated[Optional[str], typer.Option(
         help="Alphas (margins) for infinigen, inf = the budget alone \\[the budget alone].")] = None,  # fmt: skip
     spec_keys: Annotated[Optional[str], typer.Option(
-        help="infinigen's speculation keys: partial, int4, int2 \\[its default].")] = None,  # fmt: skip
+        help=f"infinigen's speculation keys: {', '.join(SPEC_KEYS)} \\[its default].")] = None,  # fmt: skip
     correct: Annotated[Optional[float], typer.Option(
         help="infinigen's correction step: the share of the budget it fetches \\[its default].")] = None,  # fmt: skip
     seq_len: Annotated[int, typer.Option(help="Tokens of the text used.")] = 2048,
@@ -75,8 +76,9 @@ def eval_cmd(
     if unknown:
         raise InfinigenError(f"unknown policy {unknown[0]!r}; available: {', '.join(POLICIES)}")
     budget_list, alpha_list = floats(budgets, "--budgets"), floats(alphas, "--alphas")
-    if any(not 0 < b <= 1 for b in budget_list):
-        raise InfinigenError(f"--budgets must be in (0, 1], got {budgets}")
+    for name, values, flag in (("budget", budget_list, "--budgets"), ("alpha", alpha_list, "--alphas")):
+        for v in values:
+            check_value(name, v, flag)  # each in the KV option's range (policies/options.py)
     if resume and out is None:
         raise InfinigenError("--resume reads the rows already in --out: pass --out FILE")
     if task not in ("perplexity", "needle"):

@@ -10,7 +10,18 @@ from typing import Annotated, Optional
 import typer
 
 from infinigen_rt.cli.console import console, err_console, print_json
-from infinigen_rt.cli.options import BundleArg, Device, Dtype, JsonOut, PolicyName, Revision, TPSize, Verify, kv_options
+from infinigen_rt.cli.options import (
+    BundleArg,
+    Device,
+    Dtype,
+    JsonOut,
+    PolicyName,
+    Revision,
+    TPSize,
+    Verify,
+    kv_option,
+    kv_options,
+)
 
 
 @kv_options
@@ -26,13 +37,8 @@ def generate(
     device: Device = "auto",
     dtype: Dtype = "auto",
     policy: PolicyName = "full",
-    prefill_chunk: Annotated[Optional[int], typer.Option(help="Prefill in chunks of this many tokens.")] = None,
-    trace_recall: Annotated[
-        bool,
-        typer.Option(
-            "--trace-recall", help="infinigen: measure the attention mass the fetched tokens hold (slow; diagnosis)."
-        ),
-    ] = False,
+    prefill_chunk: Annotated[Optional[int], kv_option("prefill_chunk")] = None,  # KV options generate declares
+    trace_recall: Annotated[bool, kv_option("trace_recall")] = False,  # (serve's --prefill-chunk is its own)
     chat: Annotated[
         bool, typer.Option("--chat", help="Wrap the prompt as a user message with the chat template.")
     ] = False,

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import typing
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
-from infinigen_rt.policies.options import KVOptions
+from infinigen_rt.policies.options import DEFAULTS, OPTS, TYPES, KVOptions
 
 BundleArg = Annotated[str, typer.Argument(help="Bundle folder, or a Hub repo id to pull.")]
 Revision = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) for a repo id.")]
@@ -21,29 +23,25 @@ TPSize = Annotated[
 ]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 PolicyName = Annotated[str, typer.Option("--policy", help="KV policy: full, offload, infinigen, h2o, int4.")]
-Alpha = Annotated[Optional[float], typer.Option(
-    help="infinigen: logit margin below each head's max (the paper's count rule) [none: the budget alone].")]
-MaxKV = Annotated[Optional[int], typer.Option("--max-kv", help="infinigen: most tokens fetched per head.")]
 
-# the KV options of a command that runs one policy: (name, annotation, default), in KVOptions' terms
-KV_PARAMS = (
-    ("alpha", Alpha, None),
-    ("budget", Annotated[float, typer.Option(help="infinigen: most tokens fetched per head, share of the context.")],
-     0.2),
-    ("max_kv", MaxKV, None),
-    ("capacity", Annotated[
-        Optional[float], typer.Option(help="Host pool tokens per (sequence, KV head): share <= 1 or count.")], None),
-    ("eviction", Annotated[str, typer.Option(help="Pool eviction: counter, lru, fifo.")], "counter"),
-    ("window", Annotated[int, typer.Option(help="Most recent positions never evicted.")], 16),
-    ("dense_layers", Annotated[
-        Optional[int], typer.Option(help="infinigen: first layers attending to everything (bundle default).")], None),
-    ("spec_keys", Annotated[str, typer.Option(
-        help="infinigen: what speculation scores on the device: partial (skewed columns), int4, int2 (every column).")],
-     KVOptions.spec_keys),
-    ("correct", Annotated[float, typer.Option(
-        help="infinigen: share of the budget a correction step fetches with the layer's true query (0 = off).")],
-     KVOptions.correct),
-)  # fmt: skip
+
+def kv_option(name: str, *flags: str, help: str | None = None):
+    """The typer.Option of the KV option `name`: its declared flag and help (policies/options.py), or a command's
+    own `help` for it; the brackets of a help text are text, not rich markup ("[none: the budget alone]")."""
+    flags = flags or ((OPTS[name].flag,) if OPTS[name].flag else ())
+    return typer.Option(*flags, help=escape(help or OPTS[name].help))
+
+
+def _optional(hint):
+    """Optional[float] for `float | None`, as the commands' own options spell it."""
+    args = typing.get_args(hint)
+    return Optional[args[0]] if type(None) in args else hint
+
+
+# the KV options of a command that runs one policy: (name, annotation, default), in KVOptions' terms, as
+# policies/options.py declares them (those marked cli)
+KV_PARAMS = tuple((name, Annotated[_optional(TYPES[name]), kv_option(name)], DEFAULTS[name])
+                  for name, o in OPTS.items() if o.cli)  # fmt: skip
 
 
 def kv_options(command):

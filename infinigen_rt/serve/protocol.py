@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from infinigen_rt.errors import InfinigenError
-from infinigen_rt.policies.options import SPEC_KEYS
+from infinigen_rt.policies.options import OPTS, TYPES
 from infinigen_rt.runner import MAX_LOGPROBS, Logprob, check_stops
 from infinigen_rt.tokenizer import check_text
 
@@ -43,22 +43,34 @@ def error_body(message: str, type: str = "invalid_request_error", param=None, co
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-class KVOverrides(BaseModel):
+def _kv_fields() -> dict[str, tuple]:
+    """The fields of the KV options a request may override, as policies/options.py declares them (those marked
+    request): each optional (None leaves the server's), with the declared range or choices."""
+    out = {}
+    for name, o in OPTS.items():
+        if o.request:
+            hint = Literal[o.choices] if o.choices is not None else TYPES[name]
+            out[name] = (hint | None, Field(None, **o.bounds()))
+    return out
+
+
+KV_REQUEST = tuple(name for name, o in OPTS.items() if o.request)  # the KV options a request may override
+_KVFields = create_model("_KVFields", __config__=ConfigDict(extra="forbid", strict=True), **_kv_fields())
+
+
+class KVOverrides(_KVFields):
     """The per-request `infinigen` object: KV options for this request's batch."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    alpha: float | None = Field(None, ge=0)
-    budget: float | None = Field(None, gt=0, le=1)
-    spec_keys: Literal[SPEC_KEYS] | None = None  # the request's sequences build their own speculation keys
-    correct: float | None = Field(None, ge=0, lt=1)
+    # first the KV options (_KVFields: alpha, budget, spec_keys, correct; the request's sequences build their own
+    # speculation keys); then
     # how the prompt's logprobs (echo with logprobs) are scored; not KV options (serve --score, --score-tail)
     score: Literal[SCORING] | None = None
     score_tail: int | None = Field(None, ge=1)
 
     def changes(self) -> dict[str, Any]:
         """The KV options this request overrides."""
-        scoring = ("score", "score_tail")
-        return {n: v for n in type(self).model_fields if n not in scoring and (v := getattr(self, n)) is not None}
+        return {n: v for n in KV_REQUEST if (v := getattr(self, n)) is not None}
 
 
 class StreamOptions(BaseModel):

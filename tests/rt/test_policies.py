@@ -431,3 +431,74 @@ def test_a_gpu_decode_step_reads_nothing_from_the_device(name, policy, capacity,
             tok = logits.argmax(-1)
     r = cache.report()
     assert r.bytes_h2d > 0 and (r.evictions > 0) == (capacity is not None)
+
+
+def test_the_kv_options_are_declared_once(tmp_path):
+    """generate's and serve's KV flags, a server request's `infinigen` fields and KVOptions agree: names, defaults,
+    help and ranges (values at and beside every bound, and the choices, taken or refused alike by KVOptions.check, by
+    the request's validation and by the command line), so no second declaration can drift from policies/options.py."""
+    from dataclasses import fields
+
+    import typer.main
+    from pydantic import ValidationError
+    from typer.testing import CliRunner
+
+    from infinigen_rt.cli import app
+    from infinigen_rt.errors import InfinigenError
+    from infinigen_rt.policies.options import DEFAULTS, OPTS, TYPES, flag
+    from infinigen_rt.serve.protocol import KV_REQUEST, KVOverrides
+
+    assert list(OPTS) == [f.name for f in fields(KVOptions)] and DEFAULTS == vars(KVOptions())
+    cli = [n for n, o in OPTS.items() if o.cli]
+    # the flags users have (dropping one, or adding one by mistake, is a change of the command line)
+    assert cli == ["alpha", "budget", "max_kv", "capacity", "eviction", "window", "dense_layers", "spec_keys",
+                   "correct"]  # fmt: skip
+    assert KV_REQUEST == ("alpha", "budget", "spec_keys", "correct")
+    commands = typer.main.get_command(app).commands
+    for cmd in ("generate", "serve"):
+        params = {p.name: p for p in commands[cmd].params}
+        for n in cli:
+            p = params[n]
+            assert p.opts == [flag(n)] and p.default == DEFAULTS[n], (cmd, n)
+            assert p.help.replace("\\[", "[") == OPTS[n].help, (cmd, n)  # escaped: rich markup
+    bench = {p.name: p for p in commands["bench"].params}  # bench's own default budget (0.1), the declared help
+    for n in ("alpha", "budget", "max_kv", "prefill_chunk"):
+        assert bench[n].help.replace("\\[", "[") == OPTS[n].help, n
+    schema = KVOverrides.model_json_schema()["properties"]
+    assert list(schema)[: len(KV_REQUEST)] == list(KV_REQUEST)
+    assert all(schema[n]["default"] is None for n in KV_REQUEST)  # None: the server's option
+
+    def by_check(name, value) -> bool:
+        try:
+            KVOptions(**{name: value}).check()
+            return True
+        except InfinigenError as e:
+            assert flag(name) in str(e) and "\n" not in str(e)
+            return False
+
+    def by_request(name, value) -> bool:
+        try:
+            return KVOverrides.model_validate({name: value}).changes() == {name: value}
+        except ValidationError:
+            return False
+
+    def by_command_line(name, value) -> bool:
+        """generate refuses a bad KV value before it looks for its bundle."""
+        r = CliRunner().invoke(app, ["generate", str(tmp_path / "nothing"), "hi", "--policy", "infinigen",
+                                     flag(name), str(value)])  # fmt: skip
+        assert isinstance(r.exception, InfinigenError), r.output
+        return flag(name) not in str(r.exception)
+
+    for name, o in OPTS.items():
+        if o.choices is not None:
+            values = [*o.choices, "nope"]
+        else:
+            step = 1 if TYPES[name] in (int, int | None) else 0.01
+            values = [b + d for b in o.bounds().values() for d in (-step, 0, step)]
+        for v in values:
+            want = by_check(name, v)
+            assert want == o.holds(v), (name, v)
+            if o.request:
+                assert by_request(name, v) == want, (name, v)
+            if o.cli:
+                assert by_command_line(name, v) == want, (name, v)
