@@ -1,12 +1,16 @@
 """How a speculated layer's rows move while the layer before it computes.
 
-`start(layer, fn, *args)` runs fn (the selection and the copy it starts) off the critical path; `result(layer)`
-returns fn's result once the layer may use it. Three ways, one interface:
-  Inline        fn runs at once (a CPU with one thread: nothing to overlap with)
-  WorkerThread  fn runs on this cache's own worker thread (a CPU with a core to spare: torch ops release the
+`start(layer, fn, *args, copy=None)` runs fn, then copy(fn's result) when given (the selection, then the copy of
+the rows it chose), off the critical path; `result(layer)` returns the last stage's result once the layer may use
+it. Three ways, one interface:
+  Inline        both run at once (a CPU with one thread: nothing to overlap with)
+  WorkerThread  both run on this cache's own worker thread (a CPU with a core to spare: torch ops release the
                 GIL, so layer j's selection and row gather run on the second core while layer j-1 computes)
-  SideStream    fn's kernels run on a CUDA side stream that first waits for the compute stream; the compute
-                stream waits for that layer's event only, when the layer takes its rows
+  SideStream    fn's kernels run on the compute stream and the copy's on a CUDA side stream that waits for them
+                (without a copy stage, fn runs there); the compute stream waits for that layer's event only, when
+                the layer takes its rows. The selection on the compute stream: the side stream carries only copies,
+                so layer j+1's copy never queues behind layer j+1's selection and the link stays busy (the
+                projected step at Llama-3.1-8B 32k: 1.33x its floor with both on the side stream)
 """
 
 from __future__ import annotations
@@ -19,14 +23,25 @@ import torch
 
 
 class Prefetch:
-    def __init__(self):
-        self.pending: dict[int, Any] = {}
+    side_stream = False  # its copies run on a CUDA side stream
 
-    def __contains__(self, layer: int) -> bool:
+    def __init__(self):
+        self.pending: dict[Any, Any] = {}  # key (a layer, or a lane's (lane, layer)) -> what start made
+
+    def __contains__(self, layer) -> bool:
         return layer in self.pending
 
-    def start(self, layer: int, fn, *args) -> None:
-        self.pending[layer] = fn(*args)
+    def lane(self) -> Lane:
+        """A cache's share of this prefetcher (one per runner: its caches' copies on one side stream or worker)."""
+        return Lane(self)
+
+    def drop(self, keys) -> None:
+        """Forget what was started under `keys` (a closed cache's)."""
+        for k in keys:
+            self.pending.pop(k, None)
+
+    def start(self, layer: int, fn, *args, copy=None) -> None:
+        self.pending[layer] = _staged(fn, args, copy)
 
     def result(self, layer: int):
         return self.pending.pop(layer)
@@ -46,12 +61,18 @@ class WorkerThread(Prefetch):
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinigen-prefetch")
         self._finalizer = weakref.finalize(self, self.pool.shutdown, wait=False)
 
-    def start(self, layer: int, fn, *args) -> None:
-        self.pending[layer] = self.pool.submit(fn, *args)
+    def start(self, layer: int, fn, *args, copy=None) -> None:
+        self.pending[layer] = self.pool.submit(_staged, fn, args, copy)
 
     def result(self, layer: int):
         out = self.pending.pop(layer)
         return out.result() if isinstance(out, Future) else out
+
+    def drop(self, keys) -> None:
+        for k in keys:
+            f = self.pending.pop(k, None)
+            if isinstance(f, Future):
+                f.cancel()
 
     def close(self) -> None:
         for f in self.pending.values():
@@ -63,15 +84,19 @@ class WorkerThread(Prefetch):
 class SideStream(Prefetch):
     """fn's kernels on a side stream; each layer's rows are ready when its event is, and no host sync waits."""
 
+    side_stream = True
+
     def __init__(self, device: torch.device):
         super().__init__()
         self.device, self.stream = device, torch.cuda.Stream(device)
 
-    def start(self, layer: int, fn, *args) -> None:
+    def start(self, layer: int, fn, *args, copy=None) -> None:
         compute = torch.cuda.current_stream(self.device)
+        if copy is not None:  # the first stage on the compute stream, the copy on the side stream
+            args, fn = (fn(*args),), copy
         self.stream.wait_stream(compute)  # fn reads what the compute stream wrote (its input, the pools)
-        for a in args:  # inputs made on the compute stream stay alive until the side stream is done with them
-            if isinstance(a, torch.Tensor) and a.is_cuda:
+        for a in _tensors(args):  # inputs made on the compute stream stay alive until the side stream is done with them
+            if a.is_cuda:
                 a.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
             out = fn(*args)
@@ -87,6 +112,35 @@ class SideStream(Prefetch):
             if t.is_cuda:
                 t.record_stream(compute)
         return out
+
+
+class Lane:
+    """One cache's layers on a shared prefetcher: the same interface, its keys its own, so that the caches of a
+    runner's requests (each starting layer j in the same step) share one side stream or worker thread."""
+
+    def __init__(self, base: Prefetch):
+        self.base, self.keys = base, set()
+        self.side_stream = base.side_stream
+
+    def __contains__(self, layer: int) -> bool:
+        return (self, layer) in self.base
+
+    def start(self, layer: int, fn, *args, copy=None) -> None:
+        self.keys.add((self, layer))
+        self.base.start((self, layer), fn, *args, copy=copy)
+
+    def result(self, layer: int):
+        self.keys.discard((self, layer))
+        return self.base.result((self, layer))
+
+    def close(self) -> None:
+        self.base.drop(self.keys)
+        self.keys.clear()
+
+
+def _staged(fn, args, copy):
+    out = fn(*args)
+    return out if copy is None else copy(out)
 
 
 def _tensors(obj):

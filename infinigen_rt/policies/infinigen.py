@@ -114,29 +114,29 @@ class InfinigenCache(OffloadCache):
         return super().configure(opts, engine)
 
     @classmethod
-    def build(cls, engine, opts, batch, max_len, pages=None):
-        tensors, defaults = engine.speculation
+    def build(cls, engine, opts, batch, max_len, pages=None, prefetch=None):
         return cls(
-            engine.cfg, batch, max_len, engine.device, engine.dtype, opts, engine.model, tensors, defaults, pages,
-            engine.tp,
+            engine.cfg, batch, max_len, engine.device, engine.dtype, opts, engine.speculator,
+            engine.speculation.defaults, pages, engine.tp, prefetch,
         )  # fmt: skip
 
     @classmethod
     def kv_bytes(cls, engine, opts, tokens, dtype_bytes):
         dense = opts.dense_layers
         cfg = engine.cfg
-        d_prime = next(t for k, t in engine.speculation.tensors.items() if k.endswith("partial_idx")).shape[-1]
+        d_prime = engine.speculator.d_prime
         device, host, read = cls.pool_bytes(engine, tokens, 2 * cfg.head_dim * dtype_bytes, dense)
         row = spec_key_bytes(opts.spec_keys, cfg.head_dim, d_prime, dtype_bytes)
         keys = tokens * row * len(speculated(cfg, dense))  # (`tokens`: token-heads) read every step
         return device + keys, host, read + keys
 
     def __init__(
-        self, cfg, batch, max_len, device, dtype, opts, model, tensors: dict, defaults: InfinigenDefaults, pages=None,
-        tp=None,
+        self, cfg, batch, max_len, device, dtype, opts, spec: Speculator, defaults: InfinigenDefaults, pages=None,
+        tp=None, prefetch=None,
     ):  # fmt: skip
-        """`tp`: one rank of a tensor-parallel group (cfg and tensors: its heads); the fetch count, a mean over every
-        query head, is all-reduced, and on a CPU speculation runs inline (collectives in one order on every rank)."""
+        """`spec`: the engine's Speculator (one per engine). `tp`: one rank of a tensor-parallel group (cfg and the
+        speculator: its heads); the fetch count, a mean over every query head, is all-reduced, and on a CPU
+        speculation runs inline (collectives in one order on every rank). `prefetch`: see KVCache.build."""
         dense = opts.dense_layers
         # the dense layers stay on the device
         super().__init__(cfg, batch, max_len, device, dtype, opts, resident=dense, pages=pages)
@@ -144,12 +144,12 @@ class InfinigenCache(OffloadCache):
         layers = speculated(cfg, dense)
         self.alphas = layer_alphas(opts, defaults, dense, cfg.num_hidden_layers, layers)
         self.dense_layers = dense
-        self.spec = Speculator(cfg, model.speculation_taps(), tensors, self.device, dtype)
+        self.spec = spec
         # the speculated layers' speculation keys (the skewed partial columns, or every column at a few bits), in
         # the pool's slots, on the device
         self.keys = spec_keys(opts.spec_keys, self.spec, layers, batch, max_len, self.device, dtype)
         self.tp = tp
-        self.prefetch = prefetcher(self.device, overlap=tp is None or self.device.type == "cuda")
+        self.prefetch = prefetch or prefetcher(self.device, overlap=tp is None or self.device.type == "cuda")
         self.sync_free = self.device.type == "cuda"  # no device read for the fetch size (see the docstring)
         self.layer_opts = layer_options(opts, defaults, dense, cfg.num_hidden_layers, layers)
         # with a correction step, speculation fetches 1 - correct of each layer's budget and the correction the rest
@@ -179,12 +179,11 @@ class InfinigenCache(OffloadCache):
         j = layer + 1
         if not self.decoding or j < self.dense_layers or j >= self.cfg.num_hidden_layers or self.pools[j] is None:
             return
-        self.prefetch.start(j, self.speculate, j, x)  # while layer j-1 computes
+        self.prefetch.start(j, self.speculate, j, x, copy=self.copy_selected)  # while layer j-1 computes
 
     @torch.inference_mode()
-    def speculate(self, j: int, x: torch.Tensor) -> tuple:
-        """Choose layer j's rows from layer j-1's normalised input x and copy them: (selection, keys, values),
-        each [B, Hkv, n + 1, D] with the last row for the new token."""
+    def speculate(self, j: int, x: torch.Tensor) -> tuple[int, Selection]:
+        """Choose layer j's rows from layer j-1's normalised input x: (j, the selection)."""
         q = self.spec.query(j, x, self.cos_sin, self.opts.renorm, self.keys.full)  # [B, Hkv, G, d' or D], scaled
         pool = self.pools[j]
         t = pool.fill
@@ -195,8 +194,15 @@ class InfinigenCache(OffloadCache):
             held = pos >= 0
         opts = self.spec_opts[j]
         width = fetch_width(int(pool.n_held.max()), t, opts, BUCKET) if self.sync_free else None
-        sel = select(self.keys.scores(j, q, t), self.alphas[j], opts, held, pos, width, self.tp)
-        k, v = pool.gather(sel.slots, None if sel.every else sel.ok, extra=1, out=self.rows and self.rows[j % 2])
+        return j, select(self.keys.scores(j, q, t), self.alphas[j], opts, held, pos, width, self.tp)
+
+    @torch.inference_mode()
+    def copy_selected(self, chosen: tuple[int, Selection]) -> tuple:
+        """Copy the chosen rows of layer j: (selection, keys, values), each [B, Hkv, n + 1, D] with the last row for
+        the new token."""
+        j, sel = chosen
+        k, v = self.pools[j].gather(sel.slots, None if sel.every else sel.ok, extra=1,
+                                    out=self.rows and self.rows[j % 2])  # fmt: skip
         return sel, k, v
 
     def fetch(self, layer: int, extra: int = 0, q: torch.Tensor | None = None):
