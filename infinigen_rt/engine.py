@@ -1,5 +1,6 @@
 """The engine: a bundle loaded once for a device and dtype, frozen after load. It holds what every request shares
-(config, model, tokenizer, device, dtype, tensor-parallel group, the InfiniGen tensors on the device) and runs
+(config, model, tokenizer, device, dtype, tensor-parallel group, the InfiniGen tensors and the Speculator built from
+them, on the device) and runs
 nothing itself: a request's KV policy is a `policies.Policy` made against it, the model runs in step.py, and
 requests run through runner.py."""
 
@@ -41,6 +42,7 @@ class Engine:
         self.dense_layers = bundle.dense_layers
         self.tokenizer = Tokenizer(bundle)
         self.model = load_model(bundle, self.device, self.dtype, tp)
+        self.speculator = self._speculator()
 
     @classmethod
     def from_model(
@@ -57,7 +59,16 @@ class Engine:
                                       speculation.defaults)  # fmt: skip
         self.speculation = speculation
         self.dense_layers = speculation.defaults.dense_layers if speculation else DENSE_LAYERS
+        self.speculator = self._speculator()
         return self
+
+    def _speculator(self):
+        """The speculation pieces every request's InfiniGen cache uses (policies/speculation.py), built once."""
+        if self.speculation is None:
+            return None
+        from infinigen_rt.policies.speculation import Speculator
+
+        return Speculator(self.cfg, self.model.speculation_taps(), self.speculation.tensors, self.device, self.dtype)
 
     def require_speculation(self) -> None:
         """A one-line error when the bundle has no InfiniGen tensors (a speculating policy needs them)."""

@@ -39,6 +39,7 @@ import torch
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.kv.cache import KVReport, Rows, merge_reports
 from infinigen_rt.kv.paged import PagedStore
+from infinigen_rt.kv.prefetch import prefetcher
 from infinigen_rt.policies import Policy
 from infinigen_rt.sampling import SamplingParams, sample, sample_rows
 from infinigen_rt.step import decode_step, prefill
@@ -174,6 +175,9 @@ class Runner:
         self.engine, self.policy, self.max_batch, self.prefill_chunk = engine, policy, max_batch, prefill_chunk
         self.max_positions = max_positions or engine.cfg.max_position_embeddings
         self.store = None if kv_tokens is None else PagedStore(kv_tokens // BLOCK_TOKENS, BLOCK_TOKENS, engine.device)
+        # one side stream (a GPU) or worker thread (a CPU with a core to spare) for every request's row copies: the
+        # caches take lanes of it (on a CPU under tensor parallelism speculation runs inline: collectives in order)
+        self.prefetch = prefetcher(engine.device, overlap=engine.tp is None or engine.device.type == "cuda")
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []  # admitted: prefilling (done < prompt) or decoding, in arrival order
         self.ids = itertools.count()
@@ -278,7 +282,8 @@ class Runner:
             self.waiting.popleft()
             pages = None if self.store is None else self.store.pages(seq.id, seq.need)
             try:
-                seq.cache = seq.policy.build(self.engine, 1, len(seq.req.prompt_ids) + seq.req.max_new_tokens, pages)
+                seq.cache = seq.policy.build(self.engine, 1, len(seq.req.prompt_ids) + seq.req.max_new_tokens, pages,
+                                             self.prefetch.lane())  # fmt: skip
             except Exception:
                 seq.reason = "error"
                 self._free(seq)

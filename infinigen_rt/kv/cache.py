@@ -62,10 +62,11 @@ class KVCache:
         return Policy(cls, opts)
 
     @classmethod
-    def build(cls, engine, opts, batch: int, max_len: int, pages=None) -> KVCache:
+    def build(cls, engine, opts, batch: int, max_len: int, pages=None, prefetch=None) -> KVCache:
         """The cache for a batch of `batch` sequences of up to `max_len` tokens under `opts` (a configured policy's
         options). `pages` (blocks.Pages, one sequence): where a host pool keeps its rows in a paged pool's shared
-        buffers (policies whose KV stays on the device ignore it)."""
+        buffers (policies whose KV stays on the device ignore it). `prefetch` (prefetch.Lane): the runner's side
+        stream or worker thread, shared by its requests' caches (None: a cache that moves rows makes its own)."""
         raise NotImplementedError
 
     @classmethod
@@ -131,12 +132,12 @@ class Policy:
     def name(self) -> str:
         return self.cls.name
 
-    def build(self, engine, batch: int, max_len: int, pages=None) -> KVCache:
+    def build(self, engine, batch: int, max_len: int, pages=None, prefetch=None) -> KVCache:
         """The cache the model talks to: the policy's, behind a Hybrid with the sliding layers' rings on the device
         when the model has sliding-window layers (window.py)."""
         from infinigen_rt.kv.window import windowed
 
-        cache = self.cls.build(engine, self.opts, batch, max_len, pages)
+        cache = self.cls.build(engine, self.opts, batch, max_len, pages, prefetch)
         return windowed(engine.cfg, cache, batch, max_len, engine.device, engine.dtype)
 
     def pool_slots(self, prompt: int, new: int, chunk: int) -> int:

@@ -15,7 +15,7 @@ class DenseCache(KVCache):
     name = "full"
 
     @classmethod
-    def build(cls, engine, opts, batch, max_len, pages=None):
+    def build(cls, engine, opts, batch, max_len, pages=None, prefetch=None):
         return cls(engine.cfg, batch, max_len, engine.device, engine.dtype)
 
     @classmethod

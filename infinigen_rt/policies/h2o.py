@@ -26,7 +26,7 @@ class H2OCache(DenseCache):
     scores = True  # its attention builds the scores over the context
 
     @classmethod
-    def build(cls, engine, opts, batch, max_len, pages=None):
+    def build(cls, engine, opts, batch, max_len, pages=None, prefetch=None):
         return cls(engine.cfg, batch, max_len, engine.device, engine.dtype, opts)
 
     @classmethod

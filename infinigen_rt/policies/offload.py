@@ -14,7 +14,7 @@ import torch
 from infinigen_rt.config import ModelConfig
 from infinigen_rt.kv.cache import KVCache, KVReport, causal_mask
 from infinigen_rt.kv.pool import KVPool
-from infinigen_rt.kv.prefetch import SideStream, prefetcher
+from infinigen_rt.kv.prefetch import prefetcher
 from infinigen_rt.policies.full import DenseCache
 from infinigen_rt.policies.options import KVOptions
 
@@ -79,8 +79,8 @@ class OffloadCache(KVCache):
     layer_copy = True  # a decode step fetches whole layers (on a GPU: one block per tensor, one layer ahead)
 
     @classmethod
-    def build(cls, engine, opts, batch, max_len, pages=None):
-        return cls(engine.cfg, batch, max_len, engine.device, engine.dtype, opts, pages=pages)
+    def build(cls, engine, opts, batch, max_len, pages=None, prefetch=None):
+        return cls(engine.cfg, batch, max_len, engine.device, engine.dtype, opts, pages=pages, prefetch=prefetch)
 
     @classmethod
     def kv_bytes(cls, engine, opts, tokens, dtype_bytes):
@@ -116,9 +116,10 @@ class OffloadCache(KVCache):
 
     def __init__(
         self, cfg: ModelConfig, batch: int, max_len: int, device, dtype, opts: KVOptions, resident: int = 0, pages=None,
+        prefetch=None,
     ):  # fmt: skip
         """`resident`: the first layers keep their KV on the device (a DenseCache), outside the pool. `pages`: the
-        pools' rows live in a paged pool's shared buffers (see KVCache.build)."""
+        pools' rows live in a paged pool's shared buffers; `prefetch`: the runner's (see KVCache.build)."""
         self.cfg, self.device, self.opts, self.dtype = cfg, torch.device(device), opts, dtype
         self.resident = DenseCache(cfg, batch, max_len, self.device, dtype, layers=resident) if resident else None
         self.n_resident = resident
@@ -137,11 +138,11 @@ class OffloadCache(KVCache):
             self.stats.row_bytes[i] = pool.row_bytes if pool is not None else 0
         self.step = 0
         self.padded = False  # some slot holds padding (decode steps bring none: see KVCache.begin)
-        self.prefetch = prefetcher(self.device, overlap=False)
+        self.prefetch = prefetch or prefetcher(self.device, overlap=False)
         # on a GPU a decode step moves layer i+1 on the side stream while layer i computes: a pool of its own as one
         # block per tensor; a paged pool's layer is a block per 16 tokens, so there the gather kernel reads its rows
         # (one launch per layer)
-        self.ahead = self.layer_copy and isinstance(self.prefetch, SideStream) and type(self).pool_class is KVPool
+        self.ahead = self.layer_copy and self.prefetch.side_stream and type(self).pool_class is KVPool
         self.paged = pages is not None
         self.block_copy = self.ahead and not self.paged
         # the layers land in two device buffers used in turn (layer i reads one while layer i+1's copy fills the

@@ -35,7 +35,7 @@ class OracleCache(DenseCache):
         return super().configure(replace(opts, dense_layers=opts.dense_layers or engine.dense_layers), engine)
 
     @classmethod
-    def build(cls, engine, opts, batch, max_len, pages=None):
+    def build(cls, engine, opts, batch, max_len, pages=None, prefetch=None):
         return cls(engine.cfg, batch, max_len, engine.device, engine.dtype, opts, opts.dense_layers)
 
     def __init__(self, cfg, batch, max_len, device, dtype, opts: KVOptions, dense_layers: int):
