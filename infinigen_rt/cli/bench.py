@@ -244,6 +244,9 @@ def rehearse_table(points: list[dict]):
                           ["policy", "batch", "context", "launches", "ms", "issue ms", "floor ms", "x floor",
                            "PCIe"])  # fmt: skip
     for p in points:
+        if p["status"] != "ok":
+            table.add_row(point_label(p), str(p["batch"]), str(p["context"]), f"[yellow]{p['status']}[/]")
+            continue
         table.add_row(point_label(p), str(p["batch"]), str(p["context"]), f"{p['launches']:,}",
                       f"{p['projected_ms']:.1f}", f"{p['issue_ms']:.1f}", f"{p['floor_ms']:.1f}",
                       f"{p['over_floor']:.2f}", human_bytes(p["pcie_bytes"]))  # fmt: skip

@@ -26,16 +26,18 @@ class Projected:
     context: int
     spec_keys: str | None
     correct: float | None
-    launches: int
-    projected_ms: float
-    issue_ms: float  # the host's time issuing the launches (within projected_ms)
-    floor_ms: float
-    over_floor: float
-    hbm_bytes: int
-    pcie_bytes: int
-    syncs: int
-    streams: int
     hardware: str
+    status: str = "ok"  # or oom-device: the point does not fit the device (fake CUDA's capacity, 80 GiB)
+    launches: int | None = None
+    projected_ms: float | None = None
+    issue_ms: float | None = None  # the host's time issuing the launches (within projected_ms)
+    floor_ms: float | None = None
+    over_floor: float | None = None
+    hbm_bytes: int | None = None
+    pcie_bytes: int | None = None
+    syncs: int | None = None
+    streams: int | None = None
+    error: str | None = None
 
 
 def rehearse(preset: str, dtype: torch.dtype, variants: list, batch: int, context: int, *, budget: float = 0.1,
@@ -60,23 +62,29 @@ def rehearse(preset: str, dtype: torch.dtype, variants: list, batch: int, contex
         opts = KVOptions(alpha=alpha, budget=budget, max_kv=max_kv, prefill_chunk=context)
         for v in variants:
             policy = configure(engine, v.policy, replace(opts, **v.changes()))
+            spec = "spec_keys" in policy.cls.knobs
+            point = Projected(f"synthetic:{preset}", v.policy, batch, context, policy.opts.spec_keys if spec else None,
+                              policy.opts.correct if spec else None, hw.name)  # fmt: skip
+            out.append(point)
             prompts = [[3 + i] * context for i in range(batch)]
-            runner, _ = start_runner(engine, policy, prompts, NEW_TOKENS, warmup=3)
             try:
-                with gpu.recording() as ops:
-                    runner.step()
-            finally:
-                runner.close()
-                del runner
+                runner, _ = start_runner(engine, policy, prompts, NEW_TOKENS, warmup=3)
+                try:
+                    with gpu.recording() as ops:
+                        runner.step()
+                finally:
+                    runner.close()
+                    del runner
+            except torch.OutOfMemoryError as e:
+                point.status, point.error = "oom-device", str(e).split(". ")[0]
+                continue
             p = project(ops, hw)
             floor = floor_seconds(engine, policy, batch, context, p.pcie_bytes, bw)
-            spec = "spec_keys" in policy.cls.knobs
-            out.append(Projected(
-                f"synthetic:{preset}", v.policy, batch, context, policy.opts.spec_keys if spec else None,
-                policy.opts.correct if spec else None, p.launches, round(1000 * p.seconds, 3),
-                round(1000 * p.issue_s, 3), round(1000 * floor, 3), round(p.seconds / floor, 3), p.hbm_bytes,
-                p.pcie_bytes, p.syncs, p.streams, hw.name,
-            ))  # fmt: skip
+            point.launches, point.projected_ms, point.issue_ms = p.launches, round(1000 * p.seconds, 3), round(
+                1000 * p.issue_s, 3)  # fmt: skip
+            point.floor_ms, point.over_floor = round(1000 * floor, 3), round(p.seconds / floor, 3)
+            point.hbm_bytes, point.pcie_bytes = p.hbm_bytes, p.pcie_bytes
+            point.syncs, point.streams = p.syncs, p.streams
         del engine
     return out
 
