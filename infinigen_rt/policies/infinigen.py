@@ -264,7 +264,8 @@ class InfinigenCache(OffloadCache):
         if sel is None:  # not a speculated fetch
             return
         pool = self.pools[layer]
-        pool.mark_selected(slots, None if sel.every else ok, self.step)
+        if self.opts.capacity is not None and self.opts.eviction != "fifo":  # what counter and lru evict by
+            pool.mark_selected(slots, None if sel.every else ok, self.step)
         stats.fetched.setdefault(layer, []).append(ok.numel() if sel.every else ok.sum())
         stats.held[layer] = stats.held.get(layer, 0) + int(pool.n_held.sum())
         stats.per_row.append(sel.per_row)
