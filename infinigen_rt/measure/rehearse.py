@@ -16,6 +16,7 @@ from infinigen_rt.errors import InfinigenError
 from infinigen_rt.measure.projection import H100, Hardware, project
 
 NEW_TOKENS = 6  # what each request asks for: its prefill's token, two warm-up steps, the recorded one, spare
+PREFILL_CHUNK = 4096
 
 
 @dataclass
@@ -59,7 +60,9 @@ def rehearse(preset: str, dtype: torch.dtype, variants: list, batch: int, contex
         engine = synthetic_engine(preset, torch.device("cuda"), dtype, seed)
         cfg = engine.cfg
         cfg.max_position_embeddings = max(cfg.max_position_embeddings, context + NEW_TOKENS)
-        opts = KVOptions(alpha=alpha, budget=budget, max_kv=max_kv, prefill_chunk=context)
+        # prompts in chunks of PREFILL_CHUNK (the decode step is the same; h2o's score matrix of a whole 32k prompt
+        # would not fit)
+        opts = KVOptions(alpha=alpha, budget=budget, max_kv=max_kv, prefill_chunk=min(context, PREFILL_CHUNK))
         for v in variants:
             policy = configure(engine, v.policy, replace(opts, **v.changes()))
             spec = "spec_keys" in policy.cls.knobs
