@@ -151,6 +151,12 @@ class Policy:
         return self.cls.configure(replace(self.opts, **changes), engine)
 
 
+def kv_layers(cfg) -> list[int]:
+    """The layers whose KV a policy holds: every layer but the sliding-window ones, whose rings `Policy.build` puts
+    beside the policy's cache (window.py), whatever the policy. No policy needs to know about them."""
+    return cfg.global_layers
+
+
 def causal_mask(valid: torch.Tensor, start: int) -> torch.Tensor:
     """valid: [B, T] bool over all slots; queries are slots start..T-1. Returns [B, 1, S, T] bool.
 

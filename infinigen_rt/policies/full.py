@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from infinigen_rt.config import ModelConfig
-from infinigen_rt.kv.cache import KVCache, KVReport, causal_mask
+from infinigen_rt.kv.cache import KVCache, KVReport, causal_mask, kv_layers
 
 
 class DenseCache(KVCache):
@@ -20,19 +20,20 @@ class DenseCache(KVCache):
 
     @classmethod
     def kv_bytes(cls, engine, opts, tokens, dtype_bytes):
-        kv = tokens * 2 * engine.cfg.head_dim * dtype_bytes * len(engine.cfg.global_layers)
+        kv = tokens * 2 * engine.cfg.head_dim * dtype_bytes * len(kv_layers(engine.cfg))
         return kv, 0, kv
 
     def report(self) -> KVReport:
         return KVReport(kv_fetched_share=1.0, kv_attended_share=1.0)
 
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype, layers: int | None = None):
-        """`layers`: buffers for the first `layers` layers only (the others live elsewhere). None for a sliding-window
-        layer: its KV lives in the window ring (kv/window.py)."""
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype, layers: list[int] | None = None):
+        """`layers`: the layers it holds buffers for (None: every layer a policy holds, `kv_layers`); the others'
+        KV lives elsewhere."""
         shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        n = cfg.num_hidden_layers if layers is None else layers
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) if cfg.window(i) is None else None for i in range(n)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) if cfg.window(i) is None else None for i in range(n)]
+        held = set(kv_layers(cfg) if layers is None else layers)
+        n = cfg.num_hidden_layers
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) if i in held else None for i in range(n)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) if i in held else None for i in range(n)]
         self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)  # real (non-pad) slots
         self.max_len = max_len
         self.length = 0  # slots filled, the same for every sequence (left padding aligns the ends)

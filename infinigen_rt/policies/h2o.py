@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from infinigen_rt.kv.cache import KVReport
+from infinigen_rt.kv.cache import KVReport, kv_layers
 from infinigen_rt.policies.full import DenseCache
 from infinigen_rt.policies.options import KVOptions
 
@@ -32,13 +32,13 @@ class H2OCache(DenseCache):
     @classmethod
     def kv_bytes(cls, engine, opts, tokens, dtype_bytes):
         kv, _, read = super().kv_bytes(engine, opts, tokens, dtype_bytes)
-        state = tokens * 5 * len(engine.cfg.global_layers)  # alive flags and accumulated scores (fp32)
+        state = tokens * 5 * len(kv_layers(engine.cfg))  # alive flags and accumulated scores (fp32)
         return kv + state, 0, read
 
     def __init__(self, cfg, batch, max_len, device, dtype, opts: KVOptions):
         super().__init__(cfg, batch, max_len, device, dtype)
         shape = (batch, cfg.num_key_value_heads, max_len)
-        layers = cfg.global_layers  # (sliding layers keep their window: kv/window.py)
+        layers = kv_layers(cfg)
         self.alive = {i: torch.zeros(shape, dtype=torch.bool, device=device) for i in layers}
         self.score = {i: torch.zeros(shape, dtype=torch.float32, device=device) for i in layers}
         self.group = cfg.num_attention_heads // cfg.num_key_value_heads

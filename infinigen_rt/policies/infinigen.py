@@ -25,7 +25,7 @@ import torch
 
 from infinigen_rt.bundle import InfinigenDefaults
 from infinigen_rt.errors import InfinigenError
-from infinigen_rt.kv.cache import KVReport
+from infinigen_rt.kv.cache import KVReport, kv_layers
 from infinigen_rt.kv.prefetch import prefetcher
 from infinigen_rt.policies.offload import POOL_KNOBS, OffloadCache, device_pairs
 from infinigen_rt.policies.options import KVOptions
@@ -87,9 +87,8 @@ def layer_alphas(
 
 
 def speculated(cfg, dense: int) -> list[int]:
-    """The layers InfiniGen speculates: past the dense ones, those that attend to the whole context (a sliding
-    layer keeps its window on the device: kv/window.py)."""
-    return [j for j in cfg.global_layers if j >= dense]
+    """The layers InfiniGen speculates: the layers it holds (kv_layers) past the dense ones."""
+    return [j for j in kv_layers(cfg) if j >= dense]
 
 
 class InfinigenCache(OffloadCache):
@@ -292,7 +291,7 @@ class InfinigenCache(OffloadCache):
         stats, r = self.stats, super().report()  # (which settles every device count, in one read)
         fetched = {j: stats.fetched_rows(j) for j in stats.fetched}
         share = sum(fetched.values()) / sum(stats.held.values()) if stats.held else None
-        # the dense and the sliding layers attend all they hold
+        # the other layers (dense, or not the policy's) attend all they hold
         dense = 1 - len(speculated(self.cfg, self.dense_layers)) / self.cfg.num_hidden_layers
         r.kv_fetched_share = None if share is None else round(share, 6)
         r.share_rows = sum(stats.held.values()) if stats.held else None
@@ -300,7 +299,7 @@ class InfinigenCache(OffloadCache):
             stats.settle()
             r.kv_corrected_share = round(sum(stats.corrected) / sum(stats.held.values()), 6)
         r.kv_attended_share = None if share is None else round(dense + (1 - dense) * share, 6)
-        if dense == 1:  # nothing to speculate (every layer slides)
+        if dense == 1:  # nothing to speculate (no layer past the dense ones is the policy's)
             r.kv_attended_share = 1.0
         n = stats.per_row_n
         r.tokens_per_head_mean = round(stats.per_row_sum / n, 3) if n else None

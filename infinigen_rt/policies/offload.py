@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from infinigen_rt.config import ModelConfig
-from infinigen_rt.kv.cache import KVCache, KVReport, causal_mask
+from infinigen_rt.kv.cache import KVCache, KVReport, causal_mask, kv_layers
 from infinigen_rt.kv.pool import KVPool
 from infinigen_rt.kv.prefetch import prefetcher
 from infinigen_rt.policies.full import DenseCache
@@ -109,9 +109,9 @@ class OffloadCache(KVCache):
         layer's fetched rows twice over (the layer computing and the next one arriving); resident layers' KV on
         the device, read every step."""
         cfg = engine.cfg
-        pooled = len([i for i in cfg.global_layers if i >= resident])
+        pooled = len([i for i in kv_layers(cfg) if i >= resident])
         kv_row = 2 * cfg.head_dim * engine.dtype.itemsize
-        dense = tokens * kv_row * len([i for i in cfg.global_layers if i < resident])
+        dense = tokens * kv_row * len([i for i in kv_layers(cfg) if i < resident])
         return 2 * tokens * kv_row + tokens * 12 * pooled + dense, tokens * row * pooled, dense
 
     def __init__(
@@ -121,11 +121,13 @@ class OffloadCache(KVCache):
         """`resident`: the first layers keep their KV on the device (a DenseCache), outside the pool. `pages`: the
         pools' rows live in a paged pool's shared buffers; `prefetch`: the runner's (see KVCache.build)."""
         self.cfg, self.device, self.opts, self.dtype = cfg, torch.device(device), opts, dtype
-        self.resident = DenseCache(cfg, batch, max_len, self.device, dtype, layers=resident) if resident else None
+        held = kv_layers(cfg)
+        self.resident = DenseCache(cfg, batch, max_len, self.device, dtype, [i for i in held if i < resident]) \
+            if resident else None  # fmt: skip
         self.n_resident = resident
         slots = max_len if pages is None else min(max_len, len(pages.slots))  # pages: the reservation (pool_slots)
         self.pools = [
-            None if i < resident or cfg.window(i) is not None else self.pool_class(
+            None if i < resident or i not in held else self.pool_class(
                 batch, cfg.num_key_value_heads, cfg.head_dim, slots, dtype, self.device, opts.eviction, opts.window,
                 pages, i,
             )

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import torch
 
-from infinigen_rt.kv.cache import KVReport
+from infinigen_rt.kv.cache import KVReport, kv_layers
 from infinigen_rt.policies.full import DenseCache
 from infinigen_rt.policies.options import KVOptions
 
@@ -83,8 +83,8 @@ class OracleCache(DenseCache):
 
     def report(self) -> KVReport:
         share = round(self.kept / self.possible, 6) if self.possible else None
-        # the dense and the sliding layers attend all they hold
-        dense = 1 - sum(1 for j in self.cfg.global_layers if j >= self.dense_layers) / self.cfg.num_hidden_layers
+        # the other layers (dense, or not the policy's) attend all they hold
+        dense = 1 - sum(1 for j in kv_layers(self.cfg) if j >= self.dense_layers) / self.cfg.num_hidden_layers
         return KVReport(
             kv_fetched_share=share,
             kv_attended_share=None if share is None else round(dense + (1 - dense) * share, 6),

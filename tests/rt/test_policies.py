@@ -90,7 +90,8 @@ def test_infinigen_moves_only_the_fetched_rows(bundles):
     spec_rows = (cfg.num_hidden_layers - dense) * cfg.num_key_value_heads * steps  # a row per step for the new token
     report = cache.report()
     assert report.bytes_h2d == (fetched + spec_rows) * row  # dense layers' KV stays on the device
-    assert cache.pools[:dense] == [None] * dense and len(cache.resident.k) == dense
+    assert cache.pools[:dense] == [None] * dense
+    assert [i for i, t in enumerate(cache.resident.k) if t is not None] == list(range(dense))
     assert 0 < report.kv_fetched_share <= 0.3 + 1e-9
     per = report.per_layer
     assert sum(per["bytes_h2d"]) == report.bytes_h2d and len(per["bytes_h2d"]) == cfg.num_hidden_layers
@@ -100,8 +101,9 @@ def test_infinigen_moves_only_the_fetched_rows(bundles):
 
 def test_per_sequence_selection(bundles):
     """Rows of one batch with different texts select different tokens (no sinks or recent tokens forced: a count
-    this small would be theirs alone, the same slots in every row)."""
-    kv = KVOptions(alpha=0.5, budget=0.25, sinks=0, recent=0)
+    this small would be theirs alone, the same slots in every row). A capacity of every token (nothing evicted)
+    makes the pools count selections (`hits`: what the counter eviction reads)."""
+    kv = KVOptions(alpha=0.5, budget=0.25, sinks=0, recent=0, capacity=1.0)
     e, pol = engines(bundles["tied_hd64"], ig=("infinigen", kv))["ig"]
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(4, e.cfg.vocab_size, (40,), generator=g).tolist() for _ in range(2)]
@@ -115,7 +117,8 @@ def test_per_sequence_selection(bundles):
 def test_a_row_selects_the_same_alone_and_left_padded(name, bundles):
     """Alone, a row's held slots are a host-known prefix (no masks); left-padded beside a longer row, speculation
     masks the padding and fetches per row: the same tokens get selected, the same logits come out."""
-    e, pol = engines(bundles[name], ig=("infinigen", KVOptions(alpha=math.inf, budget=0.3)))["ig"]  # n > sinks + recent
+    # n > sinks + recent; a capacity of every token (nothing evicted) makes the pools count selections (`hits`)
+    e, pol = engines(bundles[name], ig=("infinigen", KVOptions(alpha=math.inf, budget=0.3, capacity=1.0)))["ig"]
     g = torch.Generator().manual_seed(5)
     short, long = (torch.randint(4, e.cfg.vocab_size, (n,), generator=g).tolist() for n in (60, 71))
     alone_logits, _, alone = greedy_logits(e, pol, [short], 5)
@@ -133,7 +136,7 @@ def test_speculating_on_a_worker_thread_changes_nothing(batch, bundles):
     """On a CPU with two threads, speculation and the row gather run on a worker while the layer before computes;
     the tokens chosen, the logits and the bytes counted are those of the same work done inline. Batch 1 takes
     the unmasked in-order path; batch 2 (left padding, a capacity that evicts) the masked one."""
-    kv = KVOptions(alpha=1.0, budget=0.3, capacity=0.6 if batch == 2 else None)
+    kv = KVOptions(alpha=1.0, budget=0.3, capacity=0.6 if batch == 2 else 1.0)  # (1.0: all kept, selections counted)
     e, pol = engines(bundles["llama31_gqa"], ig=("infinigen", kv))["ig"]
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(4, e.cfg.vocab_size, (n,), generator=g).tolist() for n in (50, 37)[:batch]]
@@ -359,7 +362,7 @@ def test_the_gpu_step_chooses_and_computes_what_the_cpu_step_does(batch, paged, 
     """Same selections (hits), tokens and logits; bytes counted from the rows the kernel read (those that count).
     Batch 2 has left padding and a capacity that evicts (the masked path); `paged`: the GPU step's rows live in a
     paged pool's shared buffers, through a scattered block table, the CPU step's in buffers of its own."""
-    kv = KVOptions(alpha=1.0, budget=0.3, capacity=0.6 if batch == 2 else None)
+    kv = KVOptions(alpha=1.0, budget=0.3, capacity=0.6 if batch == 2 else 1.0)  # (1.0: all kept, selections counted)
     e, pol = engines(bundles["llama31_gqa"], ig=("infinigen", kv))["ig"]
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(4, e.cfg.vocab_size, (n,), generator=g).tolist() for n in (50, 37)[:batch]]
