@@ -295,6 +295,10 @@ def test_published_numbers_are_the_results_json():
         long = json.loads((RESULTS / f"accuracy-gemma3-alice-{n}.json").read_text())
         assert tables.accuracy(long) in accuracy, f"docs/accuracy.md: Gemma 3's {n}-token table is not tables.py's"
     assert tables.needle(json.loads((RESULTS / "needle-gemma3.json").read_text())) in accuracy, "Gemma 3's needles"
+    projected = [json.loads((RESULTS / f"projected-h100-llama31-8b-32k{s}.json").read_text()) for s in ("-before", "")]
+    assert tables.projected(*projected) in performance, "docs/performance.md: the projected table is not tables.py's"
+    batch = [json.loads((RESULTS / f"bench-cpu-batch-smollm2{s}.json").read_text()) for s in ("-before", "")]
+    assert tables.batch_ratios(*batch) in performance, "docs/performance.md: the CPU batch table is not tables.py's"
 
     med = {w: statistics.median(r["ms_per_step"] for r in peer["rows"] if r["peer"] == w) for w in
            ("infinigen-rt full", "transformers")}  # fmt: skip
