@@ -4,13 +4,14 @@
 the rows it chose), off the critical path; `result(layer)` returns the last stage's result once the layer may use
 it. Three ways, one interface:
   Inline        both run at once (a CPU with one thread: nothing to overlap with)
-  WorkerThread  both run on this cache's own worker thread (a CPU with a core to spare: torch ops release the
-                GIL, so layer j's selection and row gather run on the second core while layer j-1 computes)
+  WorkerThread  both run on a worker thread (a CPU with a core to spare: torch ops release the GIL, so layer j's
+                selection and row gather run on the second core while layer j-1 computes)
   SideStream    fn's kernels run on the compute stream and the copy's on a CUDA side stream that waits for them
                 (without a copy stage, fn runs there); the compute stream waits for that layer's event only, when
                 the layer takes its rows. The selection on the compute stream: the side stream carries only copies,
-                so layer j+1's copy never queues behind layer j+1's selection and the link stays busy (the
-                projected step at Llama-3.1-8B 32k: 1.33x its floor with both on the side stream)
+                so layer j+1's copy never queues behind layer j+1's selection and the link stays busy (projected at
+                Llama-3.1-8B 32k with int4 keys: 1.58x the step's floor with both on the side stream, 1.07x so)
+A runner makes one and gives each request's cache a `Lane` of it: one side stream or worker thread for the batch.
 """
 
 from __future__ import annotations
