@@ -12,7 +12,7 @@
 # The device machine has torch, Triton, transformers and pytest and no network: the project runs from the tree.
 #
 # REHEARSAL=1 runs a part here, on the CPU: the same commands, files and time-outs, through fake CUDA
-# (tests/fakecuda.py: every `--device cuda` command runs the GPU code path on CPU tensors) at tiny shapes (the
+# (infinigen_rt/measure/fakecuda.py: every `--device cuda` command runs the GPU code path on CPU tensors) at tiny shapes (the
 # smollm2-135m preset, batch <= 2, 64 tokens of context, 1 warm-up and 2 timed steps). tests/test_gpu_sh.py rehearses every part and
 # checks that each part's work fits its time-out at the real shapes (a plan from bytes and assumed rates).
 set -uo pipefail
@@ -26,7 +26,7 @@ GEN=${GEN:-32}
 WARMUP=3
 REHEARSAL=${REHEARSAL:-}
 if [ -n "$REHEARSAL" ]; then  # every step runs each layer's kernels in Triton's interpreter: as few as will do
-  PY="$PY -m tests.fakecuda"
+  PY="$PY -m infinigen_rt.measure.fakecuda"
   GEN=2
   WARMUP=1
 fi

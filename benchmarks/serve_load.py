@@ -299,7 +299,7 @@ def run_open_loop(
 
     ok = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
-    ttft = [r["times"][0] for r in ok if r["times"]]
+    ttft = [r["times"][0] if r["times"] else r["e2e"] for r in ok]  # no text at all: the first arrived at the end
     itl = [b - a for r in ok for a, b in pairwise(r["times"])]
     e2e = [r["e2e"] for r in ok]
     tokens = sum(r["completion_tokens"] for r in ok)

@@ -60,14 +60,12 @@ def projected(before: dict, after: dict) -> str:
     order = list(dict.fromkeys((p["policy"], p.get("spec_keys"), p.get("correct")) for p in after["points"]))
     points = sorted(after["points"], key=lambda p: (order.index((p["policy"], p.get("spec_keys"), p.get("correct"))),
                                                     p["batch"]))  # fmt: skip
-    seen = set()
     for p in points:
         k = (p["policy"], p.get("spec_keys"), p.get("correct"), p["batch"])
         b = old.get(k)
         was = ["-"] * 3 if b is None or b["status"] != "ok" else [
             f"{b['launches']:,}", f"{b['projected_ms']:.1f}", f"{b['over_floor']:.2f}"]  # fmt: skip
-        name = "" if k[:3] in seen else label(*k[:3], short=True)
-        seen.add(k[:3])
+        name = label(*k[:3], short=True)
         out.append(f"| {name} | {p['batch']} | {was[0]} | {p['launches']:,} | {was[1]} | {p['projected_ms']:.1f} "
                    f"| {p['floor_ms']:.1f} | {was[2]} | {p['over_floor']:.2f} |")  # fmt: skip
     return "\n".join(out)
