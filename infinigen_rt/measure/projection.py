@@ -33,8 +33,8 @@ class Hardware:
     launch_s: float  # host time to issue one kernel or copy (eager PyTorch and Triton launchers)
 
 
-# H100 SXM: HBM3 3.35 TB/s peak (3.0 achievable), bf16 dense 989 TFLOP/s peak (700 achievable), PCIe Gen5 x16
-# pinned reads about 25 GB/s achieved on the lent machines' class of host (REFERENCE.md section 1), 4 us a launch
+# H100 SXM: HBM3 3.35 TB/s peak (3.0 taken), bf16 dense 989 TFLOP/s peak (700 taken); pinned host memory over PCIe
+# 25 GB/s each way (REFERENCE.md section 1: achievable on Gen4; a Gen5 host reaches about 50); 4 us of host a launch
 H100 = Hardware("H100", hbm_bytes_per_s=3.0e12, flops_per_s=700e12, pcie_bytes_per_s=25e9, launch_s=4e-6)
 
 
