@@ -210,7 +210,6 @@ def _rehearse(preset: str, dtype: str, variants: list, batches: list[int], conte
               json_out: bool) -> None:  # fmt: skip
     """bench --rehearse: every point projected (measure/rehearse.py), printed as a table or JSON, saved to `out`."""
     import torch
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from infinigen_rt import __version__
     from infinigen_rt.measure.projection import H100
@@ -222,8 +221,7 @@ def _rehearse(preset: str, dtype: str, variants: list, batches: list[int], conte
             "rehearsal": "fake CUDA, meta tensors: one decode step's ops replayed (measure/projection.py)",
             "hardware": asdict(H100), **kw, "points": []}  # fmt: skip
     todo = [(b, c) for c in contexts for b in batches]
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   console=err_console, transient=True, disable=json_out)  # fmt: skip
+    bar = _progress(json_out)
     with bar:
         task = bar.add_task("rehearse", total=len(todo))
         for b, c in todo:
@@ -345,12 +343,9 @@ def _meta(engine, model_name: str, bw: dict, tp, **run) -> dict:
 
 def _sweep(engine, model_name: str, bw: dict, todo, gen: int, kw: dict, meta: dict, out, quiet: bool) -> None:
     """Every (policies, batch, context) of `todo`, its points added to meta (and saved to `out` after each)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from infinigen_rt.measure.bench import run_points
 
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   console=err_console, transient=True, disable=quiet)  # fmt: skip
+    bar = _progress(quiet)
     with bar:
         task = bar.add_task("bench", total=len(todo))
         for g, b, c in todo:
@@ -359,6 +354,14 @@ def _sweep(engine, model_name: str, bw: dict, todo, gen: int, kw: dict, meta: di
             if out:
                 save(out, meta)
             bar.advance(task)
+
+
+def _progress(quiet: bool):
+    """The bar over a run's points (on stderr, gone when done)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=err_console, transient=True, disable=quiet)  # fmt: skip
 
 
 def point_label(p: dict) -> str:

@@ -20,8 +20,7 @@ values."""
 from __future__ import annotations
 
 import bisect
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -69,17 +68,6 @@ class Projection:
     flops: int
     syncs: int
     streams: int  # streams that ran work
-    busy_s: dict = field(default_factory=dict)  # stream -> seconds of work on it
-    by_name: Counter = field(default_factory=Counter)  # launches per op name
-
-    def to_dict(self, floor: float | None = None) -> dict:
-        out = {"launches": self.launches, "projected_ms": round(1000 * self.seconds, 3),
-               "issue_ms": round(1000 * self.issue_s, 3), "hbm_bytes": self.hbm_bytes, "pcie_bytes": self.pcie_bytes,
-               "syncs": self.syncs, "streams": self.streams}  # fmt: skip
-        if floor is not None:
-            out["floor_ms"] = round(1000 * floor, 3)
-            out["over_floor"] = round(self.seconds / floor, 3)
-        return out
 
 
 def op_seconds(op: Op, hw: Hardware) -> tuple[float, float, float]:
@@ -118,7 +106,7 @@ def project(ops: list[Op], hw: Hardware = H100) -> Projection:
     host = 0.0
     resources = Timeline(), Timeline(), Timeline()  # the device, PCIe host to device, PCIe device to host
     ready: dict[str, float] = {}  # stream -> when its last op ends
-    busy: dict[str, float] = Counter()
+    busy: set[str] = set()  # streams that ran work
     events: dict[int, float] = {}
     syncs = 0
     for op in ops:
@@ -127,7 +115,8 @@ def project(ops: list[Op], hw: Hardware = H100) -> Projection:
             start = max(host, ready.get(op.stream, 0.0))
             times = op_seconds(op, hw)
             ready[op.stream] = max([start] + [r.take(start, t) for r, t in zip(resources, times, strict=True) if t])
-            busy[op.stream] += max(times)
+            if max(times):
+                busy.add(op.stream)
         elif op.kind == "record":
             events[op.event] = ready.get(op.stream, 0.0)
         elif op.kind == "wait":
@@ -139,6 +128,5 @@ def project(ops: list[Op], hw: Hardware = H100) -> Projection:
     return Projection(
         launches=len(launched), seconds=max([host, *ready.values()]), issue_s=len(launched) * hw.launch_s,
         hbm_bytes=sum(op.hbm_bytes for op in launched), pcie_bytes=sum(op.pcie_bytes for op in launched),
-        flops=sum(op.flops for op in launched), syncs=syncs, streams=len([s for s in busy if busy[s] > 0]),
-        busy_s=dict(busy), by_name=Counter(op.name for op in launched),
+        flops=sum(op.flops for op in launched), syncs=syncs, streams=len(busy),
     )  # fmt: skip
