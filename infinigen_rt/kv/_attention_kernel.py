@@ -1,0 +1,54 @@
+"""Decode attention over paged KV (see attention.py, which imports this module only when a GPU attends).
+
+One program per (sequence, KV head, split of the context): it reads its split's keys and values through the
+sequence's block table, once, for every query head of the KV head's group, and leaves the split's running max, sum
+and weighted values; attention.py merges the splits. Splitting the context keeps a GPU busy at batch 1 (Llama-3.1-8B
+has 8 KV heads: 8 programs would leave 124 of an H100's 132 SMs idle). The split is a power of two (a compile-time
+loop: a kernel per size, about ten over a 128k context); the lengths and the split count change every step and are
+not specialised (see _gather_kernel.py)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["n_splits", "max_blocks"])
+def paged_decode_kernel(
+    q, k, v, table, lengths, out_m, out_l, out_acc, scale, n_splits, max_blocks,
+    HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK: tl.constexpr, TOKENS: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    # q [B, HKV, G, D]; k, v [slots, HKV, D] (slot = block * BLOCK + offset); table [B, max_blocks]; lengths [B]
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    n = tl.load(lengths + b)
+    lo = s * SPLIT
+    hi = tl.minimum(lo + SPLIT, n)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    gd = (g[:, None] < G) & (d[None, :] < D)
+    qv = tl.load(q + ((b * HKV + h) * G + g[:, None]).to(tl.int64) * D + d[None, :], mask=gd, other=0).to(tl.float32)
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    acc_l = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    for t0 in range(0, SPLIT, TOKENS):
+        t = lo + t0 + tl.arange(0, TOKENS)
+        live = t < hi
+        blk = tl.load(table + b.to(tl.int64) * max_blocks + t // BLOCK, mask=live, other=0).to(tl.int64)
+        row = ((blk * BLOCK + t % BLOCK) * HKV + h) * D
+        kv_mask = live[:, None] & (d[None, :] < D)
+        kt = tl.load(k + row[:, None] + d[None, :], mask=kv_mask, other=0).to(tl.float32)  # [TOKENS, D_PAD]
+        sc = tl.sum(qv[:, None, :] * kt[None, :, :], 2) * scale  # [G_PAD, TOKENS]
+        sc = tl.where(live[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split with nothing yet: no NaN from inf - inf
+        p = tl.exp(sc - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        vt = tl.load(v + row[:, None] + d[None, :], mask=kv_mask, other=0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vt[None, :, :], 1)
+        acc_l = acc_l * alpha + tl.sum(p, 1)
+        m = m_new
+    at = ((b * HKV + h) * n_splits + s).to(tl.int64) * G + g
+    tl.store(out_m + at, m, mask=g < G)
+    tl.store(out_l + at, acc_l, mask=g < G)
+    tl.store(out_acc + at[:, None] * D + d[None, :], acc, mask=gd)

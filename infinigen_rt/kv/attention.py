@@ -1,0 +1,97 @@
+"""Decode attention for a batch whose KV lives in paged device memory: one query token per sequence, each sequence
+of its own length, its keys and values in the blocks of its table (the one KV store for the batch: every running
+request's rows in the same buffers, so a layer attends once for the whole batch, not once per request).
+
+`paged_decode` runs the Triton kernel on a GPU (_attention_kernel.py: the context split across programs, the splits
+merged here); `paged_decode_reference` is its definition in torch ops (the rows gathered by table, then one masked
+SDPA), which the kernel is tested against and which a CPU runs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+TOKENS = 16  # keys a program scores at a time ([G, TOKENS, D] products in registers: 32 filled all 255)
+MIN_SPLIT = 256  # the fewest tokens a program reads (fewer: merging costs more than the parallelism gains)
+TARGET_PROGRAMS = 264  # two waves of an H100's 132 SMs
+
+
+def splits(batch: int, hkv: int, longest: int) -> tuple[int, int]:
+    """(tokens per split, a power of two; splits) so that batch x hkv x splits programs about fill the device."""
+    want = max(1, math.ceil(TARGET_PROGRAMS / (batch * hkv)))
+    need = max(MIN_SPLIT, math.ceil(longest / want))
+    split = 1 << (need - 1).bit_length()  # the next power of two
+    return split, max(1, math.ceil(longest / split))
+
+
+def paged_decode(q, k, v, table, lengths, block: int, longest: int, scale: float | None = None) -> torch.Tensor:
+    """q [B, H, 1, D] over the keys and values of each sequence: k, v [slots, Hkv, D] (slot = block number x `block`
+    + offset), table [B, max_blocks] int32 (sequence b's token t is in block table[b, t // block]), lengths [B] int32
+    on the device; `longest`: the largest length, known on the host. Returns [B, H, 1, D] in q's dtype."""
+    b, h, _, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    if q.device.type != "cuda":
+        return paged_decode_reference(q, k, v, table, lengths, block, longest, scale)
+    import triton
+
+    from infinigen_rt.kv._attention_kernel import paged_decode_kernel
+
+    split, n = splits(b, hkv, longest)
+    qg = q.reshape(b, hkv, g, d).contiguous()
+    out_m = torch.empty(b, hkv, n, g, dtype=torch.float32, device=q.device)
+    out_l = torch.empty_like(out_m)
+    out_acc = torch.empty(b, hkv, n, g, d, dtype=torch.float32, device=q.device)
+    with torch.cuda.device(q.device):
+        paged_decode_kernel[(b, hkv, n)](
+            qg, k, v, table, lengths, out_m, out_l, out_acc, scale, n, table.shape[1],
+            HKV=hkv, G=g, G_PAD=max(2, triton.next_power_of_2(g)), D=d, D_PAD=triton.next_power_of_2(d), BLOCK=block,
+            TOKENS=TOKENS, SPLIT=split,
+        )  # fmt: skip
+    return merge(out_m, out_l, out_acc).reshape(b, h, 1, d).to(q.dtype)
+
+
+def merge(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:  # noqa: E741
+    """The splits' running max m and sum l [B, Hkv, S, G] and weighted values acc [B, Hkv, S, G, D] as one softmax
+    over all of them: [B, Hkv, G, D]. A split past a sequence's length holds nothing (m = -inf): weight 0."""
+    top = m.amax(2, keepdim=True)
+    w = torch.exp(m - top)  # [B, Hkv, S, G]
+    return (acc * w[..., None]).sum(2) / (l * w).sum(2)[..., None]
+
+
+def paged_decode_reference(q, k, v, table, lengths, block: int, longest: int, scale: float) -> torch.Tensor:
+    """`paged_decode` in torch ops: each sequence's first `longest` token slots looked up in its table, their rows
+    gathered ([B, Hkv, longest, D]), and one SDPA with the positions past each length masked out."""
+    b, h, _, d = q.shape
+    t = torch.arange(longest, device=table.device)
+    slots = table[:, t // block].long() * block + t % block  # [B, longest]
+    keys = k[slots].transpose(1, 2)  # [B, Hkv, longest, D]
+    values = v[slots].transpose(1, 2)
+    mask = (t[None, :] < lengths[:, None].long())[:, None, None, :]  # [B, 1, 1, longest]
+    return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale,
+                                          enable_gqa=keys.shape[1] != h)  # fmt: skip
+
+
+def run_kernel_on_cpu(q, k, v, table, lengths, block: int, longest: int, scale: float | None = None) -> torch.Tensor:
+    """The Triton kernel on CPU tensors (TRITON_INTERPRET=1): what tests compare with the reference."""
+    import triton
+
+    from infinigen_rt.kv._attention_kernel import paged_decode_kernel
+
+    b, h, _, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    split, n = splits(b, hkv, longest)
+    out_m = torch.empty(b, hkv, n, g, dtype=torch.float32)
+    out_l = torch.empty_like(out_m)
+    out_acc = torch.empty(b, hkv, n, g, d, dtype=torch.float32)
+    paged_decode_kernel[(b, hkv, n)](
+        q.reshape(b, hkv, g, d).contiguous(), k, v, table, lengths, out_m, out_l, out_acc, scale, n,
+        table.shape[1], HKV=hkv, G=g, G_PAD=max(2, triton.next_power_of_2(g)), D=d, D_PAD=triton.next_power_of_2(d),
+        BLOCK=block, TOKENS=TOKENS, SPLIT=split,
+    )  # fmt: skip
+    return merge(out_m, out_l, out_acc).reshape(b, h, 1, d).to(q.dtype)

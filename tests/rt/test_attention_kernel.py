@@ -1,0 +1,126 @@
+"""Paged decode attention (kv/attention.py): the Triton kernel (TRITON_INTERPRET=1 on CPU tensors, set by conftest)
+and its torch definition against plain SDPA over each sequence's own contiguous rows."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from infinigen_rt.kv.attention import paged_decode_reference, run_kernel_on_cpu, splits
+from infinigen_rt.kv.kernels import available
+from tests.conftest import ROOT
+
+BLOCK = 16
+
+
+def paged_batch(lengths, hkv, d, dtype, gen, n_blocks=64):
+    """Each sequence's rows [Hkv, len, D] and the same rows in a shared paged pool through a scattered table."""
+    order = torch.randperm(n_blocks, generator=gen)
+    k_pool = torch.randn(n_blocks * BLOCK, hkv, d, generator=gen).to(dtype)  # garbage where no sequence writes
+    v_pool = torch.randn(n_blocks * BLOCK, hkv, d, generator=gen).to(dtype)
+    max_blocks = max(-(-n // BLOCK) for n in lengths)
+    table = torch.zeros(len(lengths), max_blocks, dtype=torch.int32)
+    own, used = [], 0
+    for i, n in enumerate(lengths):
+        nb = -(-n // BLOCK)
+        table[i, :nb] = order[used : used + nb].to(torch.int32)
+        used += nb
+        k = torch.randn(n, hkv, d, generator=gen).to(dtype)
+        v = torch.randn(n, hkv, d, generator=gen).to(dtype)
+        t = torch.arange(n)
+        slots = table[i, t // BLOCK].long() * BLOCK + t % BLOCK
+        k_pool[slots], v_pool[slots] = k, v
+        own.append((k.transpose(0, 1)[None], v.transpose(0, 1)[None]))
+    return k_pool, v_pool, table, torch.tensor(lengths, dtype=torch.int32), own
+
+
+def expected(q, own):
+    return torch.cat([
+        F.scaled_dot_product_attention(q[i : i + 1], k, v, enable_gqa=k.shape[1] != q.shape[1])
+        for i, (k, v) in enumerate(own)
+    ])  # fmt: skip
+
+
+CASES = [
+    ([37, 5, 300], 8, 2, 64, torch.float32),  # lengths that end inside a block; GQA of 4; more than one split
+    ([1], 4, 4, 32, torch.float32),  # one token; one query head per KV head
+    ([600, 17], 3, 1, 64, torch.float16),  # SmolLM2's group of 3 (padded to 4); fp16
+]
+
+
+@pytest.mark.parametrize("lengths, h, hkv, d, dtype", CASES)
+def test_the_reference_equals_attention_over_each_sequences_own_rows(lengths, h, hkv, d, dtype):
+    gen = torch.Generator().manual_seed(sum(lengths))
+    k, v, table, lens, own = paged_batch(lengths, hkv, d, dtype, gen)
+    q = torch.randn(len(lengths), h, 1, d, generator=gen).to(dtype)
+    got = paged_decode_reference(q, k, v, table, lens, BLOCK, max(lengths), 1 / math.sqrt(d))
+    torch.testing.assert_close(got.float(), expected(q, own).float(), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.skipif(not available(), reason="needs triton (pip install triton)")
+@pytest.mark.parametrize("lengths, h, hkv, d, dtype", CASES)
+def test_the_kernel_equals_attention_over_each_sequences_own_rows(lengths, h, hkv, d, dtype):
+    gen = torch.Generator().manual_seed(sum(lengths) + 1)
+    k, v, table, lens, own = paged_batch(lengths, hkv, d, dtype, gen)
+    q = torch.randn(len(lengths), h, 1, d, generator=gen).to(dtype)
+    got = run_kernel_on_cpu(q, k, v, table, lens, BLOCK, max(lengths))
+    torch.testing.assert_close(got.float(), expected(q, own).float(), rtol=2e-3, atol=2e-3)
+
+
+def test_the_context_is_split_to_fill_the_device_at_batch_1():
+    split, n = splits(1, 8, 32768)  # Llama-3.1-8B at 1 x 32k: 8 KV heads
+    assert 1 * 8 * n >= 132 and split * n >= 32768 and split & (split - 1) == 0
+    assert splits(64, 8, 300) == (512, 1)  # a full batch of short contexts: no split
+
+
+COMPILE = """
+import json, sys, torch, triton
+from pathlib import Path
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from infinigen_rt.kv._attention_kernel import paged_decode_kernel
+from infinigen_rt.kv.attention import TOKENS
+from tests.rt.test_kernels_aot import resource_usage, signature_of
+
+cc, g, d, dtype, tmp = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), getattr(torch, sys.argv[4]), sys.argv[5]
+b, hkv, block = 2, 8, 16
+q = torch.empty(b, hkv, g, d, dtype=dtype)
+k = v = torch.empty(64 * block, hkv, d, dtype=dtype)
+table, lengths = torch.zeros(b, 64, dtype=torch.int32), torch.full((b,), 700, dtype=torch.int32)
+out_m = out_l = torch.empty(b, hkv, 3, g)
+out_acc = torch.empty(b, hkv, 3, g, d)
+args = (q, k, v, table, lengths, out_m, out_l, out_acc, 0.088, 3, 64)
+meta = dict(HKV=hkv, G=g, G_PAD=max(2, triton.next_power_of_2(g)), D=d, D_PAD=d, BLOCK=block, TOKENS=TOKENS, SPLIT=256)
+target = GPUTarget("cuda", cc, 32)
+jit, signature, constexprs, attrs, options = signature_of(paged_decode_kernel, args, meta, target)
+kernel = triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__)
+print(json.dumps({"signature": signature, "local": ".local" in kernel.asm["ptx"],
+                  "usage": resource_usage(kernel.asm["cubin"], Path(tmp))}))
+"""
+
+
+@pytest.mark.skipif(not available(), reason="needs triton (pip install triton)")
+@pytest.mark.parametrize("cc", [80, 90])
+@pytest.mark.parametrize("g, d, dtype", [(4, 128, "bfloat16"), (1, 128, "float16"), (2, 256, "bfloat16")])
+def test_the_kernel_compiles_for_sm80_and_sm90_without_spills(cc, g, d, dtype, tmp_path):
+    """Llama-3.1-8B's group of 4 at head_dim 128 (bf16), Llama-2's group of 1 (fp16), Gemma 3's 256: the launch
+    `paged_decode` makes, compiled to cubin here (no GPU; in a process of its own, as the interpreter this suite
+    runs kernels under replaces the compiler's loop), with no stack or local memory."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    r = subprocess.run([sys.executable, "-c", COMPILE, str(cc), str(g), str(d), dtype, str(tmp_path)],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["signature"]["n_splits"] in ("i32", "i64") and out["signature"]["max_blocks"] in ("i32", "i64")
+    assert not out["local"]
+    if out["usage"]:
+        assert out["usage"].get("STACK", 0) == 0 and out["usage"].get("LOCAL", 0) == 0, out["usage"]
+        assert out["usage"]["REG"] <= 128, out["usage"]  # (32 keys at a time took all 255 at a group of 4)
