@@ -728,7 +728,8 @@ class FakeCuda:
         self.kernel_keys[name].add(tuple(key))
         self.launches.append((name, f"cuda:{idx}", stream.name))
         if self.ops is not None:
-            self.note(_row_kernel_op(name, stream.name, named, written))
+            op = _row_kernel_op if "rows" in params else _attention_op
+            self.note(op(name, stream.name, named, written, grid, meta))
         for r in self.regions:
             r.launches.append(name)
         self.profile_event(stream.name, name)
@@ -870,15 +871,17 @@ def _patch_torch(h: FakeCuda) -> list:
     from torch import profiler
 
     put(profiler, "profile", _FakeProfile)
-    import infinigen_rt.kv._gather_kernel as kernels
+    import infinigen_rt.kv._attention_kernel
+    import infinigen_rt.kv._gather_kernel
     import infinigen_rt.kv.kernels
     import infinigen_rt.system
 
     h.kernel_runs = {}
-    for name, k in vars(kernels).items():  # kernel[grid](...) calls kernel.run(..., grid=grid, warmup=False)
-        if hasattr(k, "run") and hasattr(k, "arg_names"):
-            h.kernel_runs[name] = k.run
-            put(k, "run", lambda *a, grid, warmup=False, _k=k, **meta: h.launch(_k, grid, *a, **meta))
+    for kernels in (infinigen_rt.kv._gather_kernel, infinigen_rt.kv._attention_kernel):
+        for name, k in vars(kernels).items():  # kernel[grid](...) calls kernel.run(..., grid=grid, warmup=False)
+            if hasattr(k, "run") and hasattr(k, "arg_names"):
+                h.kernel_runs[name] = k.run
+                put(k, "run", lambda *a, grid, warmup=False, _k=k, **meta: h.launch(_k, grid, *a, **meta))
     import sys
 
     real_available = infinigen_rt.system.host_available
@@ -1191,7 +1194,19 @@ def _flops(name: str, args) -> int:
     return 0
 
 
-def _row_kernel_op(name: str, stream: str, named: list, written: set) -> Op:
+def _attention_op(name: str, stream: str, named: list, written: set, grid, meta) -> Op:
+    """Paged decode attention's op: each program reads its split of keys and values for its KV head once (shapes
+    only: every split full), its queries, and writes its partial results; 4 FLOPs a key and query head per dim."""
+    args = dict(named)
+    b, hkv, splits = grid
+    k = args["k"]
+    keys = b * hkv * splits * meta["SPLIT"]
+    read = 2 * keys * k.shape[-1] * k.element_size()
+    small = sum(_nbytes(args[p]) for p in ("q", "table", "lengths", "out_m", "out_l", "out_acc"))
+    return Op("triton", name, stream, hbm_bytes=read + small, flops=4 * keys * meta["G"] * k.shape[-1])
+
+
+def _row_kernel_op(name: str, stream: str, named: list, written: set, grid=None, meta=None) -> Op:
     """A row kernel's op: each row it moves, read and written once per tensor of the pair, across PCIe for the
     tensors in pinned host memory (read: host to device; written: device to host); its row numbers (and validity)
     read from the device. Shapes only: every row counts as moved."""

@@ -124,3 +124,28 @@ def test_the_kernel_compiles_for_sm80_and_sm90_without_spills(cc, g, d, dtype, t
     if out["usage"]:
         assert out["usage"].get("STACK", 0) == 0 and out["usage"].get("LOCAL", 0) == 0, out["usage"]
         assert out["usage"]["REG"] <= 128, out["usage"]  # (32 keys at a time took all 255 at a group of 4)
+
+
+@pytest.mark.skipif(not available(), reason="needs triton (pip install triton)")
+def test_on_the_gpu_path_under_fake_cuda_it_equals_the_reference_and_is_recorded():
+    """paged_decode on cuda tensors (fake CUDA: the kernel through the interpreter) gives the reference's output, and
+    the recorder prices the launch by the keys and values of its splits."""
+    from infinigen_rt.kv.attention import paged_decode, splits
+    from infinigen_rt.measure.fakecuda import FakeCuda
+    from infinigen_rt.measure.fakecuda import available as fake_available
+
+    if fake_available():
+        pytest.skip(fake_available())
+    gen = torch.Generator().manual_seed(7)
+    lengths, h, hkv, d = [37, 300], 8, 2, 64
+    k, v, table, lens, own = paged_batch(lengths, hkv, d, torch.float32, gen)
+    q = torch.randn(2, h, 1, d, generator=gen)
+    want = expected(q, own)
+    with FakeCuda() as gpu:
+        dev = [x.to("cuda") for x in (q, k, v, table, lens)]
+        with gpu.recording() as ops:
+            got = paged_decode(*dev, BLOCK, max(lengths)).cpu()
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    (launch,) = [o for o in ops if o.kind == "triton"]
+    split, n = splits(2, hkv, max(lengths))
+    assert launch.name == "paged_decode_kernel" and launch.hbm_bytes >= 2 * 2 * hkv * n * split * d * 4
