@@ -1,0 +1,94 @@
+"""The one KV store for the running batch (work in progress: the runner does not use it yet).
+
+Every running request's KV lives in the same buffers, in blocks of BLOCK token slots taken from one allocator
+(paged.BlockAllocator): for a layer whose KV stays on the compute device, keys and values [slots, Hkv, D] there.
+A request's table lists its blocks; a step's `Batch` is the tables and lengths of the requests it runs, on the
+device, so that a layer writes the step's new rows and attends for the whole batch in a few launches
+(attention.paged_decode), whatever the batch size.
+
+Invariants (`check`): the allocator's; every request's length fits its table; a released request holds nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from infinigen_rt.kv.attention import paged_decode
+from infinigen_rt.kv.paged import BlockAllocator
+from infinigen_rt.system import to_device
+
+BLOCK = 16
+
+
+@dataclass
+class Batch:
+    """The requests a step runs, in its rows' order: their block tables [B, max_blocks] int32 and lengths [B] int32
+    on the device (the lengths after the step's new tokens), the longest length on the host."""
+
+    rids: list[int]
+    table: torch.Tensor
+    lengths: torch.Tensor
+    longest: int
+
+
+class DeviceKV:
+    """Keys and values of `layers` on the compute device, paged: [n_blocks * BLOCK, Hkv, D] per layer and tensor."""
+
+    def __init__(self, n_blocks: int, layers, n_kv: int, head_dim: int, device, dtype):
+        self.alloc = BlockAllocator(n_blocks, BLOCK)
+        self.device = torch.device(device)
+        shape = (n_blocks * BLOCK, n_kv, head_dim)
+        self.k = {i: torch.zeros(shape, device=self.device, dtype=dtype) for i in layers}
+        self.v = {i: torch.zeros(shape, device=self.device, dtype=dtype) for i in layers}
+        self.length: dict[int, int] = {}  # tokens written per request (host)
+
+    def admit(self, rid: int, tokens: int) -> None:
+        """Blocks for `tokens` tokens of request `rid` (paged.PoolFull when there is no room: nothing changes)."""
+        self.alloc.grow(rid, tokens)
+        self.length[rid] = 0
+
+    def release(self, rid: int) -> None:
+        self.alloc.release(rid)
+        self.length.pop(rid, None)
+
+    def slots(self, rid: int, start: int, n: int) -> np.ndarray:
+        return self.alloc.slots(rid, start, n)
+
+    def append(self, rids: list[int], n: int) -> torch.Tensor:
+        """Each request of `rids` takes its next `n` token slots: their flat slot numbers [B * n] on the device (one
+        copy up, not waited for), in row order. The lengths advance on the host."""
+        slots = np.concatenate([self.slots(r, self.length[r], n) for r in rids])
+        for r in rids:
+            self.length[r] += n
+        return to_device(torch.from_numpy(slots), self.device)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [B, Hkv, n, D] into `slots` [B * n] (from `append`): one copy per tensor for the whole batch."""
+        rows = lambda x: x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1])  # noqa: E731  [B * n, Hkv, D]
+        self.k[layer].index_copy_(0, slots, rows(k).to(self.k[layer].dtype))
+        self.v[layer].index_copy_(0, slots, rows(v).to(self.v[layer].dtype))
+
+    def batch(self, rids: list[int]) -> Batch:
+        """The step's tables and lengths on the device (two copies up, not waited for)."""
+        tables = [self.alloc.tables[r] for r in rids]
+        width = max(len(t) for t in tables)
+        table = np.zeros((len(rids), width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = t
+        lengths = np.array([self.length[r] for r in rids], dtype=np.int32)
+        return Batch(rids, to_device(torch.from_numpy(table), self.device),
+                     to_device(torch.from_numpy(lengths), self.device), int(lengths.max()))  # fmt: skip
+
+    def attend(self, layer: int, q: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """One query token per row, q [B, H, 1, D] (its own row already written), over each row's keys: [B, H, 1, D]."""
+        return paged_decode(q, self.k[layer], self.v[layer], batch.table, batch.lengths, BLOCK, batch.longest)
+
+    def check(self) -> None:
+        """Raise AssertionError when an invariant (module docstring) does not hold."""
+        self.alloc.check()
+        assert set(self.length) == set(self.alloc.tables), "a request's length without its table, or the reverse"
+        for rid, n in self.length.items():
+            assert n <= self.alloc.reserved[rid], f"request {rid} wrote {n} tokens past its reservation"

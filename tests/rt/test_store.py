@@ -1,0 +1,93 @@
+"""The one KV store for the batch (kv/store.py, work in progress): requests of different lengths written through
+their block tables, then one decode step for the whole batch: each row's attention equals SDPA over its own rows;
+state checked after every operation, as the paged pool's tests do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from infinigen_rt.kv.paged import PoolFull
+from infinigen_rt.kv.store import BLOCK, DeviceKV
+
+HKV, H, D = 2, 6, 32
+
+
+def test_a_decode_step_attends_for_the_whole_batch_as_each_request_alone():
+    gen = torch.Generator().manual_seed(0)
+    store = DeviceKV(n_blocks=40, layers=[0, 3], n_kv=HKV, head_dim=D, device="cpu", dtype=torch.float32)
+    prompts = {7: 37, 8: 5, 9: 130}  # request id -> prompt tokens (inside a block, under one, several blocks)
+    own = {}
+    for rid, n in prompts.items():
+        store.admit(rid, n + 4)
+        store.check()
+        k, v = (torch.randn(1, HKV, n, D, generator=gen) for _ in "kv")
+        slots = store.append([rid], n)
+        for layer in (0, 3):
+            store.write(layer, slots, k, v)
+        own[rid] = [k, v]
+        store.check()
+    rids = [9, 7, 8]  # a step's rows, in any order
+    k, v = (torch.randn(3, HKV, 1, D, generator=gen) for _ in "kv")
+    slots = store.append(rids, 1)
+    store.write(3, slots, k, v)
+    for i, rid in enumerate(rids):
+        own[rid] = [torch.cat([own[rid][0], k[i : i + 1]], 2), torch.cat([own[rid][1], v[i : i + 1]], 2)]
+    batch = store.batch(rids)
+    assert batch.longest == 131 and batch.lengths.tolist() == [131, 38, 6]
+    q = torch.randn(3, H, 1, D, generator=gen)
+    got = store.attend(3, q, batch)
+    for i, rid in enumerate(rids):
+        want = F.scaled_dot_product_attention(q[i : i + 1], *own[rid], enable_gqa=True)
+        torch.testing.assert_close(got[i : i + 1], want, rtol=1e-5, atol=1e-5)
+    store.check()
+
+
+def test_release_frees_every_block_and_a_full_store_refuses_without_changing():
+    store = DeviceKV(n_blocks=4, layers=[0], n_kv=HKV, head_dim=D, device="cpu", dtype=torch.float32)
+    store.admit(1, 3 * BLOCK)
+    with pytest.raises(PoolFull):
+        store.admit(2, 2 * BLOCK)
+    store.check()
+    assert 2 not in store.length and len(store.alloc.free) == 1
+    store.release(1)
+    store.check()
+    assert len(store.alloc.free) == 4 and not store.length
+
+
+def test_writing_past_the_reservation_is_refused():
+    store = DeviceKV(n_blocks=4, layers=[0], n_kv=HKV, head_dim=D, device="cpu", dtype=torch.float32)
+    store.admit(1, 5)
+    store.append([1], 5)
+    with pytest.raises(IndexError):
+        store.append([1], 1)
+
+
+def test_a_layers_launches_do_not_grow_with_the_batch_on_the_gpu_path():
+    """Under fake CUDA (shapes only, Llama-3.1-8B's heads): one layer's decode work for 1 and for 8 requests of 32k
+    issues the same launches: two copies in, the attention kernel and its merge."""
+    from infinigen_rt.kv.attention import splits
+    from infinigen_rt.measure.fakecuda import FakeCuda, available
+
+    if available():
+        pytest.skip(available())
+    counts = {}
+    with FakeCuda(values=False) as gpu, torch.inference_mode():
+        store = DeviceKV(n_blocks=8 * 2049, layers=[0], n_kv=8, head_dim=128, device="cuda", dtype=torch.bfloat16)
+        for rid in range(8):
+            store.admit(rid, 32768 + 1)
+            store.length[rid] = 32768  # (a prompt written: the shapes are what matters here)
+        for b in (1, 8):
+            rids = list(range(b))
+            k = torch.empty(b, 8, 1, 128, dtype=torch.bfloat16, device="cuda")
+            q = torch.empty(b, 32, 1, 128, dtype=torch.bfloat16, device="cuda")
+            with gpu.recording() as ops:
+                slots = store.append(rids, 1)
+                store.write(0, slots, k, k)
+                store.attend(0, q, store.batch(rids))
+            counts[b] = [o.name for o in ops if o.launch]
+            for r in rids:
+                store.length[r] -= 1
+    assert counts[1] == counts[8] and "paged_decode_kernel" in counts[8], counts
+    assert splits(1, 8, 32769)[1] > splits(8, 8, 32769)[1]  # batch 1 splits its context further
