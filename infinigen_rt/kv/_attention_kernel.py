@@ -52,3 +52,22 @@ def paged_decode_kernel(
     tl.store(out_m + at, m, mask=g < G)
     tl.store(out_l + at, acc_l, mask=g < G)
     tl.store(out_acc + at[:, None] * D + d[None, :], acc, mask=gd)
+
+
+@triton.jit(do_not_specialize=["n_splits"])
+def merge_splits_kernel(m, sums, acc, out, n_splits, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                        S_PAD: tl.constexpr):  # fmt: skip
+    # program (sequence, KV head, query head of the group): its splits' (max, sum, weighted values) as one softmax
+    bh = tl.program_id(0)
+    g = tl.program_id(1)
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    live = s < n_splits
+    at = (bh * n_splits + s).to(tl.int64) * G + g
+    ms = tl.load(m + at, mask=live, other=float("-inf"))
+    ls = tl.load(sums + at, mask=live, other=0.0)
+    top = tl.max(ms, 0)
+    w = tl.where(live, tl.exp(ms - top), 0.0)  # a split past the sequence's length (m = -inf): weight 0
+    acc_s = tl.load(acc + at[:, None] * D + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0)
+    y = tl.sum(acc_s * w[:, None], 0) / tl.sum(ls * w, 0)
+    tl.store(out + (bh * G + g).to(tl.int64) * D + d, y.to(out.dtype.element_ty), mask=d < D)

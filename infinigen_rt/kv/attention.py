@@ -2,9 +2,10 @@
 of its own length, its keys and values in the blocks of its table (the one KV store for the batch: every running
 request's rows in the same buffers, so a layer attends once for the whole batch, not once per request).
 
-`paged_decode` runs the Triton kernel on a GPU (_attention_kernel.py: the context split across programs, the splits
-merged here); `paged_decode_reference` is its definition in torch ops (the rows gathered by table, then one masked
-SDPA), which the kernel is tested against and which a CPU runs."""
+`paged_decode` runs the Triton kernels on a GPU (_attention_kernel.py: the context split across programs, then the
+splits merged, one program per query head; `merge` is the merge's definition); `paged_decode_reference` is its
+definition in torch ops (the rows gathered by table, then one masked SDPA), which the kernels are tested against
+and which a CPU runs."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def paged_decode(q, k, v, table, lengths, block: int, longest: int, scale: float
         return paged_decode_reference(q, k, v, table, lengths, block, longest, scale)
     import triton
 
-    from infinigen_rt.kv._attention_kernel import paged_decode_kernel
+    from infinigen_rt.kv._attention_kernel import merge_splits_kernel, paged_decode_kernel
 
     split, n = splits(b, hkv, longest)
     qg = q.reshape(b, hkv, g, d).contiguous()
@@ -51,7 +52,10 @@ def paged_decode(q, k, v, table, lengths, block: int, longest: int, scale: float
             HKV=hkv, G=g, G_PAD=max(2, triton.next_power_of_2(g)), D=d, D_PAD=triton.next_power_of_2(d), BLOCK=block,
             TOKENS=TOKENS, SPLIT=split,
         )  # fmt: skip
-    return merge(out_m, out_l, out_acc).reshape(b, h, 1, d).to(q.dtype)
+        out = torch.empty(b, hkv, g, d, dtype=q.dtype, device=q.device)
+        merge_splits_kernel[(b * hkv, g)](out_m, out_l, out_acc, out, n, G=g, D=d, D_PAD=triton.next_power_of_2(d),
+                                          S_PAD=max(2, triton.next_power_of_2(n)))  # fmt: skip
+    return out.reshape(b, h, 1, d)
 
 
 def merge(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:  # noqa: E741

@@ -728,7 +728,7 @@ class FakeCuda:
         self.kernel_keys[name].add(tuple(key))
         self.launches.append((name, f"cuda:{idx}", stream.name))
         if self.ops is not None:
-            op = _row_kernel_op if "rows" in params else _attention_op
+            op = _row_kernel_op if "rows" in params else _attention_op if name == "paged_decode_kernel" else _span_op
             self.note(op(name, stream.name, named, written, grid, meta))
         for r in self.regions:
             r.launches.append(name)
@@ -1196,14 +1196,21 @@ def _flops(name: str, args) -> int:
 
 def _attention_op(name: str, stream: str, named: list, written: set, grid, meta) -> Op:
     """Paged decode attention's op: each program reads its split of keys and values for its KV head once (shapes
-    only: every split full), its queries, and writes its partial results; 4 FLOPs a key and query head per dim."""
+    only: every sequence as long as its table), its queries, and writes its partial results; 4 FLOPs a key and query
+    head per dim."""
     args = dict(named)
     b, hkv, splits = grid
     k = args["k"]
-    keys = b * hkv * splits * meta["SPLIT"]
+    keys = b * hkv * min(splits * meta["SPLIT"], args["max_blocks"] * meta["BLOCK"])  # (at most its table's tokens)
     read = 2 * keys * k.shape[-1] * k.element_size()
     small = sum(_nbytes(args[p]) for p in ("q", "table", "lengths", "out_m", "out_l", "out_acc"))
     return Op("triton", name, stream, hbm_bytes=read + small, flops=4 * keys * meta["G"] * k.shape[-1])
+
+
+def _span_op(name: str, stream: str, named: list, written: set, grid, meta) -> Op:
+    """Any other kernel's op: every tensor argument read whole (what it writes once more)."""
+    hbm = sum(_nbytes(a) * (2 if p in written else 1) for p, a in named if isinstance(a, torch.Tensor))
+    return Op("triton", name, stream, hbm_bytes=hbm)
 
 
 def _row_kernel_op(name: str, stream: str, named: list, written: set, grid=None, meta=None) -> Op:

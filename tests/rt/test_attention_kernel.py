@@ -85,7 +85,7 @@ import json, sys, torch, triton
 from pathlib import Path
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from infinigen_rt.kv._attention_kernel import paged_decode_kernel
+from infinigen_rt.kv._attention_kernel import merge_splits_kernel, paged_decode_kernel
 from infinigen_rt.kv.attention import TOKENS
 from tests.rt.test_kernels_aot import resource_usage, signature_of
 
@@ -101,8 +101,12 @@ meta = dict(HKV=hkv, G=g, G_PAD=max(2, triton.next_power_of_2(g)), D=d, D_PAD=d,
 target = GPUTarget("cuda", cc, 32)
 jit, signature, constexprs, attrs, options = signature_of(paged_decode_kernel, args, meta, target)
 kernel = triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__)
-print(json.dumps({"signature": signature, "local": ".local" in kernel.asm["ptx"],
-                  "usage": resource_usage(kernel.asm["cubin"], Path(tmp))}))
+out = torch.empty(b, hkv, g, d, dtype=dtype)
+mjit, msig, mconst, mattrs, mopts = signature_of(merge_splits_kernel, (out_m, out_l, out_acc, out, 3),
+                                                 dict(G=g, D=d, D_PAD=d, S_PAD=4), target)
+merged = triton.compile(ASTSource(mjit, msig, mconst, mattrs), target=target, options=mopts.__dict__)
+print(json.dumps({"signature": signature, "local": ".local" in kernel.asm["ptx"] + merged.asm["ptx"],
+                  "usage": resource_usage(kernel.asm["cubin"], Path(tmp)), "merge_signature": msig}))
 """
 
 
@@ -110,9 +114,9 @@ print(json.dumps({"signature": signature, "local": ".local" in kernel.asm["ptx"]
 @pytest.mark.parametrize("cc", [80, 90])
 @pytest.mark.parametrize("g, d, dtype", [(4, 128, "bfloat16"), (1, 128, "float16"), (2, 256, "bfloat16")])
 def test_the_kernel_compiles_for_sm80_and_sm90_without_spills(cc, g, d, dtype, tmp_path):
-    """Llama-3.1-8B's group of 4 at head_dim 128 (bf16), Llama-2's group of 1 (fp16), Gemma 3's 256: the launch
-    `paged_decode` makes, compiled to cubin here (no GPU; in a process of its own, as the interpreter this suite
-    runs kernels under replaces the compiler's loop), with no stack or local memory."""
+    """Llama-3.1-8B's group of 4 at head_dim 128 (bf16), Llama-2's group of 1 (fp16), Gemma 3's 256: the launches
+    `paged_decode` makes (the kernel and its merge), compiled to cubin here (no GPU; in a process of its own, as the
+    interpreter this suite runs kernels under replaces the compiler's loop), with no stack or local memory."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
     r = subprocess.run([sys.executable, "-c", COMPILE, str(cc), str(g), str(d), dtype, str(tmp_path)],
@@ -120,6 +124,7 @@ def test_the_kernel_compiles_for_sm80_and_sm90_without_spills(cc, g, d, dtype, t
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["signature"]["n_splits"] in ("i32", "i64") and out["signature"]["max_blocks"] in ("i32", "i64")
+    assert out["merge_signature"]["n_splits"] in ("i32", "i64")  # the merge kernel compiles too, unspecialised
     assert not out["local"]
     if out["usage"]:
         assert out["usage"].get("STACK", 0) == 0 and out["usage"].get("LOCAL", 0) == 0, out["usage"]
@@ -130,7 +135,7 @@ def test_the_kernel_compiles_for_sm80_and_sm90_without_spills(cc, g, d, dtype, t
 def test_on_the_gpu_path_under_fake_cuda_it_equals_the_reference_and_is_recorded():
     """paged_decode on cuda tensors (fake CUDA: the kernel through the interpreter) gives the reference's output, and
     the recorder prices the launch by the keys and values of its splits."""
-    from infinigen_rt.kv.attention import paged_decode, splits
+    from infinigen_rt.kv.attention import paged_decode
     from infinigen_rt.measure.fakecuda import FakeCuda
     from infinigen_rt.measure.fakecuda import available as fake_available
 
@@ -146,6 +151,6 @@ def test_on_the_gpu_path_under_fake_cuda_it_equals_the_reference_and_is_recorded
         with gpu.recording() as ops:
             got = paged_decode(*dev, BLOCK, max(lengths)).cpu()
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
-    (launch,) = [o for o in ops if o.kind == "triton"]
-    split, n = splits(2, hkv, max(lengths))
-    assert launch.name == "paged_decode_kernel" and launch.hbm_bytes >= 2 * 2 * hkv * n * split * d * 4
+    launches = [o for o in ops if o.kind == "triton"]
+    assert [o.name for o in launches] == ["paged_decode_kernel", "merge_splits_kernel"]
+    assert launches[0].hbm_bytes >= 2 * 2 * hkv * max(lengths) * d * 4  # every row's keys and values, once
