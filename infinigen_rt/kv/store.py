@@ -1,7 +1,9 @@
 """The one KV store for the running batch (work in progress: the runner does not use it yet).
 
 Every running request's KV lives in the same buffers, in blocks of BLOCK token slots taken from one allocator
-(paged.BlockAllocator): for a layer whose KV stays on the compute device, keys and values [slots, Hkv, D] there.
+(paged.BlockAllocator): for a layer whose KV stays on the compute device, keys and values [slots, Hkv, D] there;
+for a pooled layer, in host memory (page-locked when a GPU computes), whose chosen rows one kernel gathers for the
+whole batch (`gather`).
 A request's table lists its blocks; a step's `Batch` is the tables and lengths of the requests it runs, on the
 device, so that a layer writes the step's new rows and attends for the whole batch in a few launches
 (attention.paged_decode), whatever the batch size.
@@ -18,7 +20,8 @@ import torch
 
 from infinigen_rt.kv.attention import paged_decode
 from infinigen_rt.kv.paged import BlockAllocator
-from infinigen_rt.system import to_device
+from infinigen_rt.kv.pool import copy_rows
+from infinigen_rt.system import host_buffer, to_device
 
 BLOCK = 16
 
@@ -37,12 +40,19 @@ class Batch:
 class DeviceKV:
     """Keys and values of `layers` on the compute device, paged: [n_blocks * BLOCK, Hkv, D] per layer and tensor."""
 
-    def __init__(self, n_blocks: int, layers, n_kv: int, head_dim: int, device, dtype):
+    def __init__(self, n_blocks: int, layers, n_kv: int, head_dim: int, device, dtype, pooled=()):
+        """`layers`: those whose KV stays on the device; `pooled`: those whose KV lives in host memory."""
         self.alloc = BlockAllocator(n_blocks, BLOCK)
         self.device = torch.device(device)
         shape = (n_blocks * BLOCK, n_kv, head_dim)
         self.k = {i: torch.zeros(shape, device=self.device, dtype=dtype) for i in layers}
         self.v = {i: torch.zeros(shape, device=self.device, dtype=dtype) for i in layers}
+        self.pinned: list | None = [] if self.device.type == "cuda" else None  # (released with the store: WIP)
+        for i in pooled:
+            self.k[i] = host_buffer(shape, dtype, self.pinned)
+            self.v[i] = host_buffer(shape, dtype, self.pinned)
+        self.kernel = self.device.type == "cuda"  # gather pooled rows with the kernel (tests: the interpreter)
+        self.n_kv = n_kv
         self.length: dict[int, int] = {}  # tokens written per request (host)
 
     def admit(self, rid: int, tokens: int) -> None:
@@ -66,10 +76,31 @@ class DeviceKV:
         return to_device(torch.from_numpy(slots), self.device)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [B, Hkv, n, D] into `slots` [B * n] (from `append`): one copy per tensor for the whole batch."""
+        """k, v [B, Hkv, n, D] into `slots` [B * n] (from `append`): one copy per tensor for the whole batch (a
+        pooled layer's on the host: index_copy there, on a CPU; the scatter kernel is the GPU's, next)."""
         rows = lambda x: x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1])  # noqa: E731  [B * n, Hkv, D]
-        self.k[layer].index_copy_(0, slots, rows(k).to(self.k[layer].dtype))
-        self.v[layer].index_copy_(0, slots, rows(v).to(self.v[layer].dtype))
+        dst = self.k[layer].device
+        self.k[layer].index_copy_(0, slots.to(dst), rows(k).to(dst, self.k[layer].dtype))
+        self.v[layer].index_copy_(0, slots.to(dst), rows(v).to(dst, self.v[layer].dtype))
+
+    def rows(self, batch: Batch, slots: torch.Tensor) -> torch.Tensor:
+        """Token slots [B, Hkv, n] of each row's own sequence -> row numbers [B * Hkv, n] of a pooled layer's buffers
+        viewed as [slots * Hkv, D], through the tables, on the device."""
+        b, h, n = slots.shape
+        blocks = torch.gather(batch.table.long(), 1, (slots // BLOCK).reshape(b, -1)).view(b, h, n)
+        phys = blocks * BLOCK + slots % BLOCK
+        head = torch.arange(h, device=slots.device).view(1, h, 1)
+        return (phys * h + head).reshape(b * h, n)
+
+    def gather(self, layer: int, batch: Batch, slots: torch.Tensor, ok: torch.Tensor | None, extra: int = 1):
+        """The K and V rows of every row's `slots` [B, Hkv, n] from pooled layer `layer`, in one copy for the batch:
+        [B, Hkv, n + extra, D] each on the device (the `extra` last rows: room for the new tokens). On a GPU the
+        row kernel reads them from pinned memory, skipping those where `ok` is False; on a CPU, index_select."""
+        b, h, n = slots.shape
+        out_k = torch.empty(b, h, n + extra, self.k[layer].shape[-1], dtype=self.k[layer].dtype, device=self.device)
+        out_v = torch.empty_like(out_k)
+        copy_rows(self.k[layer], self.v[layer], self.rows(batch, slots).view(b, h, n), ok, out_k, out_v, self.kernel)
+        return out_k, out_v
 
     def batch(self, rids: list[int]) -> Batch:
         """The step's tables and lengths on the device (two copies up, not waited for)."""

@@ -91,3 +91,39 @@ def test_a_layers_launches_do_not_grow_with_the_batch_on_the_gpu_path():
                 store.length[r] -= 1
     assert counts[1] == counts[8] and "paged_decode_kernel" in counts[8], counts
     assert splits(1, 8, 32769)[1] > splits(8, 8, 32769)[1]  # batch 1 splits its context further
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_a_pooled_layers_chosen_rows_come_in_one_gather_for_the_batch(gpu):
+    """Each row's chosen token slots of a pooled layer (host memory), for three requests of different lengths, in
+    one gather through the tables (on the GPU path under fake CUDA: the row kernel from pinned memory)."""
+    from contextlib import nullcontext
+
+    from infinigen_rt.measure.fakecuda import FakeCuda, available
+
+    if gpu and available():
+        pytest.skip(available())
+    gen = torch.Generator().manual_seed(1)
+    lengths = {4: 40, 5: 9, 6: 70}
+    own = {}
+    with FakeCuda() if gpu else nullcontext() as fake:
+        dev = "cuda" if gpu else "cpu"
+        store = DeviceKV(40, [], HKV, D, dev, torch.float32, pooled=[2])
+        for rid, n in lengths.items():
+            store.admit(rid, n + 1)
+            k, v = (torch.randn(1, HKV, n, D, generator=gen) for _ in "kv")
+            store.write(2, store.append([rid], n), k.to(dev), v.to(dev))
+            own[rid] = (k, v)
+        rids = list(lengths)
+        batch = store.batch(rids)
+        chosen = torch.stack([torch.randint(0, lengths[r], (HKV, 5), generator=gen) for r in rids])  # [B, Hkv, 5]
+        with fake.recording() if gpu else nullcontext() as ops:
+            k_got, v_got = store.gather(2, batch, chosen.to(dev), None)
+        k_got, v_got = k_got.cpu(), v_got.cpu()
+    assert k_got.shape == (3, HKV, 6, D)
+    for i, r in enumerate(rids):
+        for h in range(HKV):
+            torch.testing.assert_close(k_got[i, h, :5], own[r][0][0, h, chosen[i, h]])
+            torch.testing.assert_close(v_got[i, h, :5], own[r][1][0, h, chosen[i, h]])
+    if gpu:
+        assert [o.name for o in ops if o.kind == "triton"] == ["gather_rows_kernel"]
