@@ -37,9 +37,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from infinigen_rt.errors import InfinigenError
-from infinigen_rt.kv.cache import KVReport, Rows, merge_reports
+from infinigen_rt.kv.cache import KVReport, Rows, kv_layers, merge_reports
 from infinigen_rt.kv.paged import PagedStore
 from infinigen_rt.kv.prefetch import prefetcher
+from infinigen_rt.kv.store import DecodeStep, DeviceKV, RequestPass
 from infinigen_rt.policies import Policy
 from infinigen_rt.sampling import SamplingParams, sample, sample_rows
 from infinigen_rt.step import decode_step, prefill
@@ -178,6 +179,7 @@ class Runner:
         # one side stream (a GPU) or worker thread (a CPU with a core to spare) for every request's row copies: the
         # caches take lanes of it (on a CPU under tensor parallelism speculation runs inline: collectives in order)
         self.prefetch = prefetcher(engine.device, overlap=engine.tp is None or engine.device.type == "cuda")
+        self.kv: DeviceKV | None = None  # `full`'s KV for the batch (kv/store.py, work in progress), made on first use
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []  # admitted: prefilling (done < prompt) or decoding, in arrival order
         self.ids = itertools.count()
@@ -282,13 +284,28 @@ class Runner:
             self.waiting.popleft()
             pages = None if self.store is None else self.store.pages(seq.id, seq.need)
             try:
-                seq.cache = seq.policy.build(self.engine, 1, len(seq.req.prompt_ids) + seq.req.max_new_tokens, pages,
-                                             self.prefetch.lane())  # fmt: skip
+                if self._stored(seq.policy):
+                    self.kv.admit(seq.id, seq.need)
+                    seq.cache = RequestPass(self.kv, seq.id)
+                else:
+                    seq.cache = seq.policy.build(self.engine, 1, len(seq.req.prompt_ids) + seq.req.max_new_tokens,
+                                                 pages, self.prefetch.lane())  # fmt: skip
             except Exception:
                 seq.reason = "error"
                 self._free(seq)
                 raise
             self.running.append(seq)
+
+    def _stored(self, policy: Policy) -> bool:
+        """Whether `policy`'s requests keep their KV in the batch's store (`full` over a paged pool, on a model without
+        sliding layers, one process: work in progress); the store is made on first use."""
+        cfg = self.engine.cfg
+        if policy.cls.name != "full" or self.store is None or cfg.sliding_layers or self.engine.tp is not None:
+            return False
+        if self.kv is None:
+            self.kv = DeviceKV(self.store.alloc.n_blocks, kv_layers(cfg), cfg.num_key_value_heads, cfg.head_dim,
+                               self.engine.device, self.engine.dtype)  # fmt: skip
+        return True
 
     def _prefill(self, outs: dict[int, Output]) -> None:
         budget = self.prefill_chunk
@@ -338,7 +355,10 @@ class Runner:
         t0 = time.perf_counter()
         ids = torch.cat([s.pending for s in rows])[:, None]
         pos = torch.cat([s.pos for s in rows])  # [B, 1]
-        cache = rows[0].cache if len(rows) == 1 else Rows([s.cache for s in rows])
+        if all(isinstance(s.cache, RequestPass) for s in rows):  # one step through the store for the whole batch
+            cache = DecodeStep(self.kv, [s.id for s in rows])
+        else:
+            cache = rows[0].cache if len(rows) == 1 else Rows([s.cache for s in rows])
         free = [i for i, s in enumerate(rows) if s.forced >= len(s.req.prompt_ids)]
         try:
             logits = decode_step(self.engine, cache, ids, pos)

@@ -13,11 +13,11 @@ import triton.language as tl
 
 @triton.jit(do_not_specialize=["n_splits", "max_blocks"])
 def paged_decode_kernel(
-    q, k, v, table, lengths, out_m, out_l, out_acc, scale, n_splits, max_blocks,
+    q, k, v, table, lengths, out_m, out_l, out_acc, scale, n_splits, max_blocks, n_slots,
     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK: tl.constexpr, TOKENS: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    # q [B, HKV, G, D]; k, v [slots, HKV, D] (slot = block * BLOCK + offset); table [B, max_blocks]; lengths [B]
+    # q [B, HKV, G, D]; k, v [HKV, n_slots, D] (slot = block * BLOCK + offset); table [B, max_blocks]; lengths [B]
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -28,6 +28,8 @@ def paged_decode_kernel(
     d = tl.arange(0, D_PAD)
     gd = (g[:, None] < G) & (d[None, :] < D)
     qv = tl.load(q + ((b * HKV + h) * G + g[:, None]).to(tl.int64) * D + d[None, :], mask=gd, other=0).to(tl.float32)
+    k_head = k + h.to(tl.int64) * n_slots * D  # this head's rows
+    v_head = v + h.to(tl.int64) * n_slots * D
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     acc_l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
@@ -35,16 +37,16 @@ def paged_decode_kernel(
         t = lo + t0 + tl.arange(0, TOKENS)
         live = t < hi
         blk = tl.load(table + b.to(tl.int64) * max_blocks + t // BLOCK, mask=live, other=0).to(tl.int64)
-        row = ((blk * BLOCK + t % BLOCK) * HKV + h) * D
+        row = (blk * BLOCK + t % BLOCK) * D
         kv_mask = live[:, None] & (d[None, :] < D)
-        kt = tl.load(k + row[:, None] + d[None, :], mask=kv_mask, other=0).to(tl.float32)  # [TOKENS, D_PAD]
+        kt = tl.load(k_head + row[:, None] + d[None, :], mask=kv_mask, other=0).to(tl.float32)  # [TOKENS, D_PAD]
         sc = tl.sum(qv[:, None, :] * kt[None, :, :], 2) * scale  # [G_PAD, TOKENS]
         sc = tl.where(live[None, :], sc, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split with nothing yet: no NaN from inf - inf
         p = tl.exp(sc - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
-        vt = tl.load(v + row[:, None] + d[None, :], mask=kv_mask, other=0).to(tl.float32)
+        vt = tl.load(v_head + row[:, None] + d[None, :], mask=kv_mask, other=0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vt[None, :, :], 1)
         acc_l = acc_l * alpha + tl.sum(p, 1)
         m = m_new

@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-TOKENS = 16  # keys a program scores at a time ([G, TOKENS, D] products in registers: 32 filled all 255)
+TOKENS = 16  # keys a program scores at a time ([G, TOKENS, D] products in registers: 32 took all 255)
 MIN_SPLIT = 256  # the fewest tokens a program reads (fewer: merging costs more than the parallelism gains)
 TARGET_PROGRAMS = 264  # two waves of an H100's 132 SMs
 
@@ -28,11 +28,12 @@ def splits(batch: int, hkv: int, longest: int) -> tuple[int, int]:
 
 
 def paged_decode(q, k, v, table, lengths, block: int, longest: int, scale: float | None = None) -> torch.Tensor:
-    """q [B, H, 1, D] over the keys and values of each sequence: k, v [slots, Hkv, D] (slot = block number x `block`
-    + offset), table [B, max_blocks] int32 (sequence b's token t is in block table[b, t // block]), lengths [B] int32
-    on the device; `longest`: the largest length, known on the host. Returns [B, H, 1, D] in q's dtype."""
+    """q [B, H, 1, D] over the keys and values of each sequence: k, v [Hkv, slots, D] (slot = block number x
+    `block` + offset; each head's rows contiguous), table [B, max_blocks] int32 (sequence b's token t is in block
+    table[b, t // block]), lengths [B] int32 on the device; `longest`: the largest length, known on the host.
+    Returns [B, H, 1, D] in q's dtype."""
     b, h, _, d = q.shape
-    hkv = k.shape[1]
+    hkv = k.shape[0]
     g = h // hkv
     scale = 1 / math.sqrt(d) if scale is None else scale
     if q.device.type != "cuda":
@@ -48,7 +49,7 @@ def paged_decode(q, k, v, table, lengths, block: int, longest: int, scale: float
     out_acc = torch.empty(b, hkv, n, g, d, dtype=torch.float32, device=q.device)
     with torch.cuda.device(q.device):
         paged_decode_kernel[(b, hkv, n)](
-            qg, k, v, table, lengths, out_m, out_l, out_acc, scale, n, table.shape[1],
+            qg, k, v, table, lengths, out_m, out_l, out_acc, scale, n, table.shape[1], k.shape[1],
             HKV=hkv, G=g, G_PAD=max(2, triton.next_power_of_2(g)), D=d, D_PAD=triton.next_power_of_2(d), BLOCK=block,
             TOKENS=TOKENS, SPLIT=split,
         )  # fmt: skip
@@ -72,8 +73,8 @@ def paged_decode_reference(q, k, v, table, lengths, block: int, longest: int, sc
     b, h, _, d = q.shape
     t = torch.arange(longest, device=table.device)
     slots = table[:, t // block].long() * block + t % block  # [B, longest]
-    keys = k[slots].transpose(1, 2)  # [B, Hkv, longest, D]
-    values = v[slots].transpose(1, 2)
+    keys = k[:, slots].transpose(0, 1)  # [B, Hkv, longest, D]
+    values = v[:, slots].transpose(0, 1)
     mask = (t[None, :] < lengths[:, None].long())[:, None, None, :]  # [B, 1, 1, longest]
     return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale,
                                           enable_gqa=keys.shape[1] != h)  # fmt: skip
@@ -86,7 +87,7 @@ def run_kernel_on_cpu(q, k, v, table, lengths, block: int, longest: int, scale: 
     from infinigen_rt.kv._attention_kernel import paged_decode_kernel
 
     b, h, _, d = q.shape
-    hkv = k.shape[1]
+    hkv = k.shape[0]
     g = h // hkv
     scale = 1 / math.sqrt(d) if scale is None else scale
     split, n = splits(b, hkv, longest)
@@ -95,7 +96,7 @@ def run_kernel_on_cpu(q, k, v, table, lengths, block: int, longest: int, scale: 
     out_acc = torch.empty(b, hkv, n, g, d, dtype=torch.float32)
     paged_decode_kernel[(b, hkv, n)](
         q.reshape(b, hkv, g, d).contiguous(), k, v, table, lengths, out_m, out_l, out_acc, scale, n,
-        table.shape[1], HKV=hkv, G=g, G_PAD=max(2, triton.next_power_of_2(g)), D=d, D_PAD=triton.next_power_of_2(d),
-        BLOCK=block, TOKENS=TOKENS, SPLIT=split,
+        table.shape[1], k.shape[1], HKV=hkv, G=g, G_PAD=max(2, triton.next_power_of_2(g)), D=d,
+        D_PAD=triton.next_power_of_2(d), BLOCK=block, TOKENS=TOKENS, SPLIT=split,
     )  # fmt: skip
     return merge(out_m, out_l, out_acc).reshape(b, h, 1, d).to(q.dtype)

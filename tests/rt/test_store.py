@@ -127,3 +127,40 @@ def test_a_pooled_layers_chosen_rows_come_in_one_gather_for_the_batch(gpu):
             torch.testing.assert_close(v_got[i, h, :5], own[r][1][0, h, chosen[i, h]])
     if gpu:
         assert [o.name for o in ops if o.kind == "triton"] == ["gather_rows_kernel"]
+
+
+@pytest.mark.parametrize("model", ["llama31_gqa", "opt"])
+def test_full_runs_its_batch_through_the_store_with_the_tokens_of_each_request_alone(model, bundles):
+    """`full` over a paged pool keeps every request's KV in the runner's store: prompts in chunks through their
+    tables, every decode step one pass for the whole batch; each request's tokens are those it makes alone (its own
+    buffers, no store), and every block comes back."""
+    from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.engine import Engine
+    from infinigen_rt.policies import configure
+    from infinigen_rt.runner import Request, Runner
+
+    e = Engine(read_bundle(bundles[model]), device="cpu", dtype="float32")
+    policy = configure(e, "full")
+    prompts = [list(range(5, 42)), list(range(50, 57)), list(range(60, 83))]
+    alone = []
+    for p in prompts:
+        run = Runner(e, policy, prefill_chunk=8)
+        run.add(Request(p, 6))
+        alone.append([o.token_ids for o in _drain(run)])
+    run = Runner(e, policy, max_batch=3, prefill_chunk=8, kv_tokens=512)
+    ids = [run.add(Request(p, 6)) for p in prompts]
+    outs = {}
+    while run.has_work:
+        for o in run.step():
+            if o.finished:
+                outs[o.id] = o.generation.token_ids
+        run.kv.check()
+    assert [outs[i] for i in ids] == [a[-1] for a in alone]
+    assert run.kv.alloc.used == 0 and not run.kv.length
+
+
+def _drain(run):
+    done = []
+    while run.has_work:
+        done += [o.generation for o in run.step() if o.finished]
+    return done
