@@ -298,13 +298,20 @@ class Runner:
 
     def _stored(self, policy: Policy) -> bool:
         """Whether `policy`'s requests keep their KV in the batch's store (`full` over a paged pool, on a model without
-        sliding layers, one process: work in progress); the store is made on first use."""
-        cfg = self.engine.cfg
+        sliding layers, one process: work in progress); the store is made on first use, if the pool's KV fits the
+        device (else each request keeps buffers of its own, exactly its size, as before the store)."""
+        cfg, dev = self.engine.cfg, self.engine.device
         if policy.cls.name != "full" or self.store is None or cfg.sliding_layers or self.engine.tp is not None:
             return False
         if self.kv is None:
-            self.kv = DeviceKV(self.store.alloc.n_blocks, kv_layers(cfg), cfg.num_key_value_heads, cfg.head_dim,
-                               self.engine.device, self.engine.dtype)  # fmt: skip
+            layers = kv_layers(cfg)
+            need = self.store.alloc.n_blocks * BLOCK_TOKENS * 2 * cfg.num_key_value_heads * cfg.head_dim * len(
+                layers) * self.engine.dtype.itemsize  # fmt: skip
+            free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else host_available() // 2
+            if need > 0.9 * free:  # a pool sized for admission only (the default: max_batch x the context)
+                return False
+            self.kv = DeviceKV(self.store.alloc.n_blocks, layers, cfg.num_key_value_heads, cfg.head_dim, dev,
+                               self.engine.dtype)  # fmt: skip
         return True
 
     def _prefill(self, outs: dict[int, Output]) -> None:

@@ -164,3 +164,26 @@ def _drain(run):
     while run.has_work:
         done += [o.generation for o in run.step() if o.finished]
     return done
+
+
+def test_a_pool_larger_than_the_device_leaves_full_on_buffers_of_its_own(bundles, monkeypatch):
+    """The runner's pool is sized for admission (by default max_batch x the context): where its KV would not fit the
+    device, `full` keeps each request's buffers, exactly its size, and generates the same."""
+    import infinigen_rt.runner as runner_mod
+    from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.engine import Engine
+    from infinigen_rt.policies import configure
+    from infinigen_rt.runner import Request, Runner
+
+    e = Engine(read_bundle(bundles["llama31_gqa"]), device="cpu", dtype="float32")
+    policy = configure(e, "full")
+    out = []
+    for available in (1 << 40, 1 << 10):  # room, then none
+        monkeypatch.setattr(runner_mod, "host_available", lambda a=available: a)
+        run = Runner(e, policy, max_batch=2, prefill_chunk=8, kv_tokens=512)
+        ids = [run.add(Request(list(range(5, 30)), 4)), run.add(Request(list(range(40, 49)), 4))]
+        done = {}
+        while run.has_work:
+            done.update({o.id: o.generation.token_ids for o in run.step() if o.finished})
+        out.append(([done[i] for i in ids], run.kv is not None))
+    assert out[0][1] and not out[1][1] and out[0][0] == out[1][0]
