@@ -14,15 +14,21 @@ running streams keep getting a token every step), then runs one decode forward o
 
 The KV pool (kv/paged.py: a PagedStore, with `kv_tokens`) is one set of preallocated host buffers per layer, in blocks,
 that every request shares: an admitted request takes the blocks for its prompt and new tokens, or under a
-capacity for what its pools reach (its policy's `pool_slots`: eviction frees slots it reuses), its block table;
-the host-pool policies (offload, infinigen, int4) keep its rows there; the policies whose KV stays on the
-device (full, h2o) count against the same blocks but keep their rows in device buffers of their own. Without
-`kv_tokens` every request's cache has buffers of its own and nothing limits admission but `max_batch`.
+capacity for what its pools reach (its policy's `pool_slots`: eviction frees slots it reuses), its block table.
 
-Each request owns its cache, built by its own policy (a policies.Policy, the runner's unless the request brings
-one) and closed, its blocks returned, the moment it finishes or is aborted. The decode forward is
-one batched pass through the model whose attention each row does through its own cache (cache.Rows), so a
-request's tokens are the same whichever requests share its steps. The model runs in step.py's two functions.
+Over that pool the runner keeps the batch's KV store (kv/store.py), made for the first policy (with its options)
+that can run in it (`KVCache.selector`: today `full`, `offload`, and `infinigen` without a capacity or the recall
+trace, on a model without sliding layers). Its requests' prompts go through the store request by
+request (`RequestPass`), and every decode step is one pass for all of them (`StoreStep`): speculation, selection,
+the gather and attention once a layer for the whole batch. A request the store cannot hold (another policy, or
+options the store does not run yet) keeps a cache of its own, built by its policy, its rows in the same pool's
+blocks; a step then attends the store's rows as one part and each other request through its own cache
+(cache.Rows). Without `kv_tokens` every request's cache has buffers of its own and nothing limits admission but
+`max_batch`.
+
+A request's KV is released, its blocks returned, the moment it finishes or is aborted. A request's tokens are the
+same whichever requests share its steps (the runner's tests hold this for every policy, in the store or not). The
+model runs in step.py's two functions.
 """
 
 from __future__ import annotations
@@ -37,10 +43,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from infinigen_rt.errors import InfinigenError
-from infinigen_rt.kv.cache import KVReport, Rows, kv_layers, merge_reports
+from infinigen_rt.kv.cache import KVReport, Rows, merge_reports
 from infinigen_rt.kv.paged import PagedStore
 from infinigen_rt.kv.prefetch import prefetcher
-from infinigen_rt.kv.store import DecodeStep, DeviceKV, RequestPass
+from infinigen_rt.kv.store import KVStore, RequestPass, StoreStep
 from infinigen_rt.policies import Policy
 from infinigen_rt.sampling import SamplingParams, sample, sample_rows
 from infinigen_rt.step import decode_step, prefill
@@ -179,7 +185,8 @@ class Runner:
         # one side stream (a GPU) or worker thread (a CPU with a core to spare) for every request's row copies: the
         # caches take lanes of it (on a CPU under tensor parallelism speculation runs inline: collectives in order)
         self.prefetch = prefetcher(engine.device, overlap=engine.tp is None or engine.device.type == "cuda")
-        self.kv: DeviceKV | None = None  # `full`'s KV for the batch (kv/store.py, work in progress), made on first use
+        self.kv: KVStore | None = None  # the batch's KV store (kv/store.py), made for the first policy it can run
+        self.kv_policy: Policy | None = None  # the policy (with its options) whose requests it holds
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []  # admitted: prefilling (done < prompt) or decoding, in arrival order
         self.ids = itertools.count()
@@ -242,9 +249,11 @@ class Runner:
         return None
 
     def close(self) -> None:
-        """Abort every request (waiting or running): their KV is freed."""
+        """Abort every request (waiting or running): their KV is freed, and the batch's store with it (the next
+        request makes a new one)."""
         for seq in [*self.waiting, *self.running]:
             self.abort(seq.id)
+        self.kv = self.kv_policy = None
 
     @property
     def has_work(self) -> bool:
@@ -285,7 +294,6 @@ class Runner:
             pages = None if self.store is None else self.store.pages(seq.id, seq.need)
             try:
                 if self._stored(seq.policy):
-                    self.kv.admit(seq.id, seq.need)
                     seq.cache = RequestPass(self.kv, seq.id)
                 else:
                     seq.cache = seq.policy.build(self.engine, 1, len(seq.req.prompt_ids) + seq.req.max_new_tokens,
@@ -297,21 +305,25 @@ class Runner:
             self.running.append(seq)
 
     def _stored(self, policy: Policy) -> bool:
-        """Whether `policy`'s requests keep their KV in the batch's store (`full` over a paged pool, on a model without
-        sliding layers, one process: work in progress); the store is made on first use, if the pool's KV fits the
-        device (else each request keeps buffers of its own, exactly its size, as before the store)."""
+        """Whether a request of `policy` keeps its KV in the batch's store: over a paged pool, on a model without
+        sliding layers, for the policy (with its options) the store was made for; it is made for the
+        first request whose policy can run in it (`KVCache.selector`), if its device layers' KV fits the device
+        (else that policy's requests keep caches of their own, exactly their size, as before the store)."""
         cfg, dev = self.engine.cfg, self.engine.device
-        if policy.cls.name != "full" or self.store is None or cfg.sliding_layers or self.engine.tp is not None:
+        if self.store is None or cfg.sliding_layers:
             return False
-        if self.kv is None:
-            layers = kv_layers(cfg)
-            need = self.store.alloc.n_blocks * BLOCK_TOKENS * 2 * cfg.num_key_value_heads * cfg.head_dim * len(
-                layers) * self.engine.dtype.itemsize  # fmt: skip
-            free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else host_available() // 2
-            if need > 0.9 * free:  # a pool sized for admission only (the default: max_batch x the context)
-                return False
-            self.kv = DeviceKV(self.store.alloc.n_blocks, layers, cfg.num_key_value_heads, cfg.head_dim, dev,
-                               self.engine.dtype)  # fmt: skip
+        if self.kv_policy is not None:
+            return self.kv is not None and policy == self.kv_policy
+        selector = policy.selector(self.engine, self.prefetch.lane())
+        if selector is None:
+            return False
+        self.kv_policy = policy
+        need = self.store.alloc.n_blocks * BLOCK_TOKENS * 2 * cfg.num_key_value_heads * cfg.head_dim * len(
+            selector.device_layers) * self.engine.dtype.itemsize  # fmt: skip
+        free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else host_available() // 2
+        if need > 0.9 * free:  # a pool sized for admission only (the default: max_batch x the context)
+            return False
+        self.kv = KVStore(self.store, selector, cfg, dev, self.engine.dtype)
         return True
 
     def _prefill(self, outs: dict[int, Output]) -> None:
@@ -360,10 +372,15 @@ class Runner:
         if not rows:
             return
         t0 = time.perf_counter()
+        stored = [s for s in rows if isinstance(s.cache, RequestPass)]
+        rows = stored + [s for s in rows if not isinstance(s.cache, RequestPass)]  # the store's rows first
         ids = torch.cat([s.pending for s in rows])[:, None]
         pos = torch.cat([s.pos for s in rows])  # [B, 1]
-        if all(isinstance(s.cache, RequestPass) for s in rows):  # one step through the store for the whole batch
-            cache = DecodeStep(self.kv, [s.id for s in rows])
+        if stored:  # one step through the store for all of its rows
+            cache = StoreStep(self.kv, [s.id for s in stored])
+            if len(stored) < len(rows):
+                rest = [s.cache for s in rows[len(stored) :]]
+                cache = Rows([cache, *rest], [len(stored)] + [1] * len(rest))
         else:
             cache = rows[0].cache if len(rows) == 1 else Rows([s.cache for s in rows])
         free = [i for i, s in enumerate(rows) if s.forced >= len(s.req.prompt_ids)]

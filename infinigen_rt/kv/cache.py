@@ -70,6 +70,12 @@ class KVCache:
         raise NotImplementedError
 
     @classmethod
+    def selector(cls, engine, opts, prefetch=None):
+        """The policy as the batch's KV store runs it (store.Selector: which layers stay on the device, which rows a
+        step reads), or None where the store cannot run these options yet (the request keeps a cache of its own)."""
+        return None
+
+    @classmethod
     def pool_slots(cls, opts, prompt: int, new: int, chunk: int) -> int:
         """The most token slots a request of `prompt` + `new` tokens, prefilled in chunks of at most `chunk`, ever
         holds per (sequence, KV head) in a paged pool: its reservation. Every token, unless eviction frees slots
@@ -140,6 +146,9 @@ class Policy:
         cache = self.cls.build(engine, self.opts, batch, max_len, pages, prefetch)
         return windowed(engine.cfg, cache, batch, max_len, engine.device, engine.dtype)
 
+    def selector(self, engine, prefetch=None):
+        return self.cls.selector(engine, self.opts, prefetch)
+
     def pool_slots(self, prompt: int, new: int, chunk: int) -> int:
         return self.cls.pool_slots(self.opts, prompt, new, chunk)
 
@@ -172,23 +181,27 @@ def causal_mask(valid: torch.Tensor, start: int) -> torch.Tensor:
 
 
 class Rows(KVCache):
-    """One forward pass over several requests, each with its own cache: row i of the batch is the one sequence of
-    `caches[i]`. The projections and the MLP run batched; each row attends through its own cache (its policy,
-    length and state), so a request computes the same whichever requests share its step."""
+    """One forward pass over several requests' caches: `sizes[i]` consecutive rows of the batch are `caches[i]`'s
+    sequences (default: one each; the batch's KV store takes every row it holds, store.StoreStep). The projections
+    and the MLP run batched; each part attends through its own cache (its policy, length and state), so a request
+    computes the same whichever requests share its step."""
 
-    def __init__(self, caches: list[KVCache]):
+    def __init__(self, caches: list[KVCache], sizes: list[int] | None = None):
         self.caches = caches
+        sizes = sizes or [1] * len(caches)
+        ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+        self.parts = [slice(e - n, e) for n, e in zip(sizes, ends, strict=True)]
 
     def begin(self, valid, positions) -> None:
-        for i, c in enumerate(self.caches):
-            c.begin(None if valid is None else valid[i : i + 1], positions[i : i + 1])
+        for p, c in zip(self.parts, self.caches, strict=True):
+            c.begin(None if valid is None else valid[p], positions[p])
 
     def observe(self, layer, x) -> None:
-        for i, c in enumerate(self.caches):
-            c.observe(layer, x[i : i + 1])
+        for p, c in zip(self.parts, self.caches, strict=True):
+            c.observe(layer, x[p])
 
     def attend(self, layer, q, k, v) -> torch.Tensor:
-        return torch.cat([c.attend(layer, q[i : i + 1], k[i : i + 1], v[i : i + 1]) for i, c in enumerate(self.caches)])
+        return torch.cat([c.attend(layer, q[p], k[p], v[p]) for p, c in zip(self.parts, self.caches, strict=True)])
 
     def end(self) -> None:
         for c in self.caches:

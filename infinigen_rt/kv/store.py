@@ -1,19 +1,26 @@
-"""The one KV store for the running batch (work in progress: the runner does not use it yet).
+"""The one KV store for the running batch: every running request's KV, and one decode step for all of them.
 
-Every running request's KV lives in the same buffers, in blocks of BLOCK token slots taken from one allocator
-(paged.BlockAllocator): for a layer whose KV stays on the compute device, keys and values [Hkv, slots, D] there
-(each head's rows contiguous: a request whose blocks are one run is a view, as attention reads it);
-for a pooled layer, in host memory (page-locked when a GPU computes), whose chosen rows one kernel gathers for the
-whole batch (`gather`).
+Every request's KV lives in the same buffers, in blocks of BLOCK token slots of the runner's paged pool
+(paged.PagedStore: its allocator and its host buffers). A layer whose KV stays on the compute device keeps keys and
+values [Hkv, slots, D] there (each head's rows contiguous: a request whose blocks are one run is a view, as
+attention reads it); a pooled layer keeps them in the paged pool's host buffers (page-locked when a GPU computes),
+from which one gather brings the rows a step reads, for the whole batch.
 A request's table lists its blocks; a step's `Batch` is the tables and lengths of the requests it runs, on the
-device, so that a layer writes the step's new rows and attends for the whole batch in a few launches
-(attention.paged_decode), whatever the batch size.
+device, so that a layer writes the step's new rows, chooses, gathers and attends for the whole batch in a few
+launches, whatever the batch size.
 
-Invariants (`check`): the allocator's; every request's length fits its table; a released request holds nothing.
+What a policy decides is its `Selector`: which layers stay on the device, which rows of a pooled layer a step reads
+(and what it keeps beside them: InfiniGen's speculation keys). The store is the mechanism: slots, tables, copies,
+attention, and the counts of what moved (`Ledger`, per request).
+
+Invariants (`check`): the allocator's; every request's length fits its reservation; a released request holds
+nothing.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,9 +29,10 @@ import torch.nn.functional as F
 
 from infinigen_rt.kv.attention import paged_decode
 from infinigen_rt.kv.cache import KVCache, KVReport, causal_mask
-from infinigen_rt.kv.paged import BlockAllocator
+from infinigen_rt.kv.kernels import scatter_rows
+from infinigen_rt.kv.paged import PagedStore
 from infinigen_rt.kv.pool import copy_rows
-from infinigen_rt.system import host_buffer, to_device
+from infinigen_rt.system import to_device
 
 BLOCK = 16
 
@@ -32,41 +40,104 @@ BLOCK = 16
 @dataclass
 class Batch:
     """The requests a step runs, in its rows' order: their block tables [B, max_blocks] int32 and lengths [B] int32
-    on the device (the lengths after the step's new tokens), the longest length on the host."""
+    on the device (the lengths after the step's new tokens), and on the host the rows each held before the step
+    (`old`, int64 [B])."""
 
     rids: list[int]
     table: torch.Tensor
     lengths: torch.Tensor
     longest: int
+    old: np.ndarray
+
+    def held(self) -> tuple[int, torch.Tensor | None]:
+        """(T, held): the longest row's rows before the step, and [B, T] bool of the rows each holds (None: all hold
+        T, known on the host)."""
+        t = int(self.old.max())
+        if (self.old == t).all():
+            return t, None
+        old = to_device(torch.from_numpy(self.old), self.table.device)
+        return t, torch.arange(t, device=self.table.device) < old[:, None]
 
 
-class DeviceKV:
-    """Keys and values of `layers` on the compute device, paged: [n_blocks * BLOCK, Hkv, D] per layer and tensor."""
+class Ledger:
+    """What moved, per request: counts added each step (host ints, or device tensors [B] of the step's rows), read
+    to the host in one copy when a report asks (never inside a decode step)."""
 
-    def __init__(self, n_blocks: int, layers, n_kv: int, head_dim: int, device, dtype, pooled=()):
-        """`layers`: those whose KV stays on the device; `pooled`: those whose KV lives in host memory."""
-        self.alloc = BlockAllocator(n_blocks, BLOCK)
+    def __init__(self):
+        self.pending: list[tuple[str, list[int], torch.Tensor, float]] = []
+        self.total: dict[tuple[str, int], float] = defaultdict(float)
+        self.top: dict[tuple[str, int], float] = {}
+
+    def add(self, key: str, rids: list[int], counts, scale: float = 1.0) -> None:
+        """counts (times `scale`): a number for every row, or [B] (host or device: a device tensor is kept as it is,
+        no launch)."""
+        if isinstance(counts, torch.Tensor) and counts.device.type != "cpu":
+            self.pending.append((key, rids, counts, scale))
+            return
+        counts = np.broadcast_to(np.asarray(counts.cpu() if isinstance(counts, torch.Tensor) else counts,
+                                            dtype=np.float64), len(rids)) * scale  # fmt: skip
+        for r, c in zip(rids, counts.tolist(), strict=True):
+            self._put(key, r, c)
+
+    def _put(self, key: str, rid: int, c: float) -> None:
+        self.total[key, rid] += c
+        self.top[key, rid] = max(self.top.get((key, rid), c), c)
+
+    def settle(self) -> None:
+        if not self.pending:
+            return
+        got = torch.cat([c.double().reshape(-1) for _, _, c, _ in self.pending]).tolist()
+        at = 0
+        for key, rids, _, scale in self.pending:
+            for r in rids:
+                self._put(key, r, got[at] * scale)
+                at += 1
+        self.pending = []
+
+    def get(self, key: str, rid: int) -> float:
+        return self.total.get((key, rid), 0.0)
+
+    def max(self, key: str, rid: int) -> float | None:
+        return self.top.get((key, rid))
+
+    def forget(self, rid: int) -> None:
+        self.settle()
+        for d in (self.total, self.top):
+            for k in [k for k in d if k[1] == rid]:
+                del d[k]
+
+
+class KVStore:
+    """The batch's KV: `device_layers` on the compute device, the rest of `selector.layers` pooled in `host`'s
+    buffers, under `host`'s block tables."""
+
+    def __init__(self, host: PagedStore, selector: Selector, cfg, device, dtype):
+        assert host.alloc.block_size == BLOCK
+        self.host, self.alloc, self.selector = host, host.alloc, selector  # (its buffers live as long as it)
         self.device = torch.device(device)
-        shape = (n_kv, n_blocks * BLOCK, head_dim)
-        self.k = {i: torch.zeros(shape, device=self.device, dtype=dtype) for i in layers}
-        self.v = {i: torch.zeros(shape, device=self.device, dtype=dtype) for i in layers}
-        self.pinned: list | None = [] if self.device.type == "cuda" else None  # (released with the store: WIP)
-        self.pooled = set(pooled)
-        for i in pooled:  # slot-major, as the host pools are: a new token's rows one run, the row kernel's rows
-            self.k[i] = host_buffer((n_blocks * BLOCK, n_kv, head_dim), dtype, self.pinned)
-            self.v[i] = host_buffer((n_blocks * BLOCK, n_kv, head_dim), dtype, self.pinned)
-        self.kernel = self.device.type == "cuda"  # gather pooled rows with the kernel (tests: the interpreter)
-        self.n_kv = n_kv
+        self.n_kv, self.head_dim = cfg.num_key_value_heads, cfg.head_dim
+        slots = host.alloc.n_blocks * BLOCK
+        self.device_layers = set(selector.device_layers)
+        self.pooled = set(selector.pooled_layers)
+        shape = (self.n_kv, slots, self.head_dim)
+        self.k = {i: torch.zeros(shape, device=self.device, dtype=dtype) for i in self.device_layers}
+        self.v = {i: torch.zeros(shape, device=self.device, dtype=dtype) for i in self.device_layers}
+        for i in self.pooled:  # slot-major host rows [slots, Hkv, D]: a new token's rows one run
+            self.k[i] = host.buffer("k", i, (self.n_kv, self.head_dim), dtype).view(slots, self.n_kv, -1)
+            self.v[i] = host.buffer("v", i, (self.n_kv, self.head_dim), dtype).view(slots, self.n_kv, -1)
+        self.kernel = self.device.type == "cuda"  # pooled rows by the row kernels (tests: the interpreter)
+        self.row_bytes = 2 * self.head_dim * dtype.itemsize  # one token's K and V for one KV head
         self.length: dict[int, int] = {}  # tokens written per request (host)
+        self.ledger = Ledger()
+        selector.attach(self)
 
-    def admit(self, rid: int, tokens: int) -> None:
-        """Blocks for `tokens` tokens of request `rid` (paged.PoolFull when there is no room: nothing changes)."""
-        self.alloc.grow(rid, tokens)
+    def admit(self, rid: int) -> None:
+        """Request `rid`, whose blocks the paged pool's allocator holds already."""
         self.length[rid] = 0
 
     def release(self, rid: int) -> None:
-        self.alloc.release(rid)
         self.length.pop(rid, None)
+        self.ledger.forget(rid)
 
     def slots(self, rid: int, start: int, n: int) -> np.ndarray:
         return self.alloc.slots(rid, start, n)
@@ -80,39 +151,63 @@ class DeviceKV:
         return to_device(torch.from_numpy(slots), self.device)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [B, Hkv, n, D] into `slots` [B * n] (from `append`): one copy per tensor for the whole batch (a
-        pooled layer's on the host: index_copy there, on a CPU; the scatter kernel is the GPU's, next)."""
-        if layer in self.pooled:  # [B * n, Hkv, D] into slot-major host rows
-            rows = lambda x: x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1])  # noqa: E731
-            dst = self.k[layer].device
-            self.k[layer].index_copy_(0, slots.to(dst), rows(k).to(dst, self.k[layer].dtype))
-            self.v[layer].index_copy_(0, slots.to(dst), rows(v).to(dst, self.v[layer].dtype))
+        """k, v [B, Hkv, n, D] into `slots` [B * n] (from `append`): one copy per tensor for the whole batch. A pooled
+        layer's rows go to host memory: on a GPU the scatter kernel writes them into the pinned pages, on a CPU
+        index_copy."""
+        if layer in self.pooled:
+            h = self.n_kv
+            rows = (slots[:, None] * h + torch.arange(h, device=slots.device)).reshape(-1)  # [B * n * Hkv]
+            for buf, x in ((self.k[layer], k), (self.v[layer], v)):
+                src = x.transpose(1, 2).reshape(-1, x.shape[-1])  # [B * n * Hkv, D], rows in the same order
+                flat = buf.view(-1, buf.shape[-1])
+                if self.kernel:
+                    scatter_rows(flat, rows, src)
+                else:
+                    flat.index_copy_(0, rows.to(flat.device), src.to(flat.device, flat.dtype))
             return
         heads = lambda x: x.transpose(0, 1).reshape(x.shape[1], -1, x.shape[-1])  # noqa: E731  [Hkv, B * n, D]
         self.k[layer].index_copy_(1, slots, heads(k).to(self.k[layer].dtype))
         self.v[layer].index_copy_(1, slots, heads(v).to(self.v[layer].dtype))
 
-    def rows(self, batch: Batch, slots: torch.Tensor) -> torch.Tensor:
-        """Token slots [B, Hkv, n] of each row's own sequence -> row numbers [B * Hkv, n] of a pooled layer's buffers
-        viewed as [slots * Hkv, D], through the tables, on the device."""
-        b, h, n = slots.shape
-        blocks = torch.gather(batch.table.long(), 1, (slots // BLOCK).reshape(b, -1)).view(b, h, n)
-        phys = blocks * BLOCK + slots % BLOCK
-        head = torch.arange(h, device=slots.device).view(1, h, 1)
-        return (phys * h + head).reshape(b * h, n)
+    def physical(self, batch: Batch, slots: torch.Tensor) -> torch.Tensor:
+        """Token slots [B, ..., n] of each row's own sequence -> their flat slot numbers in the buffers, through the
+        tables, on the device."""
+        b = slots.shape[0]
+        blocks = torch.gather(batch.table.long(), 1, (slots // BLOCK).reshape(b, -1)).view(slots.shape)
+        return blocks * BLOCK + slots % BLOCK
 
-    def gather(self, layer: int, batch: Batch, slots: torch.Tensor, ok: torch.Tensor | None, extra: int = 1):
+    def gather(self, layer: int, batch: Batch, slots: torch.Tensor, ok: torch.Tensor | None, extra: int = 1,
+               out=None, phys: torch.Tensor | None = None):  # fmt: skip
         """The K and V rows of every row's `slots` [B, Hkv, n] from pooled layer `layer`, in one copy for the batch:
         [B, Hkv, n + extra, D] each on the device (the `extra` last rows: room for the new tokens). On a GPU the
-        row kernel reads them from pinned memory, skipping those where `ok` is False; on a CPU, index_select."""
+        row kernel reads them from pinned memory, skipping those where `ok` is False; on a CPU, index_select.
+        `out`: flat device buffers (keys, values) to fill instead of new tensors (the kernel only). `phys`: the
+        slots' flat slot numbers where the caller has them (see physical; [B, 1, n] where every head's are the same)."""
         b, h, n = slots.shape
-        out_k = torch.empty(b, h, n + extra, self.k[layer].shape[-1], dtype=self.k[layer].dtype, device=self.device)
-        out_v = torch.empty_like(out_k)
-        copy_rows(self.k[layer], self.v[layer], self.rows(batch, slots).view(b, h, n), ok, out_k, out_v, self.kernel)
+        d = self.head_dim
+        if out is None:
+            out_k = torch.empty(b, h, n + extra, d, dtype=self.k[layer].dtype, device=self.device)
+            out_v = torch.empty_like(out_k)
+        else:
+            out_k, out_v = (o[: b * h * (n + extra) * d].view(b, h, n + extra, d) for o in out)
+        head = torch.arange(h, device=slots.device).view(1, h, 1)
+        if ok is None or self.kernel:  # the kernel writes zeros where ok is False
+            phys = self.physical(batch, slots) if phys is None else phys
+            copy_rows(self.k[layer], self.v[layer], phys * h + head, ok, out_k, out_v, self.kernel)
+            return out_k, out_v
+        # a CPU, where rows do not all count: only those that do are copied (and, as index_select does, a row for
+        # each new token), the others are zeros (never unwritten memory: NaN bits would poison attention's sum)
+        slots = torch.cat([torch.where(ok, slots, 0), slots.new_zeros(b, h, extra)], -1)
+        keep = torch.cat([ok.expand(b, h, n), ok.new_ones(b, h, extra)], -1).reshape(-1).nonzero().squeeze(1)
+        rows = (self.physical(batch, slots) * h + head).reshape(-1)[keep]
+        for src, out in ((self.k[layer], out_k), (self.v[layer], out_v)):
+            out.zero_()
+            out.view(-1, d).index_copy_(0, keep, src.view(-1, d).index_select(0, rows).to(out.dtype))
         return out_k, out_v
 
-    def batch(self, rids: list[int]) -> Batch:
-        """The step's tables and lengths on the device (two copies up, not waited for)."""
+    def batch(self, rids: list[int], new: int = 1) -> Batch:
+        """The step's tables and lengths on the device (two copies up, not waited for); `new`: the tokens each row
+        brings (appended already)."""
         tables = [self.alloc.tables[r] for r in rids]
         width = max(len(t) for t in tables)
         table = np.zeros((len(rids), width), dtype=np.int32)
@@ -120,13 +215,14 @@ class DeviceKV:
             table[i, : len(t)] = t
         lengths = np.array([self.length[r] for r in rids], dtype=np.int32)
         return Batch(rids, to_device(torch.from_numpy(table), self.device),
-                     to_device(torch.from_numpy(lengths), self.device), int(lengths.max()))  # fmt: skip
+                     to_device(torch.from_numpy(lengths), self.device), int(lengths.max()),
+                     lengths.astype(np.int64) - new)  # fmt: skip
 
     def attend(self, layer: int, q: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """One query token per row, q [B, H, 1, D] (its own row already written), over each row's keys: [B, H, 1, D].
-        A GPU attends for the whole batch in one kernel; a CPU row by row over views of each request's blocks where
-        they are one run (the gather the reference makes would double its KV's memory traffic: `full` 1.7x slower
-        at SmolLM2 4k), gathered where they are not."""
+        """One query token per row, q [B, H, 1, D] (its own row already written), over each row's keys of a device
+        layer: [B, H, 1, D]. A GPU attends for the whole batch in one kernel; a CPU row by row over views of each
+        request's blocks where they are one run (the gather the reference makes would double its KV's memory
+        traffic: `full` 1.7x slower at SmolLM2 4k), gathered where they are not."""
         k, v = self.k[layer], self.v[layer]
         if self.device.type != "cpu":
             return paged_decode(q, k, v, batch.table, batch.lengths, BLOCK, batch.longest)
@@ -145,57 +241,179 @@ class DeviceKV:
             return buf[None, :, table[0] * BLOCK : table[0] * BLOCK + n]
         return buf[None, :, torch.from_numpy(self.slots(rid, 0, n)).to(buf.device)]
 
+    def report(self, rid: int) -> KVReport:
+        """What request `rid` moved so far (settles the device counts: not inside a decode step)."""
+        self.ledger.settle()
+        led = self.ledger
+        h2d = [round(led.get(f"h2d{i}", rid)) for i in range(max(self.pooled, default=-1) + 1)]
+        r = KVReport(bytes_h2d=sum(h2d), bytes_d2h=round(led.get("d2h", rid)), kv_fetched_share=1.0,
+                     kv_attended_share=1.0, per_layer={"bytes_h2d": h2d} if self.pooled else None)  # fmt: skip
+        self.selector.report(rid, r)
+        return r
+
     def check(self) -> None:
         """Raise AssertionError when an invariant (module docstring) does not hold."""
         self.alloc.check()
-        assert set(self.length) == set(self.alloc.tables), "a request's length without its table, or the reverse"
+        assert set(self.length) <= set(self.alloc.tables), "a request's length without its table"
         for rid, n in self.length.items():
             assert n <= self.alloc.reserved[rid], f"request {rid} wrote {n} tokens past its reservation"
 
 
-class RequestPass(KVCache):
-    """One request's prompt chunk through the store (what the model calls, `layers` on the device): its rows written
-    through its table, attention causal over its earlier rows and the chunk's."""
+class Selector:
+    """A policy as the store runs it: which layers keep their KV on the device (`device_layers`), which are pooled in
+    host memory (`pooled_layers`), and which rows of a pooled layer a decode step reads. The default reads every row
+    a request holds (`offload`); a policy with nothing pooled keeps everything on the device (`full`)."""
 
-    def __init__(self, store: DeviceKV, rid: int):
+    def __init__(self, device_layers, pooled_layers, prefetch=None):
+        self.device_layers, self.pooled_layers = list(device_layers), list(pooled_layers)
+        self.prefetch = prefetch  # the runner's lane (prefetch.Lane): rows ahead on its side stream or worker
+        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # a GPU's fetched rows, used in turn
+
+    def attach(self, store: KVStore) -> None:
+        self.store = weakref.proxy(store)  # (no cycle: the store's device memory goes with its last reference)
+
+    def written(self, batch: Batch, layer: int, k: torch.Tensor, phys: torch.Tensor) -> None:
+        """The new keys k [B, Hkv, s, D] went into flat slots phys [B * s] of a pooled layer (a prefill or a step)."""
+
+    def begin(self, step: StoreStep) -> None:
+        """A decode step starts (step.batch is on the device)."""
+
+    def observe(self, step: StoreStep, layer: int, x: torch.Tensor) -> None:
+        """Layer `layer`'s normalised input in a decode step: every row's layer-after rows can start moving."""
+        j = layer + 1
+        if self.prefetch is not None and self.prefetch.side_stream and j in self.store.pooled:
+            self.prefetch.start(j, self.every_row, step, j)
+
+    def every_row(self, step: StoreStep, layer: int):
+        """(keys, values, ok): every row each request held before the step, [B, Hkv, T + 1, D] (the last row: room
+        for the new token); ok [B, Hkv, T] where rows are shorter than the longest, else None."""
+        t, held = step.held
+        b, h = len(step.batch.rids), self.store.n_kv
+        slots = torch.arange(t, device=self.store.device).expand(b, h, t)
+        ok = None if held is None else held[:, None].expand(b, h, t)
+        phys = step.idx[:, None]  # [B, 1, T]: the heads' row numbers are then the one [B, Hkv, T] temporary
+        k, v = self.gather(step, layer, slots, ok, 1, layer % 2, step.batch.old * h, phys)
+        return k, v, ok
+
+    def gather(self, step: StoreStep, j: int, slots, ok, extra: int, turn: int | None = None, counted=None,
+               phys=None):  # fmt: skip
+        """Rows `slots` [B, Hkv, n] of pooled layer j for every request (store.gather), counted per request: on a GPU
+        the rows that count (`counted`, per request, where `ok` skips some; else all), into device buffer `turn`
+        (two, used in turn by consecutive layers: a new tensor per layer, made on the side stream and freed on the
+        compute stream while the host runs ahead of the copies, could not be reused before they caught up); on a
+        CPU the rows it copies: those that count and one for each new token (the `extra` rows)."""
+        store, (b, h, n) = self.store, slots.shape
+        out = None
+        if store.kernel and turn is not None:
+            need = b * h * (n + extra) * store.head_dim
+            if turn not in self.buffers or self.buffers[turn][0].numel() < need:  # an eighth more: rows grow
+                self.buffers[turn] = tuple(torch.empty(need + need // 8, dtype=store.k[j].dtype, device=store.device)
+                                           for _ in "kv")  # fmt: skip
+            out = self.buffers[turn]
+        k, v = store.gather(j, step.batch, slots, ok, extra, out, phys)
+        if ok is None:
+            copied = n * h + (0 if store.kernel else extra * h)
+        else:  # what counts (the kernel and a CPU copy only that), and on a CPU the new tokens' rows
+            counted = ok.sum((1, 2)) if counted is None else counted
+            copied = counted if store.kernel else counted + extra * h
+        store.ledger.add(f"h2d{j}", step.batch.rids, copied, store.row_bytes)
+        return k, v
+
+    def rows(self, step: StoreStep, layer: int, q: torch.Tensor):
+        """(keys, values, ok) that a pooled layer attends in a decode step (see every_row); q: the layer's query."""
+        if self.prefetch is not None and layer in self.prefetch:
+            return self.prefetch.result(layer)
+        return self.every_row(step, layer)
+
+    def report(self, rid: int, r: KVReport) -> None:
+        """Fill in the policy's fields of request `rid`'s report."""
+
+
+class StoreStep(KVCache):
+    """One decode step of several requests through the store: each row's new token written, every device layer
+    attended in one kernel, every pooled layer's rows chosen and gathered once for the batch."""
+
+    def __init__(self, store: KVStore, rids: list[int]):
+        self.store, self.rids = store, rids
+
+    def begin(self, valid, positions) -> None:
+        self.positions = positions
+        self.slots = self.store.append(self.rids, 1)
+        self.batch = self.store.batch(self.rids)
+        self.held = self.batch.held()
+        self.span = None  # one row whose first T slots are one run: their slice (read in place, no gather)
+        if self.store.pooled:  # [B, T]: the flat slots of every row's tokens held before the step (on the compute
+            t, b = self.held[0], len(self.rids)  # stream, before a side stream reads it)
+            self.idx = self.store.physical(self.batch, torch.arange(t, device=self.store.device).expand(b, t))
+            table = self.store.alloc.tables[self.rids[0]][: -(-t // BLOCK)]
+            if b == 1 and t and table == list(range(table[0], table[0] + len(table))):
+                self.span = slice(table[0] * BLOCK, table[0] * BLOCK + t)
+        self.store.selector.begin(self)
+
+    def observe(self, layer, x) -> None:
+        self.store.selector.observe(self, layer, x)
+
+    def attend(self, layer, q, k, v) -> torch.Tensor:
+        store = self.store
+        if layer in store.device_layers:
+            store.write(layer, self.slots, k, v)
+            return store.attend(layer, q, self.batch)
+        keys, values, ok = store.selector.rows(self, layer, q)  # the rows held before (and their reads) first
+        store.write(layer, self.slots, k, v)
+        store.ledger.add("d2h", self.rids, k.shape[1] * store.row_bytes)
+        store.selector.written(self.batch, layer, k, self.slots)
+        keys[:, :, -1:], values[:, :, -1:] = k, v
+        mask = None
+        if ok is not None:  # [B, H, 1, n + 1]: the rows that count, and the new token's
+            group = q.shape[1] // ok.shape[1]
+            ok = ok.repeat_interleave(group, 1) if group > 1 else ok
+            mask = torch.cat([ok, torch.ones_like(ok[..., :1])], -1)[:, :, None]
+        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+                                              enable_gqa=keys.shape[1] != q.shape[1])  # fmt: skip
+
+
+class RequestPass(KVCache):
+    """One request's prompt chunk through the store (what the model calls): its rows written through its table,
+    attention causal over its earlier rows (read from the device, or gathered from host memory for a pooled layer)
+    and the chunk's. It is also the request's handle on the store: its report, and its release."""
+
+    def __init__(self, store: KVStore, rid: int):
         self.store, self.rid = store, rid
+        store.admit(rid)
 
     def begin(self, valid, positions) -> None:
         assert valid is None or bool(valid.all()), "a request's pass through the store has no padding"
         s = positions.shape[1]
         self.start = self.store.length[self.rid]
         self.slots = self.store.append([self.rid], s)
+        self.batch = self.store.batch([self.rid], s)
         self.held = self.start + s if self.start else None  # the rows it reads: every one so far
         self.mask = causal_mask(torch.ones(1, self.start + s, dtype=torch.bool, device=positions.device),
                                 self.start) if self.start else None  # fmt: skip
 
     def attend(self, layer, q, k, v) -> torch.Tensor:
-        self.store.write(layer, self.slots, k, v)
+        store = self.store
+        store.write(layer, self.slots, k, v)
         gqa = k.shape[1] != q.shape[1]
+        pooled = layer in store.pooled
+        if pooled:
+            store.ledger.add("d2h", [self.rid], k.shape[1] * k.shape[2] * store.row_bytes)
+            store.selector.written(self.batch, layer, k, self.slots)
         if self.held is None:  # a first chunk: nothing earlier to read
             return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=gqa)
-        keys = self.store.rows_of(self.store.k[layer], self.rid, self.held)  # [1, Hkv, T, D]
-        values = self.store.rows_of(self.store.v[layer], self.rid, self.held)
+        if pooled:  # the earlier rows from host memory, then the chunk's own
+            t, h = self.start, store.n_kv
+            slots = torch.arange(t, device=store.device).expand(1, h, t)
+            keys, values = store.gather(layer, self.batch, slots, None, extra=0)
+            store.ledger.add(f"h2d{layer}", [self.rid], t * h * store.row_bytes)
+            keys, values = torch.cat([keys.to(k.dtype), k], 2), torch.cat([values.to(v.dtype), v], 2)
+        else:
+            keys = store.rows_of(store.k[layer], self.rid, self.held)  # [1, Hkv, T, D]
+            values = store.rows_of(store.v[layer], self.rid, self.held)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, enable_gqa=gqa)
 
     def report(self) -> KVReport:
-        return KVReport(kv_fetched_share=1.0, kv_attended_share=1.0)
+        return self.store.report(self.rid)
 
     def close(self) -> None:
         self.store.release(self.rid)
-
-
-class DecodeStep(KVCache):
-    """One decode step of several requests through the store: each row's new token written, every row attended in
-    one kernel, whatever the batch (the runner's decode forward when every running request's KV is in the store)."""
-
-    def __init__(self, store: DeviceKV, rids: list[int]):
-        self.store, self.rids = store, rids
-
-    def begin(self, valid, positions) -> None:
-        self.slots = self.store.append(self.rids, 1)
-        self.batch = self.store.batch(self.rids)
-
-    def attend(self, layer, q, k, v) -> torch.Tensor:
-        self.store.write(layer, self.slots, k, v)
-        return self.store.attend(layer, q, self.batch)

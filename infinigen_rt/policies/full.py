@@ -7,6 +7,7 @@ import torch
 
 from infinigen_rt.config import ModelConfig
 from infinigen_rt.kv.cache import KVCache, KVReport, causal_mask, kv_layers
+from infinigen_rt.kv.store import Selector
 
 
 class DenseCache(KVCache):
@@ -17,6 +18,11 @@ class DenseCache(KVCache):
     @classmethod
     def build(cls, engine, opts, batch, max_len, pages=None, prefetch=None):
         return cls(engine.cfg, batch, max_len, engine.device, engine.dtype)
+
+    @classmethod
+    def selector(cls, engine, opts, prefetch=None):
+        """Every layer's KV on the device (not a subclass's: h2o's attention scores its own context)."""
+        return Selector(kv_layers(engine.cfg), []) if cls is DenseCache else None
 
     @classmethod
     def kv_bytes(cls, engine, opts, tokens, dtype_bytes):

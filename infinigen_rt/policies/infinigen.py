@@ -27,6 +27,7 @@ from infinigen_rt.bundle import InfinigenDefaults
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.kv.cache import KVReport, kv_layers
 from infinigen_rt.kv.prefetch import prefetcher
+from infinigen_rt.kv.store import BLOCK, Selector
 from infinigen_rt.policies.offload import POOL_KNOBS, OffloadCache, device_pairs
 from infinigen_rt.policies.options import KVOptions
 from infinigen_rt.policies.speculation import (
@@ -38,6 +39,7 @@ from infinigen_rt.policies.speculation import (
     spec_key_bytes,
     spec_keys,
 )
+from infinigen_rt.system import to_device
 
 BUCKET = 64  # the fetch size of a sync-free step is a multiple of this (fewer distinct shapes)
 
@@ -118,6 +120,13 @@ class InfinigenCache(OffloadCache):
             engine.cfg, batch, max_len, engine.device, engine.dtype, opts, engine.speculator,
             engine.speculation.defaults, pages, engine.tp, prefetch,
         )  # fmt: skip
+
+    @classmethod
+    def selector(cls, engine, opts, prefetch=None):
+        """InfiniGen in the store; not yet with a capacity (eviction) or the recall trace."""
+        if opts.capacity is not None or opts.trace_recall or prefetch is None:
+            return None
+        return InfinigenSelector(engine, opts, prefetch)
 
     @classmethod
     def kv_bytes(cls, engine, opts, tokens, dtype_bytes):
@@ -242,7 +251,7 @@ class InfinigenCache(OffloadCache):
         best = agg.topk(min(n, t), dim=-1)  # sorted: a sequence keeps its own count, the first of them
         slots, ok = best.indices, best.values > float("-inf")
         if min(per_row) < n:  # sequences of other lengths in the batch: each its own count (a host-made mask)
-            limit = torch.tensor(per_row).to(ok.device, non_blocking=True)
+            limit = to_device(torch.tensor(per_row), ok.device)
             ok &= torch.arange(slots.shape[-1], device=ok.device) < limit[:, None, None]
         kc, vc = pool.gather(slots, ok)
         if pool.kernel:
@@ -310,3 +319,128 @@ class InfinigenCache(OffloadCache):
             for i in range(self.cfg.num_hidden_layers)
         ]
         return r
+
+
+class InfinigenSelector(Selector):
+    """InfiniGen in the batch's KV store: the dense layers on the device, the speculated ones pooled in host memory
+    with their speculation keys on the device (in the store's slots); each decode step, layer j-1's input chooses
+    layer j's rows for every request at once (one speculative query, one scoring over every row's slots through the
+    tables, one selection, one gather), on the compute stream while layer j-1 computes, the copy on the side stream
+    (or the runner's worker thread on a CPU)."""
+
+    def __init__(self, engine, opts: KVOptions, prefetch):
+        cfg, dense = engine.cfg, opts.dense_layers
+        self.layers = speculated(cfg, dense)
+        super().__init__([i for i in kv_layers(cfg) if i < dense], self.layers, prefetch)
+        self.cfg, self.opts, self.dtype, self.spec, self.tp = cfg, opts, engine.dtype, engine.speculator, engine.tp
+        defaults = engine.speculation.defaults
+        self.alphas = layer_alphas(opts, defaults, dense, cfg.num_hidden_layers, self.layers)
+        self.layer_opts = layer_options(opts, defaults, dense, cfg.num_hidden_layers, self.layers)
+        c = opts.correct
+        self.spec_opts = {j: replace(o, budget=o.budget * (1 - c), max_kv=o.max_kv and max(1, int(o.max_kv * (1 - c))))
+                          for j, o in self.layer_opts.items()} if c else self.layer_opts  # fmt: skip
+
+    def attach(self, store) -> None:
+        super().attach(store)
+        self.keys = spec_keys(self.opts.spec_keys, self.spec, self.layers, 1, store.alloc.n_blocks * BLOCK,
+                              store.device, self.dtype)  # fmt: skip
+        self.sync_free = store.device.type == "cuda"  # no device read for the fetch size
+
+    def written(self, batch, layer, k, phys) -> None:
+        b, h, s, d = k.shape  # the batch's new keys as one sequence of the store's, at their flat slots
+        self.keys.write(layer, k.transpose(0, 1).reshape(1, h, b * s, d), phys.view(1, 1, -1).expand(1, h, -1))
+
+    def begin(self, step) -> None:
+        t, held = step.held
+        b, h = len(step.batch.rids), self.store.n_kv
+        at = torch.arange(t, device=self.store.device)
+        step.held3 = None if held is None else held[:, None].expand(b, h, t)
+        step.pos = None if held is None else torch.where(held, at, -1)[:, None].expand(b, h, t)
+        step.cos_sin = self.spec.rope(step.positions, self.dtype)
+
+    def observe(self, step, layer, x) -> None:
+        j = layer + 1
+        if j in self.store.pooled and j >= self.opts.dense_layers:  # while layer j-1 computes
+            self.prefetch.start(j, self.speculate, step, j, x, copy=self.copy)
+
+    @torch.inference_mode()
+    def speculate(self, step, j: int, x: torch.Tensor):
+        """Choose layer j's rows of every request from layer j-1's normalised input x [B, 1, hidden]."""
+        q = self.spec.query(j, x, step.cos_sin, self.opts.renorm, self.keys.full)  # [B, Hkv, G, d' or D], scaled
+        t = step.held[0]
+        opts = self.spec_opts[j]
+        width = fetch_width(int(step.batch.old.max()), t, opts, BUCKET) if self.sync_free else None
+        s = self.keys.scores_at(j, q, step.span or step.idx)
+        return step, j, select(s, self.alphas[j], opts, step.held3, step.pos, width, self.tp)
+
+    @torch.inference_mode()
+    def copy(self, chosen) -> tuple:
+        """The chosen rows of layer j for every request: (selection, keys, values) [B, Hkv, n + 1, D]."""
+        step, j, sel = chosen
+        sel.counted = None if sel.every else sel.ok.sum((1, 2))  # rows per request (its fetch, its bytes)
+        return sel, *self.gather(step, j, sel.slots, None if sel.every else sel.ok, 1, j % 2, sel.counted)
+
+    def rows(self, step, layer, q):
+        if layer not in self.prefetch:
+            return super().rows(step, layer, q)  # not speculated (the first pooled layer without a dense one)
+        sel, k, v = self.prefetch.result(layer)
+        led, rids = self.store.ledger, step.batch.rids
+        led.add(f"fetched{layer}", rids, sel.slots.shape[-1] * self.store.n_kv if sel.every else sel.counted)
+        if self.opts.correct:
+            sel, k, v = self.correct(step, layer, q, sel, k, v)
+        led.add(f"held{layer}", rids, step.batch.old * self.store.n_kv)
+        led.add("per_row", rids, sel.per_row)
+        led.add("per_row_n", rids, 1)
+        return k, v, None if sel.every else sel.ok
+
+    def correct(self, step, layer: int, q: torch.Tensor, sel: Selection, k, v) -> tuple:
+        """The correction step for every request: layer j's true query q [B, H, 1, D] scored against the same keys;
+        each request's best rows speculation did not fetch, up to the rest of its budget, gathered and joined to the
+        speculated ones (before the new token's row)."""
+        opts, old = self.layer_opts[layer], step.batch.old.tolist()
+        per_row = [fetch_count(n, opts) - fetch_count(n, self.spec_opts[layer]) for n in old]
+        n = max(per_row)
+        if n <= 0:
+            return sel, k, v
+        (t, held), (b, hkv) = step.held, sel.slots.shape[:2]
+        s = self.keys.scores_at(layer, self.spec.keys_side(layer, q.reshape(b, hkv, -1, q.shape[-1]), self.keys.full),
+                                step.span or step.idx)  # fmt: skip
+        taken = torch.zeros(b, hkv, t, dtype=torch.bool, device=s.device)
+        taken.scatter_(2, sel.slots, sel.ok)  # what speculation fetched
+        if held is not None:
+            s = s.masked_fill(~step.held3[:, :, None], float("-inf"))
+            taken |= ~step.held3
+        agg = s.softmax(-1).sum(2) if self.opts.group_agg == "sum" else s.amax(2)
+        agg = agg.masked_fill(taken, float("-inf"))
+        best = agg.topk(min(n, t), dim=-1)  # sorted: a request keeps its own count, the first of them
+        slots, ok = best.indices, best.values > float("-inf")
+        if min(per_row) < n:  # requests of other lengths: each its own count (a host-made mask)
+            limit = to_device(torch.tensor(per_row), ok.device)
+            ok &= torch.arange(slots.shape[-1], device=ok.device) < limit[:, None, None]
+        counted = ok.sum((1, 2))
+        kc, vc = self.gather(step, layer, slots, ok, 0, counted=counted)
+        self.store.ledger.add("corrected", step.batch.rids, counted)
+        self.store.ledger.add(f"fetched{layer}", step.batch.rids, counted)
+        sel = Selection(torch.cat([sel.slots, slots], -1), torch.cat([sel.ok, ok], -1), False, sel.per_row)
+        k = torch.cat([k[:, :, :-1], kc.to(k.dtype), k[:, :, -1:]], 2)
+        v = torch.cat([v[:, :, :-1], vc.to(v.dtype), v[:, :, -1:]], 2)
+        return sel, k, v
+
+    def report(self, rid: int, r: KVReport) -> None:
+        led = self.store.ledger
+        held = {j: led.get(f"held{j}", rid) for j in self.layers}
+        fetched = {j: led.get(f"fetched{j}", rid) for j in self.layers}
+        total = sum(held.values())
+        if not total:
+            return
+        share = sum(fetched.values()) / total
+        dense = 1 - len(self.layers) / self.cfg.num_hidden_layers
+        r.kv_fetched_share, r.share_rows = round(share, 6), round(total)
+        r.kv_attended_share = round(dense + (1 - dense) * share, 6)
+        if self.opts.correct:
+            r.kv_corrected_share = round(led.get("corrected", rid) / total, 6)
+        n = led.get("per_row_n", rid)
+        r.tokens_per_head_mean = round(led.get("per_row", rid) / n, 3) if n else None
+        r.tokens_per_head_max = led.max("per_row", rid) if n else None
+        r.per_layer["kv_fetched_share"] = [round(fetched[i] / held[i], 6) if held.get(i) else None
+                                           for i in range(self.cfg.num_hidden_layers)]  # fmt: skip

@@ -15,6 +15,7 @@ from infinigen_rt.config import ModelConfig
 from infinigen_rt.kv.cache import KVCache, KVReport, causal_mask, kv_layers
 from infinigen_rt.kv.pool import KVPool
 from infinigen_rt.kv.prefetch import prefetcher
+from infinigen_rt.kv.store import Selector
 from infinigen_rt.policies.full import DenseCache
 from infinigen_rt.policies.options import KVOptions
 
@@ -81,6 +82,14 @@ class OffloadCache(KVCache):
     @classmethod
     def build(cls, engine, opts, batch, max_len, pages=None, prefetch=None):
         return cls(engine.cfg, batch, max_len, engine.device, engine.dtype, opts, pages=pages, prefetch=prefetch)
+
+    @classmethod
+    def selector(cls, engine, opts, prefetch=None):
+        """Every layer pooled, every row read (the store's default selector); not with a capacity (eviction is not
+        in the store yet)."""
+        if cls is not OffloadCache or opts.capacity is not None:
+            return None
+        return Selector([], kv_layers(engine.cfg), prefetch)
 
     @classmethod
     def kv_bytes(cls, engine, opts, tokens, dtype_bytes):

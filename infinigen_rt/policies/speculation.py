@@ -149,6 +149,13 @@ class PartialKeys:
         """q [B, Hkv, G, d'] (scaled) against the first t slots: [B, Hkv, G, t] in float32."""
         return (q @ self.pk[j][..., :t]).float()
 
+    def scores_at(self, j: int, q: torch.Tensor, idx: torch.Tensor | slice) -> torch.Tensor:
+        """A store's keys (batch 1, its flat slots): q [B, Hkv, G, d'] against row b's slots idx[b] ([B, T]):
+        [B, Hkv, G, T] in float32. `idx` a slice: one row whose slots are one run (read in place)."""
+        if isinstance(idx, slice):
+            return (q @ self.pk[j][..., idx]).float()
+        return (q @ self.pk[j][0][:, :, idx].permute(2, 0, 1, 3)).float()
+
 
 CHUNK_BYTES = 32 << 20  # what QuantKeys.scores dequantizes at once, in float32
 
@@ -190,13 +197,26 @@ class QuantKeys:
         """q [B, Hkv, G, D] (scaled) against the first t slots' dequantized keys: [B, Hkv, G, t] in float32. The keys
         are dequantized a span of slots at a time, so what a step holds besides the codes stays near CHUNK_BYTES
         (all of them at once: 1 GiB per layer at Llama-2-7B, 4 x 32k)."""
+        return self._scores(q, t, lambda i, e: (self.codes[j][:, :, i:e], self.meta[j][:, :, i:e]))
+
+    def scores_at(self, j: int, q: torch.Tensor, idx: torch.Tensor | slice) -> torch.Tensor:
+        """A store's keys (batch 1, its flat slots): q [B, Hkv, G, D] against row b's slots idx[b] ([B, T]):
+        [B, Hkv, G, T] in float32, a span at a time as `scores`. `idx` a slice: one row whose slots are one run
+        (read in place)."""
+        if isinstance(idx, slice):
+            codes, meta, t = self.codes[j][:, :, idx], self.meta[j][:, :, idx], idx.stop - idx.start
+        else:  # [B, Hkv, T, bytes], gathered once for every span
+            (codes, meta), t = (x[j][0][:, idx].transpose(0, 1) for x in (self.codes, self.meta)), idx.shape[1]
+        return self._scores(q, t, lambda i, e: (codes[:, :, i:e], meta[:, :, i:e]))
+
+    def _scores(self, q: torch.Tensor, t: int, span_of) -> torch.Tensor:
         b, hkv, _, d = q.shape
         out = torch.empty(*q.shape[:-1], t, dtype=torch.float32, device=q.device)
         span = max(64, CHUNK_BYTES // (b * hkv * d * 4))
         for i in range(0, t, span):
             e = min(t, i + span)
-            meta = self.meta[j][:, :, i:e]
-            k = dequantize(self.codes[j][:, :, i:e], meta[..., 0, :], meta[..., 1, :], self.group, q.dtype, self.bits)
+            codes, meta = span_of(i, e)
+            k = dequantize(codes, meta[..., 0, :], meta[..., 1, :], self.group, q.dtype, self.bits)
             out[..., i:e] = q @ k.transpose(-1, -2)
         return out
 
@@ -231,6 +251,7 @@ class Selection:
     ok: torch.Tensor
     every: bool
     per_row: torch.Tensor
+    counted: torch.Tensor | None = None  # ok's count per sequence, where a step counted it (the batch's store)
 
 
 def fetch_count(held: int, opts: KVOptions) -> int:

@@ -48,7 +48,7 @@ def test_offload_bytes_are_every_held_row(smol_synthetic):
     cfg = preset_config("smollm2-135m")
     ctx, warm, gen, b = 40, 2, 4, 2
     (p,) = run_points(smol_synthetic, "t", ["offload"], b, ctx, gen, BW, warmup=warm, trace=False)
-    held = ctx + warm + (gen - 1) / 2 + 1  # mean over the timed steps of held tokens plus the new one's row
+    held = ctx + warm + (gen - 1) / 2 + 1  # mean over the timed steps of the rows held, and one copied for the new
     row = 2 * cfg.head_dim * 4  # K and V of one token, one KV head, one layer, fp32
     assert p.h2d_bytes_per_step == pytest.approx(cfg.num_hidden_layers * cfg.num_key_value_heads * b * held * row)
     assert p.d2h_bytes_per_step == cfg.num_hidden_layers * cfg.num_key_value_heads * b * row  # the new token

@@ -1,26 +1,39 @@
-"""The one KV store for the batch (kv/store.py, work in progress): requests of different lengths written through
-their block tables, then one decode step for the whole batch: each row's attention equals SDPA over its own rows;
-state checked after every operation, as the paged pool's tests do."""
+"""The one KV store for the batch (kv/store.py): requests of different lengths written through their block tables,
+then one decode step for the whole batch: each row's attention equals SDPA over its own rows; state checked after
+every operation, as the paged pool's tests do. Through the runner: every policy the store runs makes each request's
+tokens as it makes them alone, with its own cache."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from infinigen_rt.kv.paged import PoolFull
-from infinigen_rt.kv.store import BLOCK, DeviceKV
+from infinigen_rt.kv.paged import PagedStore, PoolFull
+from infinigen_rt.kv.store import BLOCK, KVStore, Selector
 
 HKV, H, D = 2, 6, 32
 
 
+def make(n_blocks, layers, pooled=(), n_kv=HKV, head_dim=D, device="cpu", dtype=torch.float32) -> KVStore:
+    cfg = SimpleNamespace(num_key_value_heads=n_kv, head_dim=head_dim)
+    return KVStore(PagedStore(n_blocks, BLOCK, device), Selector(layers, pooled), cfg, device, dtype)
+
+
+def admit(store: KVStore, rid: int, tokens: int) -> None:
+    store.alloc.grow(rid, tokens)
+    store.admit(rid)
+
+
 def test_a_decode_step_attends_for_the_whole_batch_as_each_request_alone():
     gen = torch.Generator().manual_seed(0)
-    store = DeviceKV(n_blocks=40, layers=[0, 3], n_kv=HKV, head_dim=D, device="cpu", dtype=torch.float32)
+    store = make(40, [0, 3])
     prompts = {7: 37, 8: 5, 9: 130}  # request id -> prompt tokens (inside a block, under one, several blocks)
     own = {}
     for rid, n in prompts.items():
-        store.admit(rid, n + 4)
+        admit(store, rid, n + 4)
         store.check()
         k, v = (torch.randn(1, HKV, n, D, generator=gen) for _ in "kv")
         slots = store.append([rid], n)
@@ -44,21 +57,22 @@ def test_a_decode_step_attends_for_the_whole_batch_as_each_request_alone():
     store.check()
 
 
-def test_release_frees_every_block_and_a_full_store_refuses_without_changing():
-    store = DeviceKV(n_blocks=4, layers=[0], n_kv=HKV, head_dim=D, device="cpu", dtype=torch.float32)
-    store.admit(1, 3 * BLOCK)
+def test_release_forgets_a_request_and_a_full_pool_refuses_without_changing():
+    store = make(4, [0])
+    admit(store, 1, 3 * BLOCK)
     with pytest.raises(PoolFull):
-        store.admit(2, 2 * BLOCK)
+        admit(store, 2, 2 * BLOCK)
     store.check()
     assert 2 not in store.length and len(store.alloc.free) == 1
     store.release(1)
+    store.alloc.release(1)
     store.check()
     assert len(store.alloc.free) == 4 and not store.length
 
 
 def test_writing_past_the_reservation_is_refused():
-    store = DeviceKV(n_blocks=4, layers=[0], n_kv=HKV, head_dim=D, device="cpu", dtype=torch.float32)
-    store.admit(1, 5)
+    store = make(4, [0])
+    admit(store, 1, 5)
     store.append([1], 5)
     with pytest.raises(IndexError):
         store.append([1], 1)
@@ -74,9 +88,9 @@ def test_a_layers_launches_do_not_grow_with_the_batch_on_the_gpu_path():
         pytest.skip(available())
     counts = {}
     with FakeCuda(values=False) as gpu, torch.inference_mode():
-        store = DeviceKV(n_blocks=8 * 2049, layers=[0], n_kv=8, head_dim=128, device="cuda", dtype=torch.bfloat16)
+        store = make(8 * 2049, [0], n_kv=8, head_dim=128, device="cuda", dtype=torch.bfloat16)
         for rid in range(8):
-            store.admit(rid, 32768 + 1)
+            admit(store, rid, 32768 + 1)
             store.length[rid] = 32768  # (a prompt written: the shapes are what matters here)
         for b in (1, 8):
             rids = list(range(b))
@@ -89,6 +103,7 @@ def test_a_layers_launches_do_not_grow_with_the_batch_on_the_gpu_path():
             counts[b] = [o.name for o in ops if o.launch]
             for r in rids:
                 store.length[r] -= 1
+        store.host._unpin()  # (its pages are fake CUDA's: released inside it)
     assert counts[1] == counts[8] and "paged_decode_kernel" in counts[8], counts
     assert splits(1, 8, 32769)[1] > splits(8, 8, 32769)[1]  # batch 1 splits its context further
 
@@ -108,9 +123,9 @@ def test_a_pooled_layers_chosen_rows_come_in_one_gather_for_the_batch(gpu):
     own = {}
     with FakeCuda() if gpu else nullcontext() as fake:
         dev = "cuda" if gpu else "cpu"
-        store = DeviceKV(40, [], HKV, D, dev, torch.float32, pooled=[2])
+        store = make(40, [], [2], device=dev)
         for rid, n in lengths.items():
-            store.admit(rid, n + 1)
+            admit(store, rid, n + 1)
             k, v = (torch.randn(1, HKV, n, D, generator=gen) for _ in "kv")
             store.write(2, store.append([rid], n), k.to(dev), v.to(dev))
             own[rid] = (k, v)
@@ -120,6 +135,8 @@ def test_a_pooled_layers_chosen_rows_come_in_one_gather_for_the_batch(gpu):
         with fake.recording() if gpu else nullcontext() as ops:
             k_got, v_got = store.gather(2, batch, chosen.to(dev), None)
         k_got, v_got = k_got.cpu(), v_got.cpu()
+        if gpu:
+            store.host._unpin()
     assert k_got.shape == (3, HKV, 6, D)
     for i, r in enumerate(rids):
         for h in range(HKV):
