@@ -33,13 +33,15 @@ from infinigen_rt.policies.options import KVOptions
 from infinigen_rt.policies.speculation import (
     Selection,
     Speculator,
-    fetch_count,
+    correction_counts,
+    correction_rows,
     fetch_width,
+    joined,
     select,
     spec_key_bytes,
     spec_keys,
+    speculated_share,
 )
-from infinigen_rt.system import to_device
 
 BUCKET = 64  # the fetch size of a sync-free step is a multiple of this (fewer distinct shapes)
 
@@ -161,9 +163,7 @@ class InfinigenCache(OffloadCache):
         self.sync_free = self.device.type == "cuda"  # no device read for the fetch size (see the docstring)
         self.layer_opts = layer_options(opts, defaults, dense, cfg.num_hidden_layers, layers)
         # with a correction step, speculation fetches 1 - correct of each layer's budget and the correction the rest
-        c = opts.correct
-        self.spec_opts = {j: replace(o, budget=o.budget * (1 - c), max_kv=o.max_kv and max(1, int(o.max_kv * (1 - c))))
-                          for j, o in self.layer_opts.items()} if c else self.layer_opts  # fmt: skip
+        self.spec_opts = speculated_share(self.layer_opts, opts.correct)
         self.last_sel: Selection | None = None  # of the layer being computed
         # on a GPU the speculated rows land in two device buffers used in turn (layer j reads one while layer j+1's
         # rows arrive in the other): a new tensor per layer, made on the side stream and freed on the compute stream
@@ -232,37 +232,21 @@ class InfinigenCache(OffloadCache):
         """The correction step: layer j's true query q [B, H, 1, D] (known now, on the critical path) scored against
         the same speculation keys; the best rows speculation did not fetch, up to the rest of the budget, are
         gathered (a second, small copy) and joined to the speculated ones (before the new token's row)."""
-        pool, opts = self.pools[layer], self.layer_opts[layer]
-        per_seq = pool.n_held.max(1).tolist()  # tokens held per sequence, as speculation counts (host-known)
-        per_row = [fetch_count(h, opts) - fetch_count(h, self.spec_opts[layer]) for h in per_seq]
-        n = max(per_row)
-        if n <= 0:
+        pool = self.pools[layer]
+        per_row = correction_counts(pool.n_held.max(1).tolist(), self.layer_opts[layer], self.spec_opts[layer])
+        if max(per_row) <= 0:
             return sel, k, v
         t, (b, hkv) = pool.fill, pool.n_held.shape
         s = self.keys.scores(layer, self.spec.keys_side(layer, q.reshape(b, hkv, -1, q.shape[-1]), self.keys.full), t)
-        taken = torch.zeros(b, hkv, t, dtype=torch.bool, device=s.device)
-        taken.scatter_(2, sel.slots, sel.ok)  # what speculation fetched
-        if not self.every_slot_held(layer):
-            held = pool.pos[..., :t] >= 0
-            s = s.masked_fill(~held[:, :, None], float("-inf"))
-            taken |= ~held
-        agg = s.softmax(-1).sum(2) if self.opts.group_agg == "sum" else s.amax(2)
-        agg = agg.masked_fill(taken, float("-inf"))
-        best = agg.topk(min(n, t), dim=-1)  # sorted: a sequence keeps its own count, the first of them
-        slots, ok = best.indices, best.values > float("-inf")
-        if min(per_row) < n:  # sequences of other lengths in the batch: each its own count (a host-made mask)
-            limit = to_device(torch.tensor(per_row), ok.device)
-            ok &= torch.arange(slots.shape[-1], device=ok.device) < limit[:, None, None]
+        held = None if self.every_slot_held(layer) else pool.pos[..., :t] >= 0
+        slots, ok = correction_rows(s, sel, held, per_row, self.opts.group_agg)
         kc, vc = pool.gather(slots, ok)
         if pool.kernel:
             self.stats.h2d_rows[layer].append(ok.sum())
         else:
             self.stats.h2d[layer] += slots.numel() * pool.row_bytes
         self.stats.corrected.append(ok.sum())
-        sel = Selection(torch.cat([sel.slots, slots], -1), torch.cat([sel.ok, ok], -1), False, sel.per_row)
-        k = torch.cat([k[:, :, :-1], kc.to(k.dtype), k[:, :, -1:]], 2)
-        v = torch.cat([v[:, :, :-1], vc.to(v.dtype), v[:, :, -1:]], 2)
-        return sel, k, v
+        return joined(sel, slots, ok, k, v, kc, vc)
 
     def every_fetched_row_counts(self) -> bool:
         return self.last_sel is None or self.last_sel.every
@@ -336,9 +320,7 @@ class InfinigenSelector(Selector):
         defaults = engine.speculation.defaults
         self.alphas = layer_alphas(opts, defaults, dense, cfg.num_hidden_layers, self.layers)
         self.layer_opts = layer_options(opts, defaults, dense, cfg.num_hidden_layers, self.layers)
-        c = opts.correct
-        self.spec_opts = {j: replace(o, budget=o.budget * (1 - c), max_kv=o.max_kv and max(1, int(o.max_kv * (1 - c))))
-                          for j, o in self.layer_opts.items()} if c else self.layer_opts  # fmt: skip
+        self.spec_opts = speculated_share(self.layer_opts, opts.correct)
 
     def attach(self, store) -> None:
         super().attach(store)
@@ -397,34 +379,18 @@ class InfinigenSelector(Selector):
         """The correction step for every request: layer j's true query q [B, H, 1, D] scored against the same keys;
         each request's best rows speculation did not fetch, up to the rest of its budget, gathered and joined to the
         speculated ones (before the new token's row)."""
-        opts, old = self.layer_opts[layer], step.batch.old.tolist()
-        per_row = [fetch_count(n, opts) - fetch_count(n, self.spec_opts[layer]) for n in old]
-        n = max(per_row)
-        if n <= 0:
+        per_row = correction_counts(step.batch.old.tolist(), self.layer_opts[layer], self.spec_opts[layer])
+        if max(per_row) <= 0:
             return sel, k, v
-        (t, held), (b, hkv) = step.held, sel.slots.shape[:2]
+        b, hkv = sel.slots.shape[:2]
         s = self.keys.scores_at(layer, self.spec.keys_side(layer, q.reshape(b, hkv, -1, q.shape[-1]), self.keys.full),
                                 step.span or step.idx)  # fmt: skip
-        taken = torch.zeros(b, hkv, t, dtype=torch.bool, device=s.device)
-        taken.scatter_(2, sel.slots, sel.ok)  # what speculation fetched
-        if held is not None:
-            s = s.masked_fill(~step.held3[:, :, None], float("-inf"))
-            taken |= ~step.held3
-        agg = s.softmax(-1).sum(2) if self.opts.group_agg == "sum" else s.amax(2)
-        agg = agg.masked_fill(taken, float("-inf"))
-        best = agg.topk(min(n, t), dim=-1)  # sorted: a request keeps its own count, the first of them
-        slots, ok = best.indices, best.values > float("-inf")
-        if min(per_row) < n:  # requests of other lengths: each its own count (a host-made mask)
-            limit = to_device(torch.tensor(per_row), ok.device)
-            ok &= torch.arange(slots.shape[-1], device=ok.device) < limit[:, None, None]
+        slots, ok = correction_rows(s, sel, step.held3, per_row, self.opts.group_agg)
         counted = ok.sum((1, 2))
         kc, vc = self.gather(step, layer, slots, ok, 0, counted=counted)
         self.store.ledger.add("corrected", step.batch.rids, counted)
         self.store.ledger.add(f"fetched{layer}", step.batch.rids, counted)
-        sel = Selection(torch.cat([sel.slots, slots], -1), torch.cat([sel.ok, ok], -1), False, sel.per_row)
-        k = torch.cat([k[:, :, :-1], kc.to(k.dtype), k[:, :, -1:]], 2)
-        v = torch.cat([v[:, :, :-1], vc.to(v.dtype), v[:, :, -1:]], 2)
-        return sel, k, v
+        return joined(sel, slots, ok, k, v, kc, vc)
 
     def report(self, rid: int, r: KVReport) -> None:
         led = self.store.ledger

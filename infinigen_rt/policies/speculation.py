@@ -15,7 +15,7 @@ among them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +25,7 @@ from infinigen_rt.bundle import partial_idx_name, partial_q_name, skew_name
 from infinigen_rt.config import ModelConfig
 from infinigen_rt.kv.quant import code_bytes, dequantize, quantize
 from infinigen_rt.models.llama import SpeculationTaps, apply_rope
+from infinigen_rt.system import to_device
 
 if TYPE_CHECKING:  # the policies import this module
     from infinigen_rt.policies.options import KVOptions
@@ -349,3 +350,47 @@ def select(
         if n_min != n_max:
             ok &= torch.arange(n_max, device=top.device) < n[..., None]
     return Selection(top, ok, prefix and n_min == n_max, per_row)
+
+
+def speculated_share(layer_opts: dict, correct: float) -> dict:
+    """Each layer's options for speculation when a correction step takes `correct` of the budget: 1 - correct of it
+    (and of max_kv), the rest the correction's (infinigen.py)."""
+    if not correct:
+        return layer_opts
+    return {j: replace(o, budget=o.budget * (1 - correct), max_kv=o.max_kv and max(1, int(o.max_kv * (1 - correct))))
+            for j, o in layer_opts.items()}  # fmt: skip
+
+
+def correction_counts(held: list[int], opts: KVOptions, spec_opts: KVOptions) -> list[int]:
+    """What the correction fetches per sequence holding `held` tokens: the budget's count less speculation's."""
+    return [fetch_count(h, opts) - fetch_count(h, spec_opts) for h in held]
+
+
+def correction_rows(s: torch.Tensor, sel: Selection, held: torch.Tensor | None, per_row: list[int],
+                    group_agg: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The correction's choice from the true query's scores s [B, Hkv, G, t]: each sequence's best `per_row` slots
+    that speculation (`sel`) did not take, among the held ones (`held` [B, Hkv, t], None: all). (slots, ok)
+    [B, Hkv, max(per_row)]; sorted, so a sequence with a smaller count keeps the first of them."""
+    b, hkv, _, t = s.shape
+    n = max(per_row)
+    taken = torch.zeros(b, hkv, t, dtype=torch.bool, device=s.device)
+    taken.scatter_(2, sel.slots, sel.ok)  # what speculation fetched
+    if held is not None:
+        s = s.masked_fill(~held[:, :, None], float("-inf"))
+        taken |= ~held
+    agg = s.softmax(-1).sum(2) if group_agg == "sum" else s.amax(2)
+    best = agg.masked_fill(taken, float("-inf")).topk(min(n, t), dim=-1)
+    slots, ok = best.indices, best.values > float("-inf")
+    if min(per_row) < n:  # sequences of other lengths: each its own count (a host-made mask)
+        limit = to_device(torch.tensor(per_row), ok.device)
+        ok &= torch.arange(slots.shape[-1], device=ok.device) < limit[:, None, None]
+    return slots, ok
+
+
+def joined(sel: Selection, slots, ok, k, v, kc, vc) -> tuple[Selection, torch.Tensor, torch.Tensor]:
+    """Speculation's selection and rows k, v [B, Hkv, n + 1, D] (the last row the new token's) with the
+    correction's slots, ok and rows kc, vc, before the new token's row."""
+    sel = Selection(torch.cat([sel.slots, slots], -1), torch.cat([sel.ok, ok], -1), False, sel.per_row)
+    k = torch.cat([k[:, :, :-1], kc.to(k.dtype), k[:, :, -1:]], 2)
+    v = torch.cat([v[:, :, :-1], vc.to(v.dtype), v[:, :, -1:]], 2)
+    return sel, k, v
