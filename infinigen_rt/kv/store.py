@@ -325,6 +325,52 @@ class Selector:
             return self.prefetch.result(layer)
         return self.every_row(step, layer)
 
+    def attend(self, step: StoreStep, layer: int, q, k, v) -> torch.Tensor:
+        """A decode step's layer for the whole batch: each row's new k, v [B, Hkv, 1, D] written, q [B, H, 1, D]
+        attended over its rows (a device layer: every one; a pooled layer: those `rows` chooses, and its own)."""
+        store = self.store
+        if layer in store.device_layers:
+            store.write(layer, step.slots, k, v)
+            return store.attend(layer, q, step.batch)
+        keys, values, ok = self.rows(step, layer, q)  # the rows held before (and their reads) first
+        store.write(layer, step.slots, k, v)
+        store.ledger.add("d2h", step.rids, k.shape[1] * store.row_bytes)
+        self.written(step.batch, layer, k, step.slots)
+        keys[:, :, -1:], values[:, :, -1:] = k, v
+        mask = None
+        if ok is not None:  # [B, H, 1, n + 1]: the rows that count, and the new token's
+            group = q.shape[1] // ok.shape[1]
+            ok = ok.repeat_interleave(group, 1) if group > 1 else ok
+            mask = torch.cat([ok, torch.ones_like(ok[..., :1])], -1)[:, :, None]
+        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+                                              enable_gqa=keys.shape[1] != q.shape[1])  # fmt: skip
+
+    def attend_pass(self, p: RequestPass, layer: int, q, k, v) -> torch.Tensor:
+        """A request's prompt chunk: its k, v [1, Hkv, s, D] written, q [1, H, s, D] attended causally over its
+        earlier rows (read from the device, or gathered from host memory for a pooled layer) and the chunk's."""
+        store = self.store
+        store.write(layer, p.slots, k, v)
+        gqa = k.shape[1] != q.shape[1]
+        pooled = layer in store.pooled
+        if pooled:
+            store.ledger.add("d2h", [p.rid], k.shape[1] * k.shape[2] * store.row_bytes)
+            self.written(p.batch, layer, k, p.slots)
+        if p.held is None:  # a first chunk: nothing earlier to read
+            return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=gqa)
+        if pooled:  # the earlier rows from host memory, then the chunk's own
+            t, h = p.start, store.n_kv
+            slots = torch.arange(t, device=store.device).expand(1, h, t)
+            keys, values = store.gather(layer, p.batch, slots, None, extra=0)
+            store.ledger.add(f"h2d{layer}", [p.rid], t * h * store.row_bytes)
+            keys, values = torch.cat([keys.to(k.dtype), k], 2), torch.cat([values.to(v.dtype), v], 2)
+        else:
+            keys = store.rows_of(store.k[layer], p.rid, p.held)  # [1, Hkv, T, D]
+            values = store.rows_of(store.v[layer], p.rid, p.held)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=p.mask, enable_gqa=gqa)
+
+    def end(self, p: StoreStep | RequestPass) -> None:
+        """A pass through the store is over (a decode step's, or a request's prompt chunk)."""
+
     def report(self, rid: int, r: KVReport) -> None:
         """Fill in the policy's fields of request `rid`'s report."""
 
@@ -354,22 +400,10 @@ class StoreStep(KVCache):
         self.store.selector.observe(self, layer, x)
 
     def attend(self, layer, q, k, v) -> torch.Tensor:
-        store = self.store
-        if layer in store.device_layers:
-            store.write(layer, self.slots, k, v)
-            return store.attend(layer, q, self.batch)
-        keys, values, ok = store.selector.rows(self, layer, q)  # the rows held before (and their reads) first
-        store.write(layer, self.slots, k, v)
-        store.ledger.add("d2h", self.rids, k.shape[1] * store.row_bytes)
-        store.selector.written(self.batch, layer, k, self.slots)
-        keys[:, :, -1:], values[:, :, -1:] = k, v
-        mask = None
-        if ok is not None:  # [B, H, 1, n + 1]: the rows that count, and the new token's
-            group = q.shape[1] // ok.shape[1]
-            ok = ok.repeat_interleave(group, 1) if group > 1 else ok
-            mask = torch.cat([ok, torch.ones_like(ok[..., :1])], -1)[:, :, None]
-        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
-                                              enable_gqa=keys.shape[1] != q.shape[1])  # fmt: skip
+        return self.store.selector.attend(self, layer, q, k, v)
+
+    def end(self) -> None:
+        self.store.selector.end(self)
 
 
 class RequestPass(KVCache):
@@ -392,25 +426,10 @@ class RequestPass(KVCache):
                                 self.start) if self.start else None  # fmt: skip
 
     def attend(self, layer, q, k, v) -> torch.Tensor:
-        store = self.store
-        store.write(layer, self.slots, k, v)
-        gqa = k.shape[1] != q.shape[1]
-        pooled = layer in store.pooled
-        if pooled:
-            store.ledger.add("d2h", [self.rid], k.shape[1] * k.shape[2] * store.row_bytes)
-            store.selector.written(self.batch, layer, k, self.slots)
-        if self.held is None:  # a first chunk: nothing earlier to read
-            return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=gqa)
-        if pooled:  # the earlier rows from host memory, then the chunk's own
-            t, h = self.start, store.n_kv
-            slots = torch.arange(t, device=store.device).expand(1, h, t)
-            keys, values = store.gather(layer, self.batch, slots, None, extra=0)
-            store.ledger.add(f"h2d{layer}", [self.rid], t * h * store.row_bytes)
-            keys, values = torch.cat([keys.to(k.dtype), k], 2), torch.cat([values.to(v.dtype), v], 2)
-        else:
-            keys = store.rows_of(store.k[layer], self.rid, self.held)  # [1, Hkv, T, D]
-            values = store.rows_of(store.v[layer], self.rid, self.held)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, enable_gqa=gqa)
+        return self.store.selector.attend_pass(self, layer, q, k, v)
+
+    def end(self) -> None:
+        self.store.selector.end(self)
 
     def report(self) -> KVReport:
         return self.store.report(self.rid)
