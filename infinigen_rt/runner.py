@@ -18,13 +18,13 @@ capacity for what its pools reach (its policy's `pool_slots`: eviction frees slo
 
 Over that pool the runner keeps the batch's KV store (kv/store.py), made for the first policy (with its options)
 that can run in it (`KVCache.selector`: today `full`, `offload`, and `infinigen` without a capacity or the recall
-trace, on a model without sliding layers). Its requests' prompts go through the store request by
-request (`RequestPass`), and every decode step is one pass for all of them (`StoreStep`): speculation, selection,
-the gather and attention once a layer for the whole batch. A request the store cannot hold (another policy, or
-options the store does not run yet) keeps a cache of its own, built by its policy, its rows in the same pool's
-blocks; a step then attends the store's rows as one part and each other request through its own cache
-(cache.Rows). Without `kv_tokens` every request's cache has buffers of its own and nothing limits admission but
-`max_batch`.
+trace; a sliding-window layer keeps its rings in the store whatever the policy). Its requests' prompts go through
+the store request by request (`RequestPass`), and every decode step is one pass for all of them (`StoreStep`):
+speculation, selection, the gather and attention once a layer for the whole batch. A request the store cannot hold
+(another policy, or options the store does not run yet) keeps a cache of its own, built by its policy, its rows in
+the same pool's blocks; a step then attends the store's rows as one part and each other request through its own
+cache (cache.Rows). Without `kv_tokens` every request's cache has buffers of its own and nothing limits admission
+but `max_batch`.
 
 A request's KV is released, its blocks returned, the moment it finishes or is aborted. A request's tokens are the
 same whichever requests share its steps (the runner's tests hold this for every policy, in the store or not). The
@@ -47,6 +47,7 @@ from infinigen_rt.kv.cache import KVReport, Rows, merge_reports
 from infinigen_rt.kv.paged import PagedStore
 from infinigen_rt.kv.prefetch import prefetcher
 from infinigen_rt.kv.store import KVStore, RequestPass, StoreStep
+from infinigen_rt.kv.window import Rings
 from infinigen_rt.policies import Policy
 from infinigen_rt.sampling import SamplingParams, sample, sample_rows
 from infinigen_rt.step import decode_step, prefill
@@ -305,12 +306,12 @@ class Runner:
             self.running.append(seq)
 
     def _stored(self, policy: Policy) -> bool:
-        """Whether a request of `policy` keeps its KV in the batch's store: over a paged pool, on a model without
-        sliding layers, for the policy (with its options) the store was made for; it is made for the
-        first request whose policy can run in it (`KVCache.selector`), if its device layers' KV fits the device
-        (else that policy's requests keep caches of their own, exactly their size, as before the store)."""
+        """Whether a request of `policy` keeps its KV in the batch's store: over a paged pool, for the policy (with its
+        options) the store was made for; it is made for the first request whose policy can run in it
+        (`KVCache.selector`), if its device layers' KV and the sliding layers' rings fit the device (else that policy's
+        requests keep caches of their own, exactly their size, as before the store)."""
         cfg, dev = self.engine.cfg, self.engine.device
-        if self.store is None or cfg.sliding_layers:
+        if self.store is None:
             return False
         if self.kv_policy is not None:
             return self.kv is not None and policy == self.kv_policy
@@ -318,12 +319,13 @@ class Runner:
         if selector is None:
             return False
         self.kv_policy = policy
+        size = self.engine.dtype.itemsize
         need = self.store.alloc.n_blocks * BLOCK_TOKENS * 2 * cfg.num_key_value_heads * cfg.head_dim * len(
-            selector.device_layers) * self.engine.dtype.itemsize  # fmt: skip
+            selector.device_layers) * size + Rings.bytes(cfg, self.max_batch, size)  # fmt: skip
         free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else host_available() // 2
         if need > 0.9 * free:  # a pool sized for admission only (the default: max_batch x the context)
             return False
-        self.kv = KVStore(self.store, selector, cfg, dev, self.engine.dtype)
+        self.kv = KVStore(self.store, selector, cfg, dev, self.engine.dtype, self.max_batch)
         return True
 
     def _prefill(self, outs: dict[int, Output]) -> None:

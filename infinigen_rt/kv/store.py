@@ -13,8 +13,11 @@ What a policy decides is its `Selector`: which layers stay on the device, which 
 (and what it keeps beside them: InfiniGen's speculation keys). The store is the mechanism: slots, tables, copies,
 attention, and the counts of what moved (`Ledger`, per request).
 
+A sliding-window layer (Gemma 3's local layers, Mistral's) keeps, whatever the policy, a ring of its last W tokens
+per request on the device (window.Rings): the store attends it itself, and no selector ever sees those layers.
+
 Invariants (`check`): the allocator's; every request's length fits its reservation; a released request holds
-nothing.
+nothing; every request holds one ring row, and no ring row is lost.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from infinigen_rt.kv.cache import KVCache, KVReport, causal_mask
 from infinigen_rt.kv.kernels import scatter_rows
 from infinigen_rt.kv.paged import PagedStore
 from infinigen_rt.kv.pool import copy_rows
+from infinigen_rt.kv.window import Rings
 from infinigen_rt.system import to_device
 
 BLOCK = 16
@@ -111,7 +115,8 @@ class KVStore:
     """The batch's KV: `device_layers` on the compute device, the rest of `selector.layers` pooled in `host`'s
     buffers, under `host`'s block tables."""
 
-    def __init__(self, host: PagedStore, selector: Selector, cfg, device, dtype):
+    def __init__(self, host: PagedStore, selector: Selector, cfg, device, dtype, rows: int = 1):
+        """`rows`: the most requests it holds at once (the runner's max_batch): the sliding layers' rings."""
         assert host.alloc.block_size == BLOCK
         self.host, self.alloc, self.selector = host, host.alloc, selector  # (its buffers live as long as it)
         self.device = torch.device(device)
@@ -129,14 +134,20 @@ class KVStore:
         self.row_bytes = 2 * self.head_dim * dtype.itemsize  # one token's K and V for one KV head
         self.length: dict[int, int] = {}  # tokens written per request (host)
         self.ledger = Ledger()
+        self.rings = Rings(cfg, rows, device, dtype) if cfg.sliding_layers else None  # the sliding layers' KV
+        self.sliding = set(cfg.sliding_layers)
         selector.attach(self)
 
     def admit(self, rid: int) -> None:
         """Request `rid`, whose blocks the paged pool's allocator holds already."""
         self.length[rid] = 0
+        if self.rings is not None:
+            self.rings.admit(rid)
 
     def release(self, rid: int) -> None:
         self.length.pop(rid, None)
+        if self.rings is not None:
+            self.rings.release(rid)
         self.ledger.forget(rid)
 
     def slots(self, rid: int, start: int, n: int) -> np.ndarray:
@@ -257,6 +268,10 @@ class KVStore:
         assert set(self.length) <= set(self.alloc.tables), "a request's length without its table"
         for rid, n in self.length.items():
             assert n <= self.alloc.reserved[rid], f"request {rid} wrote {n} tokens past its reservation"
+        if self.rings is not None:
+            assert set(self.rings.row) == set(self.length), "a request without its ring, or a ring without one"
+            rows = sorted([*self.rings.row.values(), *self.rings.free])
+            assert rows == list(range(self.rings.rows)), "a ring row lost or held twice"
 
 
 class Selector:
@@ -394,12 +409,16 @@ class StoreStep(KVCache):
             table = self.store.alloc.tables[self.rids[0]][: -(-t // BLOCK)]
             if b == 1 and t and table == list(range(table[0], table[0] + len(table))):
                 self.span = slice(table[0] * BLOCK, table[0] * BLOCK + t)
+        if self.store.rings is not None:
+            self.store.rings.begin(self.rids, self.batch.old.tolist())
         self.store.selector.begin(self)
 
     def observe(self, layer, x) -> None:
         self.store.selector.observe(self, layer, x)
 
     def attend(self, layer, q, k, v) -> torch.Tensor:
+        if layer in self.store.sliding:  # whatever the policy: the rings on the device
+            return self.store.rings.attend(layer, q, k, v)
         return self.store.selector.attend(self, layer, q, k, v)
 
     def end(self) -> None:
@@ -426,6 +445,8 @@ class RequestPass(KVCache):
                                 self.start) if self.start else None  # fmt: skip
 
     def attend(self, layer, q, k, v) -> torch.Tensor:
+        if layer in self.store.sliding:
+            return self.store.rings.attend_pass(self.rid, self.start, layer, q, k, v)
         return self.store.selector.attend_pass(self, layer, q, k, v)
 
     def end(self) -> None:

@@ -18,7 +18,7 @@ HKV, H, D = 2, 6, 32
 
 
 def make(n_blocks, layers, pooled=(), n_kv=HKV, head_dim=D, device="cpu", dtype=torch.float32) -> KVStore:
-    cfg = SimpleNamespace(num_key_value_heads=n_kv, head_dim=head_dim)
+    cfg = SimpleNamespace(num_key_value_heads=n_kv, head_dim=head_dim, sliding_layers=[])
     return KVStore(PagedStore(n_blocks, BLOCK, device), Selector(layers, pooled), cfg, device, dtype)
 
 
@@ -204,3 +204,36 @@ def test_a_pool_larger_than_the_device_leaves_full_on_buffers_of_its_own(bundles
             done.update({o.id: o.generation.token_ids for o in run.step() if o.finished})
         out.append(([done[i] for i in ids], run.kv is not None))
     assert out[0][1] and not out[1][1] and out[0][0] == out[1][0]
+
+
+@pytest.mark.parametrize(("model", "policy"), [("gemma3", "full"), ("gemma3", "offload"), ("gemma3", "infinigen"),
+                                               ("mistral", "full")])  # fmt: skip
+def test_sliding_layers_keep_their_rings_in_the_store_with_the_tokens_of_each_request_alone(model, policy, bundles):
+    """A model with sliding-window layers (window 8 here) runs in the store: each request's ring is one row of the
+    store's rings, written and attended for the whole batch in a decode step, through its prompt chunks before;
+    prompts longer than the window, in chunks that end inside it, and requests that come and go reuse the rows.
+    Each request's tokens are those it makes alone (its own cache behind a Hybrid), and every ring row comes back."""
+    from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.engine import Engine
+    from infinigen_rt.policies import KVOptions, configure
+    from infinigen_rt.runner import Request, Runner
+
+    e = Engine(read_bundle(bundles[model]), device="cpu", dtype="float32")
+    pol = configure(e, policy, KVOptions(budget=0.5) if policy == "infinigen" else KVOptions())
+    prompts = [list(range(5, 42)), list(range(50, 53)), list(range(60, 83)), list(range(90, 101))]
+    alone = []
+    for p in prompts:
+        run = Runner(e, pol, prefill_chunk=5)
+        run.add(Request(p, 12))
+        alone.append(_drain(run)[0].token_ids)
+    run = Runner(e, pol, max_batch=3, prefill_chunk=5, kv_tokens=1024)  # chunks across the window's turns
+    ids = [run.add(Request(p, 12)) for p in prompts]  # the fourth waits for a row
+    outs = {}
+    while run.has_work:
+        for o in run.step():
+            if o.finished:
+                outs[o.id] = o.generation.token_ids
+        assert run.kv is not None and run.kv.rings is not None
+        run.kv.check()
+    assert [outs[i] for i in ids] == alone
+    assert not run.kv.rings.row and len(run.kv.rings.free) == 3
