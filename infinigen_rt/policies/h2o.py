@@ -6,6 +6,9 @@ ceil(budget * length) remain.
 
 The buffers stay allocated (tokens are masked out, not compacted): this policy measures H2O's accuracy
 and the share of KV it attends, not its memory savings.
+
+The attention with its scores and the eviction are functions of the tensors they read (`scored`, `kept`,
+`survivors`), whatever holds them.
 """
 
 from __future__ import annotations
@@ -17,6 +20,39 @@ import torch
 from infinigen_rt.kv.cache import KVReport, kv_layers
 from infinigen_rt.policies.full import DenseCache
 from infinigen_rt.policies.options import KVOptions
+
+
+def scored(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with its probabilities written out in fp32 (SDPA's fused kernels never form them, and the scores
+    are their sums): q [..., G, s, D] (each KV head's group of query heads), keys [..., T, D], allowed [..., s, T]
+    bool (True where a query may attend; never an empty row). Returns the probabilities [..., G, s, T] and the
+    attention each token received, summed over the group's heads and the queries [..., T]. In place: one score
+    matrix at a time (a prompt's is the largest tensor this policy makes: bench's memory model counts it once, with
+    the mask)."""
+    g, s = q.shape[-3], q.shape[-2]
+    p = torch.matmul(q.float().flatten(-3, -2) / math.sqrt(q.shape[-1]), keys.float().transpose(-1, -2))
+    p = p.unflatten(-2, (g, s)).masked_fill_(~allowed.unsqueeze(-3), float("-inf"))
+    p = p.sub_(p.amax(-1, keepdim=True)).exp_()
+    p = p.div_(p.sum(-1, keepdim=True))
+    return p, p.sum(-2).sum(-2)
+
+
+def kept(budget: float, lengths: torch.Tensor) -> torch.Tensor:
+    """The most tokens each sequence of `lengths` keeps per KV head after a pass: ceil(budget * length), at least
+    one."""
+    return torch.ceil(budget * lengths.double()).long().clamp(min=1)
+
+
+def survivors(alive: torch.Tensor, score: torch.Tensor, recent: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The tokens that stay after a pass: of the alive ones, every recent one, and of the others the most attended,
+    as many as leave at most `keep` (fewer where the recent ones alone reach it). alive, score [..., T] (one sequence
+    and KV head a row); recent: bool, broadcast to them; keep: broadcast to alive.shape[:-1]."""
+    n_heavy = (keep - (alive & recent).sum(-1)).clamp(min=0)
+    rank = score.masked_fill(~alive | recent, float("-inf"))
+    order = rank.argsort(-1, descending=True)
+    at = torch.arange(alive.shape[-1], device=order.device).expand_as(order)
+    nth = torch.empty_like(order).scatter_(-1, order, at)  # each token's place in the ranking
+    return alive & (recent | (nth < n_heavy[..., None]))
 
 
 class H2OCache(DenseCache):
@@ -48,37 +84,26 @@ class H2OCache(DenseCache):
 
     def update(self, layer, q, k, v):
         keys, values, _ = super().update(layer, q, k, v)
-        mask = self.mask  # [B, 1, s, T]
         t, s = self.length, q.shape[2]
         self.alive[layer][:, :, self.start : t] = self.valid[:, None, self.start : t]  # new tokens join
         alive = self.alive[layer][:, :, :t]  # [B, Hkv, T]
-        head_mask = mask & alive.repeat_interleave(self.group, dim=1)[:, :, None, :]  # [B, H, s, T]
+        allowed = self.mask & alive[:, :, None, :]  # [B, Hkv, s, T]
         dev = q.device  # index tensors on the host would be copied over with a wait, every layer
-        head_mask[:, :, torch.arange(s, device=dev), torch.arange(self.start, t, device=dev)] = True  # sees itself
-        # the [B, H, s, T] probabilities in fp32, in place: one score matrix at a time (a prompt's is the largest
-        # tensor this policy makes: bench's memory model counts it once, with the mask)
-        k_all = keys.repeat_interleave(self.group, 1).float().transpose(-1, -2)
-        p = torch.matmul(q.float() / math.sqrt(q.shape[-1]), k_all).masked_fill_(~head_mask, float("-inf"))
-        p = p.sub_(p.amax(-1, keepdim=True)).exp_()
-        p = p.div_(p.sum(-1, keepdim=True))  # [B, H, s, T]
-        self.score[layer][:, :, :t] += p.sum(2).unflatten(1, (-1, self.group)).sum(2)
-        if q.shape[2] == 1:
+        allowed[:, :, torch.arange(s, device=dev), torch.arange(self.start, t, device=dev)] = True  # sees itself
+        _, received = scored(q.unflatten(1, (-1, self.group)), keys, allowed)
+        self.score[layer][:, :, :t] += received
+        if s == 1:
             self.attended = self.attended + alive.sum()
             self.possible = self.possible + self.valid[:, None, :t].sum() * alive.shape[1]
-        return keys, values, head_mask
+        return keys, values, allowed.repeat_interleave(self.group, 1)
 
     def end(self) -> None:
         t = self.length
-        lengths = self.valid[:, :t].sum(-1)  # [B]
-        keep = torch.ceil(self.opts.budget * lengths.double()).long().clamp(min=1)  # [B]
-        recent = torch.arange(t, device=lengths.device) >= t - self.opts.window  # [T]
+        keep = kept(self.opts.budget, self.valid[:, :t].sum(-1))[:, None]  # [B, 1]
+        recent = torch.arange(t, device=keep.device) >= t - self.opts.window  # [T]
         for layer in self.alive:
-            alive, score = self.alive[layer][:, :, :t], self.score[layer][:, :, :t]
-            n_heavy = (keep[:, None] - (alive & recent).sum(-1)).clamp(min=0)  # [B, Hkv]
-            rank = score.masked_fill(~alive | recent, float("-inf"))
-            order = rank.argsort(-1, descending=True)
-            nth = torch.empty_like(order).scatter_(2, order, torch.arange(t, device=order.device).expand_as(order))
-            survive = (alive & recent) | (alive & ~recent & (nth < n_heavy[..., None]))
+            alive = self.alive[layer][:, :, :t]
+            survive = survivors(alive, self.score[layer][:, :, :t], recent, keep)
             self.evictions = self.evictions + (alive & ~survive).sum()
             self.alive[layer][:, :, :t] = survive
 
