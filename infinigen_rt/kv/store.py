@@ -279,6 +279,8 @@ class Selector:
     host memory (`pooled_layers`), and which rows of a pooled layer a decode step reads. The default reads every row
     a request holds (`offload`); a policy with nothing pooled keeps everything on the device (`full`)."""
 
+    indexed = False  # a decode step needs every row's flat slots (StoreStep.idx) though nothing is pooled (h2o's)
+
     def __init__(self, device_layers, pooled_layers, prefetch=None):
         self.device_layers, self.pooled_layers = list(device_layers), list(pooled_layers)
         self.prefetch = prefetch  # the runner's lane (prefetch.Lane): rows ahead on its side stream or worker
@@ -292,6 +294,9 @@ class Selector:
 
     def begin(self, step: StoreStep) -> None:
         """A decode step starts (step.batch is on the device)."""
+
+    def begin_pass(self, p: RequestPass) -> None:
+        """A request's prompt chunk starts (its slots and p.batch are on the device)."""
 
     def observe(self, step: StoreStep, layer: int, x: torch.Tensor) -> None:
         """Layer `layer`'s normalised input in a decode step: every row's layer-after rows can start moving."""
@@ -403,8 +408,8 @@ class StoreStep(KVCache):
         self.batch = self.store.batch(self.rids)
         self.held = self.batch.held()
         self.span = None  # one row whose first T slots are one run: their slice (read in place, no gather)
-        if self.store.pooled:  # [B, T]: the flat slots of every row's tokens held before the step (on the compute
-            t, b = self.held[0], len(self.rids)  # stream, before a side stream reads it)
+        if self.store.pooled or self.store.selector.indexed:  # [B, T]: the flat slots of every row's tokens held
+            t, b = self.held[0], len(self.rids)  # before the step (on the compute stream, before a side stream reads)
             self.idx = self.store.physical(self.batch, torch.arange(t, device=self.store.device).expand(b, t))
             table = self.store.alloc.tables[self.rids[0]][: -(-t // BLOCK)]
             if b == 1 and t and table == list(range(table[0], table[0] + len(table))):
@@ -443,6 +448,7 @@ class RequestPass(KVCache):
         self.held = self.start + s if self.start else None  # the rows it reads: every one so far
         self.mask = causal_mask(torch.ones(1, self.start + s, dtype=torch.bool, device=positions.device),
                                 self.start) if self.start else None  # fmt: skip
+        self.store.selector.begin_pass(self)
 
     def attend(self, layer, q, k, v) -> torch.Tensor:
         if layer in self.store.sliding:

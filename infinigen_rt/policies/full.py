@@ -21,7 +21,8 @@ class DenseCache(KVCache):
 
     @classmethod
     def selector(cls, engine, opts, prefetch=None):
-        """Every layer's KV on the device (not a subclass's: h2o's attention scores its own context)."""
+        """Every layer's KV on the device (not a subclass's, which attends otherwise: h2o has a selector of its own,
+        oracle none)."""
         return Selector(kv_layers(engine.cfg), []) if cls is DenseCache else None
 
     @classmethod

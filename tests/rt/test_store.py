@@ -237,3 +237,45 @@ def test_sliding_layers_keep_their_rings_in_the_store_with_the_tokens_of_each_re
         run.kv.check()
     assert [outs[i] for i in ids] == alone
     assert not run.kv.rings.row and len(run.kv.rings.free) == 3
+
+
+@pytest.mark.parametrize("model", ["llama31_gqa", "opt"])
+def test_h2o_runs_its_batch_through_the_store_with_the_tokens_and_report_of_each_request_alone(model, bundles):
+    """`h2o` over a paged pool keeps every request's KV in the runner's store (its scores and alive flags per flat
+    slot beside it): each request's tokens and report (the share it attended, its evictions) are those it makes
+    alone with its own cache, prefilled in the same chunks of 8 (h2o evicts after every one; the last prompt ends
+    in a one-token chunk), the rows of a step of different lengths."""
+    from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.engine import Engine
+    from infinigen_rt.policies import KVOptions, configure
+    from infinigen_rt.runner import Request, Runner
+
+    e = Engine(read_bundle(bundles[model]), device="cpu", dtype="float32")
+    policy = configure(e, "h2o", KVOptions(budget=0.4, window=4, prefill_chunk=8))
+    prompts = [list(range(5, 42)), list(range(50, 57)), list(range(60, 77))]
+    alone = []
+    for p in prompts:
+        run = Runner(e, policy, prefill_chunk=None)
+        run.add(Request(p, 9))
+        (o,) = _finished(run)
+        assert run.kv is None
+        alone.append((o.generation.token_ids, o.report))
+    run = Runner(e, policy, max_batch=3, prefill_chunk=None, kv_tokens=512)
+    ids = [run.add(Request(p, 9)) for p in prompts]
+    outs = {}
+    while run.has_work:
+        for o in run.step():
+            if o.finished:
+                outs[o.id] = (o.generation.token_ids, o.report)
+        assert run.kv is not None and run.kv_policy.name == "h2o"
+        run.kv.check()
+    assert [outs[i] for i in ids] == alone
+    assert all(r.evictions > 0 and 0 < r.kv_fetched_share < 1 for _, r in alone)
+    assert run.kv.alloc.used == 0 and not run.kv.length
+
+
+def _finished(run):
+    done = []
+    while run.has_work:
+        done += [o for o in run.step() if o.finished]
+    return done
