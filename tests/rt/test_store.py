@@ -133,7 +133,7 @@ def test_a_pooled_layers_chosen_rows_come_in_one_gather_for_the_batch(gpu):
         batch = store.batch(rids)
         chosen = torch.stack([torch.randint(0, lengths[r], (HKV, 5), generator=gen) for r in rids])  # [B, Hkv, 5]
         with fake.recording() if gpu else nullcontext() as ops:
-            k_got, v_got = store.gather(2, batch, chosen.to(dev), None)
+            (k_got,), (v_got,) = store.gather(2, batch, chosen.to(dev), None)  # plain rows: one part each
         k_got, v_got = k_got.cpu(), v_got.cpu()
         if gpu:
             store.host._unpin()
