@@ -17,14 +17,14 @@ that every request shares: an admitted request takes the blocks for its prompt a
 capacity for what its pools reach (its policy's `pool_slots`: eviction frees slots it reuses), its block table.
 
 Over that pool the runner keeps the batch's KV store (kv/store.py), made for the first policy (with its options)
-that can run in it (`KVCache.selector`: today `full`, `offload`, and `infinigen` without a capacity or the recall
-trace, on a model without sliding layers). Its requests' prompts go through the store request by
-request (`RequestPass`), and every decode step is one pass for all of them (`StoreStep`): speculation, selection,
-the gather and attention once a layer for the whole batch. A request the store cannot hold (another policy, or
-options the store does not run yet) keeps a cache of its own, built by its policy, its rows in the same pool's
-blocks; a step then attends the store's rows as one part and each other request through its own cache
-(cache.Rows). Without `kv_tokens` every request's cache has buffers of its own and nothing limits admission but
-`max_batch`.
+that can run in it (`KVCache.selector`: today `full`, `offload` and `int4` without a capacity, and `infinigen`
+without a capacity or the recall trace, on a model without sliding layers). Its requests' prompts go through the
+store request by request (`RequestPass`), and every decode step is one pass for all of them (`StoreStep`):
+speculation, selection, the gather and attention once a layer for the whole batch. A request the store cannot hold
+(another policy, or options the store does not run yet) keeps a cache of its own, built by its policy, its rows in
+the same pool's blocks; a step then attends the store's rows as one part and each other request through its own
+cache (cache.Rows). Without `kv_tokens` every request's cache has buffers of its own and nothing limits admission
+but `max_batch`.
 
 A request's KV is released, its blocks returned, the moment it finishes or is aborted. A request's tokens are the
 same whichever requests share its steps (the runner's tests hold this for every policy, in the store or not). The

@@ -86,6 +86,7 @@ STEP_LIMITS = {
     ("offload", None, None): (1_600, 1.05, 1.05, 1.05),  # 1,497 and 1,497; 1.01x and 1.00x
     ("infinigen", "partial", 0.0): (2_500, 1.05, 1.10, 1.05),  # 2,414 and 2,444; 1.06x and 1.01x
     ("infinigen", "int4", 0.25): (6_400, 3.6, 1.95, 1.65),  # the defaults: 6,104 and 21,344; 1.85x and 1.60x
+    ("int4", None, None): (3_100, 1.05, 1.10, 1.05),  # 2,969 and 2,969; 1.04x and 1.03x
 }
 
 
