@@ -22,10 +22,13 @@ def quantize(x: torch.Tensor, group: int, bits: int = 4):
 
 
 def dequantize(packed, scale, lo, group: int, dtype, bits: int = 4) -> torch.Tensor:
-    """The inverse of `quantize` (up to its rounding): [..., D] in `dtype`."""
+    """The inverse of `quantize` (up to its rounding): [..., D] in `dtype`. The float32 values are scaled in place:
+    one float32 copy of the rows at a time (int4's whole layer for a batch: 0.5 GiB at 4 x 32k, Llama-3.1-8B)."""
     per, mask = 8 // bits, 2**bits - 1
     q = torch.stack([(packed >> (bits * i)) & mask for i in range(per)], dim=-1).flatten(-2)  # [..., D]
-    g = q.unflatten(-1, (-1, group)).float() * scale.float()[..., None] + lo.float()[..., None]
+    g = q.unflatten(-1, (-1, group)).float()
+    del q
+    g.mul_(scale.float()[..., None]).add_(lo.float()[..., None])
     return g.flatten(-2).to(dtype)
 
 

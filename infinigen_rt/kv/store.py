@@ -10,8 +10,9 @@ device, so that a layer writes the step's new rows, chooses, gathers and attends
 launches, whatever the batch size.
 
 What a policy decides is its `Selector`: which layers stay on the device, which rows of a pooled layer a step reads
-(and what it keeps beside them: InfiniGen's speculation keys). The store is the mechanism: slots, tables, copies,
-attention, and the counts of what moved (`Ledger`, per request).
+(and what it keeps beside them: InfiniGen's speculation keys), and how a pooled layer's host rows hold them (its
+`layout`: as they are, or int4's codes). The store is the mechanism: slots, tables, copies, attention, and the counts
+of what moved (`Ledger`, per request).
 
 A sliding-window layer (Gemma 3's local layers, Mistral's) keeps, whatever the policy, a ring of its last W tokens
 per request on the device (window.Rings): the store attends it itself, and no selector ever sees those layers.
@@ -111,9 +112,27 @@ class Ledger:
                 del d[k]
 
 
+class Plain:
+    """How a pooled layer's host rows hold one KV head's keys (or values) of a token: as they are, in the store's
+    dtype. A layout's `parts` are the host tensors a row is kept in, (name suffix, width, dtype) each; the store
+    writes what `encode` makes of the new rows ([..., D] -> its parts [..., width]) and moves parts, and attention
+    reads what `decode` makes of them on the device (after the gather, the new tokens' parts in their last rows: a
+    policy that stores rows otherwise, int4's codes, decodes once a layer for the whole batch)."""
+
+    def __init__(self, head_dim: int, dtype: torch.dtype):
+        self.dtype = dtype
+        self.parts = [("", head_dim, dtype)]
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (x.to(self.dtype),)
+
+    def decode(self, parts) -> torch.Tensor:
+        return parts[0]
+
+
 class KVStore:
     """The batch's KV: `device_layers` on the compute device, the rest of `selector.layers` pooled in `host`'s
-    buffers, under `host`'s block tables."""
+    buffers (as the selector's layout holds them), under `host`'s block tables."""
 
     def __init__(self, host: PagedStore, selector: Selector, cfg, device, dtype, rows: int = 1):
         """`rows`: the most requests it holds at once (the runner's max_batch): the sliding layers' rings."""
@@ -127,11 +146,14 @@ class KVStore:
         shape = (self.n_kv, slots, self.head_dim)
         self.k = {i: torch.zeros(shape, device=self.device, dtype=dtype) for i in self.device_layers}
         self.v = {i: torch.zeros(shape, device=self.device, dtype=dtype) for i in self.device_layers}
-        for i in self.pooled:  # slot-major host rows [slots, Hkv, D]: a new token's rows one run
-            self.k[i] = host.buffer("k", i, (self.n_kv, self.head_dim), dtype).view(slots, self.n_kv, -1)
-            self.v[i] = host.buffer("v", i, (self.n_kv, self.head_dim), dtype).view(slots, self.n_kv, -1)
+        self.layout = selector.layout(self.head_dim, dtype)
+        for i in self.pooled:  # each part's slot-major host rows [slots, Hkv, X]: a new token's rows one run
+            for name, side in (("k", self.k), ("v", self.v)):
+                side[i] = tuple(host.buffer(name + part, i, (self.n_kv, w), t).view(slots, self.n_kv, -1)
+                                for part, w, t in self.layout.parts)  # fmt: skip
         self.kernel = self.device.type == "cuda"  # pooled rows by the row kernels (tests: the interpreter)
-        self.row_bytes = 2 * self.head_dim * dtype.itemsize  # one token's K and V for one KV head
+        # one token's K and V for one KV head, as a pooled layer holds them
+        self.row_bytes = 2 * sum(w * t.itemsize for _, w, t in self.layout.parts)
         self.length: dict[int, int] = {}  # tokens written per request (host)
         self.ledger = Ledger()
         self.rings = Rings(cfg, rows, device, dtype) if cfg.sliding_layers else None  # the sliding layers' KV
@@ -161,21 +183,24 @@ class KVStore:
             self.length[r] += n
         return to_device(torch.from_numpy(slots), self.device)
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [B, Hkv, n, D] into `slots` [B * n] (from `append`): one copy per tensor for the whole batch. A pooled
-        layer's rows go to host memory: on a GPU the scatter kernel writes them into the pinned pages, on a CPU
-        index_copy."""
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """k, v [B, Hkv, n, D] into `slots` [B * n] (from `append`): one copy per tensor (a pooled layer: per part)
+        for the whole batch. A pooled layer's rows go to host memory as its layout encodes them: on a GPU the scatter
+        kernel writes them into the pinned pages, on a CPU index_copy; it returns them, (keys' parts, values' parts)
+        [B, Hkv, n, X] each on the device, for attention to read the new tokens as stored."""
         if layer in self.pooled:
             h = self.n_kv
             rows = (slots[:, None] * h + torch.arange(h, device=slots.device)).reshape(-1)  # [B * n * Hkv]
-            for buf, x in ((self.k[layer], k), (self.v[layer], v)):
-                src = x.transpose(1, 2).reshape(-1, x.shape[-1])  # [B * n * Hkv, D], rows in the same order
-                flat = buf.view(-1, buf.shape[-1])
-                if self.kernel:
-                    scatter_rows(flat, rows, src)
-                else:
-                    flat.index_copy_(0, rows.to(flat.device), src.to(flat.device, flat.dtype))
-            return
+            stored = self.layout.encode(k), self.layout.encode(v)
+            for bufs, parts in zip((self.k[layer], self.v[layer]), stored, strict=True):
+                for buf, x in zip(bufs, parts, strict=True):
+                    src = x.transpose(1, 2).reshape(-1, x.shape[-1])  # [B * n * Hkv, X], rows in the same order
+                    flat = buf.view(-1, buf.shape[-1])
+                    if self.kernel:
+                        scatter_rows(flat, rows, src)
+                    else:
+                        flat.index_copy_(0, rows.to(flat.device), src.to(flat.device, flat.dtype))
+            return stored
         heads = lambda x: x.transpose(0, 1).reshape(x.shape[1], -1, x.shape[-1])  # noqa: E731  [Hkv, B * n, D]
         self.k[layer].index_copy_(1, slots, heads(k).to(self.k[layer].dtype))
         self.v[layer].index_copy_(1, slots, heads(v).to(self.v[layer].dtype))
@@ -189,32 +214,38 @@ class KVStore:
 
     def gather(self, layer: int, batch: Batch, slots: torch.Tensor, ok: torch.Tensor | None, extra: int = 1,
                out=None, phys: torch.Tensor | None = None):  # fmt: skip
-        """The K and V rows of every row's `slots` [B, Hkv, n] from pooled layer `layer`, in one copy for the batch:
-        [B, Hkv, n + extra, D] each on the device (the `extra` last rows: room for the new tokens). On a GPU the
-        row kernel reads them from pinned memory, skipping those where `ok` is False; on a CPU, index_select.
-        `out`: flat device buffers (keys, values) to fill instead of new tensors (the kernel only). `phys`: the
-        slots' flat slot numbers where the caller has them (see physical; [B, 1, n] where every head's are the same)."""
+        """The K and V rows of every row's `slots` [B, Hkv, n] from pooled layer `layer` as stored, in one copy per
+        part for the batch: (keys' parts, values' parts), each [B, Hkv, n + extra, X] on the device (the `extra` last
+        rows: room for the new tokens), to decode (the layout's). On a GPU the row kernel reads them from pinned
+        memory, skipping those where `ok` is False; on a CPU, index_select. `out`: flat device buffers, a (keys,
+        values) pair per part, to fill instead of new tensors (the kernel only). `phys`: the slots' flat slot numbers
+        where the caller has them (see physical; [B, 1, n] where every head's are the same)."""
         b, h, n = slots.shape
-        d = self.head_dim
+        keys, values = self.k[layer], self.v[layer]
         if out is None:
-            out_k = torch.empty(b, h, n + extra, d, dtype=self.k[layer].dtype, device=self.device)
-            out_v = torch.empty_like(out_k)
+            out = [tuple(torch.empty(b, h, n + extra, x.shape[-1], dtype=x.dtype, device=self.device) for _ in "kv")
+                   for x in keys]  # fmt: skip
         else:
-            out_k, out_v = (o[: b * h * (n + extra) * d].view(b, h, n + extra, d) for o in out)
+            out = [tuple(o[: b * h * (n + extra) * x.shape[-1]].view(b, h, n + extra, x.shape[-1]) for o in pair)
+                   for pair, x in zip(out, keys, strict=True)]  # fmt: skip
+        got = tuple(o for o, _ in out), tuple(o for _, o in out)
         head = torch.arange(h, device=slots.device).view(1, h, 1)
         if ok is None or self.kernel:  # the kernel writes zeros where ok is False
             phys = self.physical(batch, slots) if phys is None else phys
-            copy_rows(self.k[layer], self.v[layer], phys * h + head, ok, out_k, out_v, self.kernel)
-            return out_k, out_v
+            rows = phys * h + head
+            for src_k, src_v, (out_k, out_v) in zip(keys, values, out, strict=True):
+                copy_rows(src_k, src_v, rows, ok, out_k, out_v, self.kernel)
+            return got
         # a CPU, where rows do not all count: only those that do are copied (and, as index_select does, a row for
         # each new token), the others are zeros (never unwritten memory: NaN bits would poison attention's sum)
         slots = torch.cat([torch.where(ok, slots, 0), slots.new_zeros(b, h, extra)], -1)
         keep = torch.cat([ok.expand(b, h, n), ok.new_ones(b, h, extra)], -1).reshape(-1).nonzero().squeeze(1)
         rows = (self.physical(batch, slots) * h + head).reshape(-1)[keep]
-        for src, out in ((self.k[layer], out_k), (self.v[layer], out_v)):
-            out.zero_()
-            out.view(-1, d).index_copy_(0, keep, src.view(-1, d).index_select(0, rows).to(out.dtype))
-        return out_k, out_v
+        for src, dst in zip(keys + values, got[0] + got[1], strict=True):
+            w = src.shape[-1]
+            dst.zero_()
+            dst.view(-1, w).index_copy_(0, keep, src.view(-1, w).index_select(0, rows).to(dst.dtype))
+        return got
 
     def batch(self, rids: list[int], new: int = 1) -> Batch:
         """The step's tables and lengths on the device (two copies up, not waited for); `new`: the tokens each row
@@ -276,15 +307,18 @@ class KVStore:
 
 class Selector:
     """A policy as the store runs it: which layers keep their KV on the device (`device_layers`), which are pooled in
-    host memory (`pooled_layers`), and which rows of a pooled layer a decode step reads. The default reads every row
-    a request holds (`offload`); a policy with nothing pooled keeps everything on the device (`full`)."""
+    host memory (`pooled_layers`), which rows of a pooled layer a decode step reads, and how its host rows hold them
+    (`layout`). The default reads every row a request holds, as it is (`offload`); a policy with nothing pooled keeps
+    everything on the device (`full`)."""
+
+    layout = Plain
 
     indexed = False  # a decode step needs every row's flat slots (StoreStep.idx) though nothing is pooled (h2o's)
 
     def __init__(self, device_layers, pooled_layers, prefetch=None):
         self.device_layers, self.pooled_layers = list(device_layers), list(pooled_layers)
         self.prefetch = prefetch  # the runner's lane (prefetch.Lane): rows ahead on its side stream or worker
-        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # a GPU's fetched rows, used in turn
+        self.buffers: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # a GPU's fetched parts, used in turn
 
     def attach(self, store: KVStore) -> None:
         self.store = weakref.proxy(store)  # (no cycle: the store's device memory goes with its last reference)
@@ -305,8 +339,9 @@ class Selector:
             self.prefetch.start(j, self.every_row, step, j)
 
     def every_row(self, step: StoreStep, layer: int):
-        """(keys, values, ok): every row each request held before the step, [B, Hkv, T + 1, D] (the last row: room
-        for the new token); ok [B, Hkv, T] where rows are shorter than the longest, else None."""
+        """(keys, values, ok): every row each request held before the step, as stored (their parts, [B, Hkv, T + 1,
+        X] each: the last row is room for the new token); ok [B, Hkv, T] where rows are shorter than the longest,
+        else None."""
         t, held = step.held
         b, h = len(step.batch.rids), self.store.n_kv
         slots = torch.arange(t, device=self.store.device).expand(b, h, t)
@@ -317,18 +352,19 @@ class Selector:
 
     def gather(self, step: StoreStep, j: int, slots, ok, extra: int, turn: int | None = None, counted=None,
                phys=None):  # fmt: skip
-        """Rows `slots` [B, Hkv, n] of pooled layer j for every request (store.gather), counted per request: on a GPU
-        the rows that count (`counted`, per request, where `ok` skips some; else all), into device buffer `turn`
-        (two, used in turn by consecutive layers: a new tensor per layer, made on the side stream and freed on the
-        compute stream while the host runs ahead of the copies, could not be reused before they caught up); on a
-        CPU the rows it copies: those that count and one for each new token (the `extra` rows)."""
+        """Rows `slots` [B, Hkv, n] of pooled layer j for every request as stored (store.gather), counted per
+        request: on a GPU the rows that count (`counted`, per request, where `ok` skips some; else all), into device
+        buffers `turn` (two sets, used in turn by consecutive layers: a new tensor per layer, made on the side stream
+        and freed on the compute stream while the host runs ahead of the copies, could not be reused before they
+        caught up); on a CPU the rows it copies: those that count and one for each new token (the `extra` rows)."""
         store, (b, h, n) = self.store, slots.shape
         out = None
         if store.kernel and turn is not None:
-            need = b * h * (n + extra) * store.head_dim
-            if turn not in self.buffers or self.buffers[turn][0].numel() < need:  # an eighth more: rows grow
-                self.buffers[turn] = tuple(torch.empty(need + need // 8, dtype=store.k[j].dtype, device=store.device)
-                                           for _ in "kv")  # fmt: skip
+            need = [b * h * (n + extra) * w for _, w, _ in store.layout.parts]
+            # an eighth more: rows grow (every part's alike, so the first part's size says when)
+            if turn not in self.buffers or self.buffers[turn][0][0].numel() < need[0]:
+                self.buffers[turn] = [tuple(torch.empty(m + m // 8, dtype=t, device=store.device) for _ in "kv")
+                                      for m, (_, _, t) in zip(need, store.layout.parts, strict=True)]  # fmt: skip
             out = self.buffers[turn]
         k, v = store.gather(j, step.batch, slots, ok, extra, out, phys)
         if ok is None:
@@ -347,16 +383,20 @@ class Selector:
 
     def attend(self, step: StoreStep, layer: int, q, k, v) -> torch.Tensor:
         """A decode step's layer for the whole batch: each row's new k, v [B, Hkv, 1, D] written, q [B, H, 1, D]
-        attended over its rows (a device layer: every one; a pooled layer: those `rows` chooses, and its own)."""
+        attended over its rows (a device layer: every one; a pooled layer: those `rows` chooses, and its own as
+        stored, decoded with them)."""
         store = self.store
         if layer in store.device_layers:
             store.write(layer, step.slots, k, v)
             return store.attend(layer, q, step.batch)
         keys, values, ok = self.rows(step, layer, q)  # the rows held before (and their reads) first
-        store.write(layer, step.slots, k, v)
+        new = store.write(layer, step.slots, k, v)
         store.ledger.add("d2h", step.rids, k.shape[1] * store.row_bytes)
         self.written(step.batch, layer, k, step.slots)
-        keys[:, :, -1:], values[:, :, -1:] = k, v
+        for held, parts in zip((keys, values), new, strict=True):
+            for x, y in zip(held, parts, strict=True):
+                x[:, :, -1:] = y
+        keys, values = store.layout.decode(keys), store.layout.decode(values)
         mask = None
         if ok is not None:  # [B, H, 1, n + 1]: the rows that count, and the new token's
             group = q.shape[1] // ok.shape[1]
@@ -367,22 +407,26 @@ class Selector:
 
     def attend_pass(self, p: RequestPass, layer: int, q, k, v) -> torch.Tensor:
         """A request's prompt chunk: its k, v [1, Hkv, s, D] written, q [1, H, s, D] attended causally over its
-        earlier rows (read from the device, or gathered from host memory for a pooled layer) and the chunk's."""
+        earlier rows (read from the device, or gathered from host memory for a pooled layer) and the chunk's (a
+        pooled layer's as stored, decoded with the earlier ones)."""
         store = self.store
-        store.write(layer, p.slots, k, v)
+        new = store.write(layer, p.slots, k, v)
         gqa = k.shape[1] != q.shape[1]
         pooled = layer in store.pooled
         if pooled:
             store.ledger.add("d2h", [p.rid], k.shape[1] * k.shape[2] * store.row_bytes)
             self.written(p.batch, layer, k, p.slots)
         if p.held is None:  # a first chunk: nothing earlier to read
+            if pooled:
+                k, v = store.layout.decode(new[0]), store.layout.decode(new[1])
             return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=gqa)
         if pooled:  # the earlier rows from host memory, then the chunk's own
             t, h = p.start, store.n_kv
             slots = torch.arange(t, device=store.device).expand(1, h, t)
-            keys, values = store.gather(layer, p.batch, slots, None, extra=0)
+            held = store.gather(layer, p.batch, slots, None, extra=0)
             store.ledger.add(f"h2d{layer}", [p.rid], t * h * store.row_bytes)
-            keys, values = torch.cat([keys.to(k.dtype), k], 2), torch.cat([values.to(v.dtype), v], 2)
+            keys, values = (store.layout.decode(tuple(torch.cat(x, 2) for x in zip(old, parts, strict=True)))
+                            for old, parts in zip(held, new, strict=True))  # fmt: skip
         else:
             keys = store.rows_of(store.k[layer], p.rid, p.held)  # [1, Hkv, T, D]
             values = store.rows_of(store.v[layer], p.rid, p.held)

@@ -357,7 +357,8 @@ class InfinigenSelector(Selector):
 
     @torch.inference_mode()
     def copy(self, chosen) -> tuple:
-        """The chosen rows of layer j for every request: (selection, keys, values) [B, Hkv, n + 1, D]."""
+        """The chosen rows of layer j for every request: (selection, keys, values), as stored: plain rows, one part
+        [B, Hkv, n + 1, D] each (store.Plain)."""
         step, j, sel = chosen
         sel.counted = None if sel.every else sel.ok.sum((1, 2))  # rows per request (its fetch, its bytes)
         return sel, *self.gather(step, j, sel.slots, None if sel.every else sel.ok, 1, j % 2, sel.counted)
@@ -390,7 +391,9 @@ class InfinigenSelector(Selector):
         kc, vc = self.gather(step, layer, slots, ok, 0, counted=counted)
         self.store.ledger.add("corrected", step.batch.rids, counted)
         self.store.ledger.add(f"fetched{layer}", step.batch.rids, counted)
-        return joined(sel, slots, ok, k, v, kc, vc)
+        (k,), (v,), (kc,), (vc,) = k, v, kc, vc  # plain rows: one part each
+        sel, k, v = joined(sel, slots, ok, k, v, kc, vc)
+        return sel, (k,), (v,)
 
     def report(self, rid: int, r: KVReport) -> None:
         led = self.store.ledger

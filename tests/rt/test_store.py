@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from infinigen_rt.kv.paged import PagedStore, PoolFull
 from infinigen_rt.kv.store import BLOCK, KVStore, Selector
+from infinigen_rt.policies.int4 import group_size
 
 HKV, H, D = 2, 6, 32
 
@@ -133,7 +134,7 @@ def test_a_pooled_layers_chosen_rows_come_in_one_gather_for_the_batch(gpu):
         batch = store.batch(rids)
         chosen = torch.stack([torch.randint(0, lengths[r], (HKV, 5), generator=gen) for r in rids])  # [B, Hkv, 5]
         with fake.recording() if gpu else nullcontext() as ops:
-            k_got, v_got = store.gather(2, batch, chosen.to(dev), None)
+            (k_got,), (v_got,) = store.gather(2, batch, chosen.to(dev), None)  # plain rows: one part each
         k_got, v_got = k_got.cpu(), v_got.cpu()
         if gpu:
             store.host._unpin()
@@ -163,7 +164,7 @@ def test_full_runs_its_batch_through_the_store_with_the_tokens_of_each_request_a
     for p in prompts:
         run = Runner(e, policy, prefill_chunk=8)
         run.add(Request(p, 6))
-        alone.append([o.token_ids for o in _drain(run)])
+        alone.append([o.generation.token_ids for o in _drain(run)])
     run = Runner(e, policy, max_batch=3, prefill_chunk=8, kv_tokens=512)
     ids = [run.add(Request(p, 6)) for p in prompts]
     outs = {}
@@ -176,10 +177,49 @@ def test_full_runs_its_batch_through_the_store_with_the_tokens_of_each_request_a
     assert run.kv.alloc.used == 0 and not run.kv.length
 
 
+@pytest.mark.parametrize("model", ["llama31_gqa", "opt"])
+def test_int4_runs_its_batch_through_the_store_as_codes_with_the_tokens_and_bytes_of_each_request_alone(model, bundles):
+    """`int4` over a paged pool keeps every request's KV in the runner's store, as 4-bit codes with their scales and
+    minimums in the pool's host buffers: each request's tokens, and the report of what moved (the packed bytes), are
+    those of its own cache alone. Each prompt goes in chunks of 8 tokens of its own (the policy's, not a budget the
+    batch shares), so that it reads the same earlier rows in both runs."""
+    from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.engine import Engine
+    from infinigen_rt.policies import KVOptions, configure
+    from infinigen_rt.runner import Request, Runner
+
+    e = Engine(read_bundle(bundles[model]), device="cpu", dtype="float32")
+    policy = configure(e, "int4", KVOptions(prefill_chunk=8))
+    prompts = [list(range(5, 42)), list(range(50, 57)), list(range(60, 83))]
+    alone = []
+    for p in prompts:
+        run = Runner(e, policy, prefill_chunk=None)
+        run.add(Request(p, 6))
+        alone.append(_drain(run)[-1])
+    run = Runner(e, policy, max_batch=3, prefill_chunk=None, kv_tokens=512)
+    ids = [run.add(Request(p, 6)) for p in prompts]
+    outs = {}
+    while run.has_work:
+        outs.update({o.id: o for o in run.step() if o.finished})
+        assert run.kv is not None and run.kv_policy.name == "int4", "int4's requests kept caches of their own"
+        run.kv.check()
+    d, hkv = e.cfg.head_dim, e.cfg.num_key_value_heads
+    codes, groups = ((hkv, d // 2), torch.uint8), ((hkv, d // group_size(d)), torch.float16)
+    held = {name: (tail, t.dtype) for (name, _, tail, _), t in run.store.buffers.items()}
+    assert held == {"k": codes, "v": codes, "k_scale": groups, "k_min": groups, "v_scale": groups, "v_min": groups}
+    assert run.kv.row_bytes == 2 * (d // 2 + 4 * (d // group_size(d)))
+    for rid, solo in zip(ids, alone, strict=True):
+        assert outs[rid].generation.token_ids == solo.generation.token_ids
+        assert outs[rid].report.to_dict() == solo.report.to_dict()
+        assert outs[rid].report.bytes_h2d > 0 and outs[rid].report.kv_fetched_share < 0.5
+    assert run.kv.alloc.used == 0 and not run.kv.length
+
+
 def _drain(run):
+    """Run `run` to the end: the Output of every request, as it finished."""
     done = []
     while run.has_work:
-        done += [o.generation for o in run.step() if o.finished]
+        done += [o for o in run.step() if o.finished]
     return done
 
 
