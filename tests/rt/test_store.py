@@ -247,7 +247,7 @@ def test_a_pool_larger_than_the_device_leaves_full_on_buffers_of_its_own(bundles
 
 
 @pytest.mark.parametrize(("model", "policy"), [("gemma3", "full"), ("gemma3", "offload"), ("gemma3", "infinigen"),
-                                               ("gemma3", "h2o"), ("mistral", "full")])  # fmt: skip
+                                               ("gemma3", "h2o"), ("gemma3", "int4"), ("mistral", "full")])  # fmt: skip
 def test_sliding_layers_keep_their_rings_in_the_store_with_the_tokens_of_each_request_alone(model, policy, bundles):
     """A model with sliding-window layers (window 8 here) runs in the store: each request's ring is one row of the
     store's rings, written and attended for the whole batch in a decode step, through its prompt chunks before;
