@@ -342,7 +342,7 @@ class InfinigenSelector(Selector):
 
     def observe(self, step, layer, x) -> None:
         j = layer + 1
-        if j in self.store.pooled and j >= self.opts.dense_layers:  # while layer j-1 computes
+        if j in self.store.pooled:  # while layer j-1 computes (the pooled layers are the speculated ones)
             self.prefetch.start(j, self.speculate, step, j, x, copy=self.copy)
 
     @torch.inference_mode()

@@ -242,6 +242,21 @@ def test_the_gpu_path_gives_the_cpus_tokens_on_other_models(name, bundles):
         assert_one_read(decode)
 
 
+@pytest.mark.parametrize("policy", ["full", "infinigen", "h2o"])
+def test_sliding_layers_rings_in_the_store_on_the_gpu_path(policy, bundles):
+    """Gemma 3's sliding layers (window 8) in the batch's store on a (fake) GPU: every request's ring row written
+    and attended for the whole batch, prompts past the window; the CPU's tokens, no race, one host sync a step."""
+    b = read_bundle(bundles["gemma3"])
+    kv = options(policy, None)
+    want = cpu_tokens(b, policy, kv, PROMPTS, 8, kv_tokens=4096)
+    with FakeCuda() as gpu:
+        engine = Engine(b, device="cuda", dtype="float32")
+        got, decode = steps(engine, configure(engine, policy, kv), gpu, PROMPTS, 8, kv_tokens=4096)
+        del engine
+    assert got == want and gpu.races == []
+    assert_one_read(decode)
+
+
 @pytest.fixture
 def tiny_preset(monkeypatch):
     """A synthetic preset of a tiny Llama (GQA 2:1, 64-dim heads): bench's synthetic path at test speed."""
