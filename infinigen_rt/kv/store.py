@@ -35,7 +35,7 @@ from infinigen_rt.kv.attention import paged_decode
 from infinigen_rt.kv.cache import KVCache, KVReport, causal_mask
 from infinigen_rt.kv.kernels import scatter_rows
 from infinigen_rt.kv.paged import PagedStore
-from infinigen_rt.kv.pool import copy_rows
+from infinigen_rt.kv.pool import copy_rows, victims
 from infinigen_rt.kv.window import Rings
 from infinigen_rt.system import to_device
 
@@ -168,6 +168,8 @@ class KVStore:
 
     def release(self, rid: int) -> None:
         self.length.pop(rid, None)
+        if self.selector.evicting is not None:
+            self.selector.evicting.release(rid)
         if self.rings is not None:
             self.rings.release(rid)
         self.ledger.forget(rid)
@@ -175,22 +177,31 @@ class KVStore:
     def slots(self, rid: int, start: int, n: int) -> np.ndarray:
         return self.alloc.slots(rid, start, n)
 
-    def append(self, rids: list[int], n: int) -> torch.Tensor:
-        """Each request of `rids` takes its next `n` token slots: their flat slot numbers [B * n] on the device (one
-        copy up, not waited for), in row order. The lengths advance on the host."""
-        slots = np.concatenate([self.slots(r, self.length[r], n) for r in rids])
-        for r in rids:
-            self.length[r] += n
-        return to_device(torch.from_numpy(slots), self.device)
+    def append(self, rids: list[int], n: int, reused: np.ndarray | None = None) -> torch.Tensor:
+        """Each request of `rids` takes token slots for `n` new tokens: its next ones, but for the first reused[b]
+        (host; None: none), which go into slots eviction freed (a selector with a capacity places those: Evicting).
+        Their flat slot numbers [B * n] on the device (one copy up, not waited for), in row order, 0 for the reused
+        ones. The lengths (slots taken) advance on the host."""
+        slots = np.zeros((len(rids), n), dtype=np.int64)
+        reused = np.zeros(len(rids), dtype=np.int64) if reused is None else reused
+        for i, (r, u) in enumerate(zip(rids, reused.tolist(), strict=True)):
+            slots[i, u:] = self.slots(r, self.length[r], n - u)
+            self.length[r] += n - u
+        return to_device(torch.from_numpy(slots.reshape(-1)), self.device)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """k, v [B, Hkv, n, D] into `slots` [B * n] (from `append`): one copy per tensor (a pooled layer: per part)
+        """k, v [B, Hkv, n, D] into `slots` [B * n] (from `append`), or for a pooled layer each head's own flat
+        slots [B, Hkv, n] (a capacity's reused ones: Evicting.place): one copy per tensor (a pooled layer: per part)
         for the whole batch. A pooled layer's rows go to host memory as its layout encodes them: on a GPU the scatter
         kernel writes them into the pinned pages, on a CPU index_copy; it returns them, (keys' parts, values' parts)
         [B, Hkv, n, X] each on the device, for attention to read the new tokens as stored."""
         if layer in self.pooled:
             h = self.n_kv
-            rows = (slots[:, None] * h + torch.arange(h, device=slots.device)).reshape(-1)  # [B * n * Hkv]
+            head = torch.arange(h, device=slots.device)
+            if slots.dim() == 1:  # every head's the same
+                rows = (slots[:, None] * h + head).reshape(-1)  # [B * n * Hkv], token-major
+            else:
+                rows = (slots * h + head[:, None]).transpose(1, 2).reshape(-1)
             stored = self.layout.encode(k), self.layout.encode(v)
             for bufs, parts in zip((self.k[layer], self.v[layer]), stored, strict=True):
                 for buf, x in zip(bufs, parts, strict=True):
@@ -247,9 +258,9 @@ class KVStore:
             dst.view(-1, w).index_copy_(0, keep, src.view(-1, w).index_select(0, rows).to(dst.dtype))
         return got
 
-    def batch(self, rids: list[int], new: int = 1) -> Batch:
-        """The step's tables and lengths on the device (two copies up, not waited for); `new`: the tokens each row
-        brings (appended already)."""
+    def batch(self, rids: list[int], new: int | np.ndarray = 1) -> Batch:
+        """The step's tables and lengths on the device (two copies up, not waited for); `new`: the slots each row
+        took (appended already; per row where a capacity reuses freed ones)."""
         tables = [self.alloc.tables[r] for r in rids]
         width = max(len(t) for t in tables)
         table = np.zeros((len(rids), width), dtype=np.int32)
@@ -289,7 +300,8 @@ class KVStore:
         led = self.ledger
         h2d = [round(led.get(f"h2d{i}", rid)) for i in range(max(self.pooled, default=-1) + 1)]
         r = KVReport(bytes_h2d=sum(h2d), bytes_d2h=round(led.get("d2h", rid)), kv_fetched_share=1.0,
-                     kv_attended_share=1.0, per_layer={"bytes_h2d": h2d} if self.pooled else None)  # fmt: skip
+                     kv_attended_share=1.0, evictions=round(led.get("evictions", rid)),
+                     per_layer={"bytes_h2d": h2d} if self.pooled else None)  # fmt: skip
         self.selector.report(rid, r)
         return r
 
@@ -299,10 +311,116 @@ class KVStore:
         assert set(self.length) <= set(self.alloc.tables), "a request's length without its table"
         for rid, n in self.length.items():
             assert n <= self.alloc.reserved[rid], f"request {rid} wrote {n} tokens past its reservation"
+            held = self.selector.evicting.held.get(rid, 0) if self.selector.evicting is not None else n
+            assert held <= n, f"request {rid} holds {held} tokens in {n} slots"
         if self.rings is not None:
             assert set(self.rings.row) == set(self.length), "a request without its ring, or a ring without one"
             rows = sorted([*self.rings.row.values(), *self.rings.free])
             assert rows == list(range(self.rings.rows)), "a ring row lost or held twice"
+
+
+class Evicting:
+    """A capacity in the store (KVOptions' capacity, eviction and window): after every pass each request keeps at most
+    that many tokens per (pooled layer, KV head), and its new tokens go into the slots it freed before it takes more,
+    as its own cache's pools do (pool.KVPool: the same slots, the same victims, the same counts), so its reservation
+    is what OffloadCache.pool_slots replays. On the device, the position each (pooled layer, KV head, flat slot)
+    holds, -1 where free, with a last sink slot that never holds one (where the rows of a pass shorter than its
+    longest look); on the host, per request, the tokens it holds per head (the same for every head and layer: each
+    evicts as many), the tokens it has seen, and whether it ever freed a slot: no pass reads the device.
+
+    offload and int4 never select rows, so their pools' counters stay zero and every eviction frees the oldest
+    tokens (the ranking's tie-break), whichever `eviction`: here too."""
+
+    def __init__(self, opts):
+        self.opts = opts
+        self.held: dict[int, int] = {}
+        self.seen: dict[int, int] = {}
+        self.holes: set[int] = set()
+
+    @classmethod
+    def of(cls, opts) -> Evicting | None:
+        """Options' capacity, if they set one."""
+        return None if opts.capacity is None else cls(opts)
+
+    def attach(self, store: KVStore, layers: list[int]) -> None:
+        self.store = weakref.proxy(store)
+        self.at = {layer: i for i, layer in enumerate(layers)}  # a layer's row of the state
+        self.sink = store.alloc.n_blocks * BLOCK
+        self.pos = torch.full((len(layers), store.n_kv, self.sink + 1), -1, dtype=torch.int32, device=store.device)
+
+    def release(self, rid: int) -> None:
+        self.held.pop(rid, None)
+        self.seen.pop(rid, None)
+        self.holes.discard(rid)
+
+    def reuse(self, p, rids: list[int], n: int) -> np.ndarray:
+        """KVPool.insert's rule: of its n new tokens a request puts min(freed, n) into freed slots (freed: the slots
+        it took less the tokens it holds), and those come first. Returns them per request ([B], host); the counts
+        advance, and pass p keeps its new tokens' positions ([B, n] on the device), which of them reuse a slot
+        (`reusing` [B, n] on the device, None where none does) and whether a request of it freed any (`holes`)."""
+        store = self.store
+        seen = np.array([self.seen.get(r, 0) for r in rids], dtype=np.int64)
+        held = np.array([self.held.get(r, 0) for r in rids], dtype=np.int64)
+        reused = np.minimum(np.array([store.length[r] for r in rids], dtype=np.int64) - held, n)
+        for r, a, b in zip(rids, seen.tolist(), held.tolist(), strict=True):
+            self.seen[r], self.held[r] = a + n, b + n
+        cols = np.arange(n)
+        p.newpos = to_device(torch.from_numpy((seen[:, None] + cols).astype(np.int32)), store.device)
+        p.reusing = to_device(torch.from_numpy(cols < reused[:, None]), store.device) if reused.any() else None
+        p.holes = any(r in self.holes for r in rids)
+        return reused
+
+    def begin(self, p, idx: torch.Tensor, held: torch.Tensor | None) -> None:
+        """Pass p starts: `p.at` [B, T], the flat slots of the rows each request held before it (idx [B, T], where
+        `held` [B, T], None: all), the sink beyond them."""
+        p.at = idx if held is None else torch.where(held, idx, self.sink)
+
+    def alive(self, p, layer: int) -> torch.Tensor:
+        """[B, Hkv, T]: whether each of the rows held before pass p still holds a token in pooled layer `layer` (before
+        the pass's new tokens go in)."""
+        return self.pos[self.at[layer]][:, p.at].transpose(0, 1) >= 0
+
+    def place(self, p, layer: int) -> torch.Tensor:
+        """Where pass p's new tokens go in pooled layer `layer` (their positions noted): its slots p.slots [B * n]
+        where no request reuses one; else each head's own [B, Hkv, n]: a request's lowest freed slots first, in its
+        new tokens' order, then its fresh ones."""
+        pos = self.pos[self.at[layer]]  # [Hkv, S + 1]
+        if p.reusing is None:
+            pos[:, p.slots] = p.newpos.view(1, -1)
+            return p.slots
+        (b, n), h = p.newpos.shape, pos.shape[0]
+        got = pos[:, p.at]  # [Hkv, B, T]
+        free = (got < 0) & (p.at != self.sink)
+        order = free.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[..., :n]  # lowest freed first
+        freed = torch.gather(p.at.expand(h, -1, -1), 2, order).transpose(0, 1)  # [B, Hkv, min(n, T)]
+        freed = F.pad(freed, (0, n - freed.shape[-1]))
+        slots = torch.where(p.reusing[:, None], freed, p.slots.view(b, 1, n))
+        pos.scatter_(1, slots.transpose(0, 1).reshape(h, -1), p.newpos.view(1, -1).expand(h, -1).contiguous())
+        return slots
+
+    def evict(self, p) -> None:
+        """After pass p, every request of it keeps at most its capacity per (pooled layer, KV head), never fewer than
+        the window (whose tokens stay): the others freed, counter's, lru's or fifo's victims (pool.victims), and
+        counted per request."""
+        store, rids, window = self.store, p.batch.rids, self.opts.window
+        seen = np.array([self.seen[r] for r in rids], dtype=np.int64)
+        held = np.array([self.held[r] for r in rids], dtype=np.int64)
+        over = np.clip(held - np.maximum(self.opts.capacity_tokens(seen), window), 0, None)
+        if not over.any():
+            return
+        fill = np.array([store.length[r] for r in rids], dtype=np.int64)
+        t = int(fill.max())
+        fill_d, newest, over_d = to_device(torch.from_numpy(np.stack([fill, seen - 1, over])), store.device)
+        at = torch.arange(t, device=store.device)
+        at = torch.where(at < fill_d[:, None], store.physical(p.batch, at.expand(len(rids), t)), self.sink)
+        pos = self.pos[:, :, at]  # [L, Hkv, B, T]
+        gone = victims(pos, None, pos > (newest[:, None] - window), over_d)
+        self.pos[:, :, at] = pos.masked_fill(gone, -1)
+        for r, o in zip(rids, over.tolist(), strict=True):
+            if o:
+                self.held[r] -= o
+                self.holes.add(r)
+        store.ledger.add("evictions", rids, over * store.n_kv * len(self.at))
 
 
 class Selector:
@@ -315,22 +433,38 @@ class Selector:
 
     indexed = False  # a decode step needs every row's flat slots (StoreStep.idx) though nothing is pooled (h2o's)
 
-    def __init__(self, device_layers, pooled_layers, prefetch=None):
+    def __init__(self, device_layers, pooled_layers, prefetch=None, evicting: Evicting | None = None):
+        """`evicting`: the pooled layers' capacity (None: every token stays)."""
         self.device_layers, self.pooled_layers = list(device_layers), list(pooled_layers)
         self.prefetch = prefetch  # the runner's lane (prefetch.Lane): rows ahead on its side stream or worker
         self.buffers: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # a GPU's fetched parts, used in turn
+        assert evicting is None or not self.device_layers, "a capacity holds a request's slots below its length"
+        self.evicting = evicting
 
     def attach(self, store: KVStore) -> None:
         self.store = weakref.proxy(store)  # (no cycle: the store's device memory goes with its last reference)
+        if self.evicting is not None:
+            self.evicting.attach(store, self.pooled_layers)
+
+    def reuse(self, p: StoreStep | RequestPass, rids: list[int], n: int) -> np.ndarray:
+        """How many of the n new tokens of each request of pass `p` go into slots eviction freed ([B], host)."""
+        if self.evicting is None:
+            return np.zeros(len(rids), dtype=np.int64)
+        return self.evicting.reuse(p, rids, n)
 
     def written(self, batch: Batch, layer: int, k: torch.Tensor, phys: torch.Tensor) -> None:
         """The new keys k [B, Hkv, s, D] went into flat slots phys [B * s] of a pooled layer (a prefill or a step)."""
 
     def begin(self, step: StoreStep) -> None:
         """A decode step starts (step.batch is on the device)."""
+        if self.evicting is not None:
+            self.evicting.begin(step, step.idx, step.held[1])
 
     def begin_pass(self, p: RequestPass) -> None:
         """A request's prompt chunk starts (its slots and p.batch are on the device)."""
+        if self.evicting is not None:
+            at = torch.arange(p.start, device=self.store.device)
+            self.evicting.begin(p, self.store.physical(p.batch, at[None]), None)
 
     def observe(self, step: StoreStep, layer: int, x: torch.Tensor) -> None:
         """Layer `layer`'s normalised input in a decode step: every row's layer-after rows can start moving."""
@@ -390,9 +524,13 @@ class Selector:
             store.write(layer, step.slots, k, v)
             return store.attend(layer, q, step.batch)
         keys, values, ok = self.rows(step, layer, q)  # the rows held before (and their reads) first
-        new = store.write(layer, step.slots, k, v)
+        slots = step.slots
+        if self.evicting is not None:  # the rows still held (before the new tokens take freed slots), and where
+            ok = self.evicting.alive(step, layer) if step.holes else ok  # the new tokens go
+            slots = self.evicting.place(step, layer)
+        new = store.write(layer, slots, k, v)
         store.ledger.add("d2h", step.rids, k.shape[1] * store.row_bytes)
-        self.written(step.batch, layer, k, step.slots)
+        self.written(step.batch, layer, k, slots)
         for held, parts in zip((keys, values), new, strict=True):
             for x, y in zip(held, parts, strict=True):
                 x[:, :, -1:] = y
@@ -410,12 +548,18 @@ class Selector:
         earlier rows (read from the device, or gathered from host memory for a pooled layer) and the chunk's (a
         pooled layer's as stored, decoded with the earlier ones)."""
         store = self.store
-        new = store.write(layer, p.slots, k, v)
         gqa = k.shape[1] != q.shape[1]
         pooled = layer in store.pooled
+        slots, mask = p.slots, p.mask
+        if pooled and self.evicting is not None:  # as in a decode step
+            if p.holes:  # [1, H, s, T + s]: the rows still held, and the chunk's own causally
+                alive = self.evicting.alive(p, layer).repeat_interleave(q.shape[1] // k.shape[1], 1)[:, :, None]
+                mask = mask & torch.cat([alive, alive.new_ones(*alive.shape[:3], k.shape[2])], -1)
+            slots = self.evicting.place(p, layer)
+        new = store.write(layer, slots, k, v)
         if pooled:
             store.ledger.add("d2h", [p.rid], k.shape[1] * k.shape[2] * store.row_bytes)
-            self.written(p.batch, layer, k, p.slots)
+            self.written(p.batch, layer, k, slots)
         if p.held is None:  # a first chunk: nothing earlier to read
             if pooled:
                 k, v = store.layout.decode(new[0]), store.layout.decode(new[1])
@@ -430,10 +574,12 @@ class Selector:
         else:
             keys = store.rows_of(store.k[layer], p.rid, p.held)  # [1, Hkv, T, D]
             values = store.rows_of(store.v[layer], p.rid, p.held)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=p.mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
 
     def end(self, p: StoreStep | RequestPass) -> None:
-        """A pass through the store is over (a decode step's, or a request's prompt chunk)."""
+        """A pass through the store is over (a decode step's, or a request's prompt chunk): a capacity evicts."""
+        if self.evicting is not None:
+            self.evicting.evict(p)
 
     def report(self, rid: int, r: KVReport) -> None:
         """Fill in the policy's fields of request `rid`'s report."""
@@ -448,8 +594,9 @@ class StoreStep(KVCache):
 
     def begin(self, valid, positions) -> None:
         self.positions = positions
-        self.slots = self.store.append(self.rids, 1)
-        self.batch = self.store.batch(self.rids)
+        self.reused = self.store.selector.reuse(self, self.rids, 1)
+        self.slots = self.store.append(self.rids, 1, self.reused)
+        self.batch = self.store.batch(self.rids, 1 - self.reused)
         self.held = self.batch.held()
         self.span = None  # one row whose first T slots are one run: their slice (read in place, no gather)
         if self.store.pooled or self.store.selector.indexed:  # [B, T]: the flat slots of every row's tokens held
@@ -487,8 +634,9 @@ class RequestPass(KVCache):
         assert valid is None or bool(valid.all()), "a request's pass through the store has no padding"
         s = positions.shape[1]
         self.start = self.store.length[self.rid]
-        self.slots = self.store.append([self.rid], s)
-        self.batch = self.store.batch([self.rid], s)
+        self.reused = self.store.selector.reuse(self, [self.rid], s)
+        self.slots = self.store.append([self.rid], s, self.reused)
+        self.batch = self.store.batch([self.rid], s - self.reused)
         self.held = self.start + s if self.start else None  # the rows it reads: every one so far
         self.mask = causal_mask(torch.ones(1, self.start + s, dtype=torch.bool, device=positions.device),
                                 self.start) if self.start else None  # fmt: skip

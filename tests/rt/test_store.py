@@ -314,6 +314,42 @@ def test_h2o_runs_its_batch_through_the_store_with_the_tokens_and_report_of_each
     assert run.kv.alloc.used == 0 and not run.kv.length
 
 
+@pytest.mark.parametrize(("model", "policy", "capacity"), [("llama31_gqa", "offload", 12), ("llama31_gqa", "int4", 0.4),
+                                                        ("opt", "offload", 0.4), ("opt", "int4", 12)])  # fmt: skip
+def test_a_capacity_runs_in_the_store_with_the_tokens_and_report_of_each_request_alone(model, policy, capacity,
+                                                                                        bundles):  # fmt: skip
+    """With a capacity (a count, or a share of the length) `offload` and `int4` keep their requests' KV in the
+    runner's store: each request evicts after every pass (its prompt chunks of 8 too) down to the capacity per
+    (layer, KV head), and its new tokens reuse the slots it freed, each head its own; its tokens and its report (the
+    bytes moved, its evictions) are those of its own cache alone. Prompts longer than the capacity, the rows of a
+    step of different lengths, some with freed slots and some not yet."""
+    from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.engine import Engine
+    from infinigen_rt.policies import KVOptions, configure
+    from infinigen_rt.runner import Request, Runner
+
+    e = Engine(read_bundle(bundles[model]), device="cpu", dtype="float32")
+    pol = configure(e, policy, KVOptions(capacity=capacity, window=4, prefill_chunk=8))
+    prompts = [list(range(5, 42)), list(range(50, 57)), list(range(60, 83))]
+    alone = []
+    for p in prompts:
+        run = Runner(e, pol, prefill_chunk=None)
+        run.add(Request(p, 9))
+        (o,) = _finished(run)
+        assert run.kv is None
+        alone.append((o.generation.token_ids, o.report.to_dict()))
+    run = Runner(e, pol, max_batch=3, prefill_chunk=None, kv_tokens=512)
+    ids = [run.add(Request(p, 9)) for p in prompts]
+    outs = {}
+    while run.has_work:
+        outs.update({o.id: (o.generation.token_ids, o.report.to_dict()) for o in run.step() if o.finished})
+        assert run.kv is not None and run.kv_policy.name == policy
+        run.kv.check()
+    assert [outs[i] for i in ids] == alone
+    assert all(r["evictions"] > 0 and r["bytes_h2d"] > 0 for _, r in alone)
+    assert run.kv.alloc.used == 0 and not run.kv.length and not run.kv.selector.evicting.held
+
+
 def _finished(run):
     done = []
     while run.has_work:
