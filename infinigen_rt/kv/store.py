@@ -488,10 +488,10 @@ class Evicting:
         fill_d, newest, over_d = to_device(torch.from_numpy(np.stack([fill, seen - 1, over])), store.device)
         at = torch.arange(t, device=store.device)
         at = torch.where(at < fill_d[:, None], store.physical(p.batch, at.expand(len(rids), t)), self.sink)
-        pos = self.pos[:, :, at]  # [L, Hkv, B, T]
-        key = None if self.score is None else self.score[:, :, at]
-        gone = victims(pos, key, pos > (newest[:, None] - window), over_d)
-        self.pos[:, :, at] = pos.masked_fill(gone, -1)
+        for i in range(len(self.at)):  # a layer at a time: the ranking's temporaries are a layer's
+            pos = self.pos[i][:, at]  # [Hkv, B, T]
+            key = None if self.score is None else self.score[i][:, at]
+            self.pos[i][:, at] = pos.masked_fill(victims(pos, key, pos > (newest[:, None] - window), over_d), -1)
         for r, o in zip(rids, over.tolist(), strict=True):
             if o:
                 self.held[r] -= o
