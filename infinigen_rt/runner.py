@@ -17,10 +17,11 @@ that every request shares: an admitted request takes the blocks for its prompt a
 capacity for what its pools reach (its policy's `pool_slots`: eviction frees slots it reuses), its block table.
 
 Over that pool the runner keeps the batch's KV store (kv/store.py), made for the first policy (with its options)
-that can run in it (`KVCache.selector`: today `full`, `offload`, `h2o`, `int4`, and `infinigen` without a capacity
-or the recall trace; a sliding-window layer keeps its rings in the store whatever the policy). Its requests' prompts
-go through the store request by request (`RequestPass`), and every decode step is one pass for all of them
-(`StoreStep`): speculation, selection, the gather and attention (h2o's scores too) once a layer for the whole batch.
+that can run in it (`KVCache.selector`: today `full`, `offload`, `h2o`, `int4`, and `infinigen` without the recall
+trace; `offload`, `int4` and `infinigen` under a capacity too: store.Evicting; a sliding-window layer keeps its rings
+in the store whatever the policy). Its requests' prompts go through the store request by request (`RequestPass`), and
+every decode step is one pass for all of them (`StoreStep`): speculation, selection, the gather and attention (h2o's
+scores too) once a layer for the whole batch.
 A request the store cannot hold (another policy, or options the store does not run yet) keeps a cache of its own,
 built by its policy, its rows in the same pool's blocks; a step then attends the store's rows as one part and each
 other request through its own cache (cache.Rows). Without `kv_tokens` every request's cache has buffers of its own
@@ -320,12 +321,13 @@ class Runner:
             return False
         self.kv_policy = policy
         size = self.engine.dtype.itemsize
-        need = self.store.alloc.n_blocks * BLOCK_TOKENS * 2 * cfg.num_key_value_heads * cfg.head_dim * len(
-            selector.device_layers) * size + Rings.bytes(cfg, self.max_batch, size)  # fmt: skip
+        slots = KVStore.device_slots(self.store, selector, self.max_batch, self.max_positions)
+        need = slots * 2 * cfg.num_key_value_heads * cfg.head_dim * len(selector.device_layers) * size + Rings.bytes(
+            cfg, self.max_batch, size)  # fmt: skip
         free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else host_available() // 2
         if need > 0.9 * free:  # a pool sized for admission only (the default: max_batch x the context)
             return False
-        self.kv = KVStore(self.store, selector, cfg, dev, self.engine.dtype, self.max_batch)
+        self.kv = KVStore(self.store, selector, cfg, dev, self.engine.dtype, self.max_batch, self.max_positions)
         return True
 
     def _prefill(self, outs: dict[int, Output]) -> None:

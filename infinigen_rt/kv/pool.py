@@ -218,14 +218,8 @@ class KVPool:
         pos = self.pos
         newest = pos.amax(dim=(1, 2))  # [B]: the latest position of each sequence
         recent = pos > (newest[:, None, None] - self.window)
-        primary = {"counter": self.hits, "lru": self.last, "fifo": torch.zeros_like(pos)}[self.eviction]
-        rank = (primary.long() * _BIG + pos).masked_fill((pos < 0) | recent, torch.iinfo(torch.long).max)
-        order = rank.argsort(dim=-1, stable=True)
-        ranks = torch.arange(order.shape[-1], device=pos.device).expand_as(order)
-        nth = torch.empty_like(order).scatter_(2, order, ranks)
-        over_dev = to_device(torch.from_numpy(over), self.device)
-        victims = (nth < over_dev[..., None]) & (pos >= 0) & ~recent
-        pos.masked_fill_(victims, -1)
+        primary = {"counter": self.hits, "lru": self.last, "fifo": None}[self.eviction]
+        pos.masked_fill_(victims(pos, primary, recent, to_device(torch.from_numpy(over), self.device)), -1)
         self.n_held -= over
         self.evicted += n
         self.holes = True
@@ -238,6 +232,19 @@ class KVPool:
             retire(self.registered, self.host_tensors, self.device)
             self.host_tensors = []
             self.pinned = False
+
+
+def victims(pos: torch.Tensor, primary: torch.Tensor | None, recent: torch.Tensor, over: torch.Tensor) -> torch.Tensor:
+    """The slots an eviction frees, per row of the last dimension: of the held ones (pos >= 0) outside the recent
+    window, the `over` ranked lowest: by `primary` (times selected: counter; last step selected: lru; None: fifo),
+    then oldest. pos, primary, recent [..., S]; over (device) broadcast to pos.shape[:-1], never more than the
+    candidates. The pool's eviction and the store's (store.Evicting) both rank with it."""
+    rank = pos.long() if primary is None else primary.long() * _BIG + pos
+    rank = rank.masked_fill((pos < 0) | recent, torch.iinfo(torch.long).max)
+    order = rank.argsort(dim=-1, stable=True)
+    ranks = torch.arange(order.shape[-1], device=pos.device).expand_as(order)
+    nth = torch.empty_like(order).scatter_(-1, order, ranks)
+    return (nth < over[..., None]) & (pos >= 0) & ~recent
 
 
 def copy_rows(src_k, src_v, rows, ok, out_k, out_v, kernel: bool) -> None:

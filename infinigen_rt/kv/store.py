@@ -14,11 +14,17 @@ What a policy decides is its `Selector`: which layers stay on the device, which 
 `layout`: as they are, or int4's codes). The store is the mechanism: slots, tables, copies, attention, and the counts
 of what moved (`Ledger`, per request).
 
+Under a capacity (KVOptions.capacity: offload's, int4's, infinigen's) a request keeps at most that many tokens per
+(pooled layer, KV head), and its new tokens reuse the slots it freed, as its own cache's pools do (`Evicting`): its
+pool slots (`length`) are then fewer than its tokens (`seen`), and the device layers (infinigen's dense ones, which
+keep every token) have blocks and tables of their own (`dense`).
+
 A sliding-window layer (Gemma 3's local layers, Mistral's) keeps, whatever the policy, a ring of its last W tokens
 per request on the device (window.Rings): the store attends it itself, and no selector ever sees those layers.
 
-Invariants (`check`): the allocator's; every request's length fits its reservation; a released request holds
-nothing; every request holds one ring row, and no ring row is lost.
+Invariants (`check`): the allocator's (and the dense one's); every request's length fits its reservation, the
+tokens it holds under a capacity its slots, its tokens its dense table; a released request holds nothing; every
+request holds one ring row, and no ring row is lost.
 """
 
 from __future__ import annotations
@@ -34,8 +40,8 @@ import torch.nn.functional as F
 from infinigen_rt.kv.attention import paged_decode
 from infinigen_rt.kv.cache import KVCache, KVReport, causal_mask
 from infinigen_rt.kv.kernels import scatter_rows
-from infinigen_rt.kv.paged import PagedStore
-from infinigen_rt.kv.pool import copy_rows
+from infinigen_rt.kv.paged import BlockAllocator, PagedStore
+from infinigen_rt.kv.pool import copy_rows, victims
 from infinigen_rt.kv.window import Rings
 from infinigen_rt.system import to_device
 
@@ -132,10 +138,13 @@ class Plain:
 
 class KVStore:
     """The batch's KV: `device_layers` on the compute device, the rest of `selector.layers` pooled in `host`'s
-    buffers (as the selector's layout holds them), under `host`'s block tables."""
+    buffers (as the selector's layout holds them), under `host`'s block tables; the device layers under tables of
+    their own (`dense`) where a capacity holds a request's pooled tokens in fewer slots than it has tokens."""
 
-    def __init__(self, host: PagedStore, selector: Selector, cfg, device, dtype, rows: int = 1):
-        """`rows`: the most requests it holds at once (the runner's max_batch): the sliding layers' rings."""
+    def __init__(self, host: PagedStore, selector: Selector, cfg, device, dtype, rows: int = 1,
+                 context: int | None = None):  # fmt: skip
+        """`rows`: the most requests it holds at once (the runner's max_batch): the sliding layers' rings, and with
+        `context` (the most tokens a request reaches) the device layers' own blocks (see device_slots)."""
         assert host.alloc.block_size == BLOCK
         self.host, self.alloc, self.selector = host, host.alloc, selector  # (its buffers live as long as it)
         self.device = torch.device(device)
@@ -143,7 +152,9 @@ class KVStore:
         slots = host.alloc.n_blocks * BLOCK
         self.device_layers = set(selector.device_layers)
         self.pooled = set(selector.pooled_layers)
-        shape = (self.n_kv, slots, self.head_dim)
+        dense = self.device_slots(host, selector, rows, context)
+        self.dense = BlockAllocator(dense // BLOCK, BLOCK) if self.apart(selector) else self.alloc
+        shape = (self.n_kv, dense, self.head_dim)
         self.k = {i: torch.zeros(shape, device=self.device, dtype=dtype) for i in self.device_layers}
         self.v = {i: torch.zeros(shape, device=self.device, dtype=dtype) for i in self.device_layers}
         self.layout = selector.layout(self.head_dim, dtype)
@@ -154,43 +165,81 @@ class KVStore:
         self.kernel = self.device.type == "cuda"  # pooled rows by the row kernels (tests: the interpreter)
         # one token's K and V for one KV head, as a pooled layer holds them
         self.row_bytes = 2 * sum(w * t.itemsize for _, w, t in self.layout.parts)
-        self.length: dict[int, int] = {}  # tokens written per request (host)
+        self.length: dict[int, int] = {}  # pool slots taken per request (host): its tokens, but under a capacity
+        self.seen: dict[int, int] = {}  # tokens written per request (host)
         self.ledger = Ledger()
         self.rings = Rings(cfg, rows, device, dtype) if cfg.sliding_layers else None  # the sliding layers' KV
         self.sliding = set(cfg.sliding_layers)
         selector.attach(self)
 
+    @staticmethod
+    def apart(selector: Selector) -> bool:
+        """Whether the device layers have blocks of their own: under a capacity, whose requests reserve the slots
+        their pooled layers reach (eviction frees slots they reuse: OffloadCache.pool_slots), while a device layer
+        (InfiniGen's dense ones) keeps every token."""
+        return selector.evicting is not None and bool(selector.device_layers)
+
+    @classmethod
+    def device_slots(cls, host: PagedStore, selector: Selector, rows: int, context: int | None) -> int:
+        """The device layers' token slots: the pool's, under its tables; or apart (see `apart`), `rows` requests of
+        `context` tokens in blocks of their own, each request's table growing with its tokens."""
+        return rows * -(-context // BLOCK) * BLOCK if cls.apart(selector) else host.alloc.n_blocks * BLOCK
+
     def admit(self, rid: int) -> None:
         """Request `rid`, whose blocks the paged pool's allocator holds already."""
-        self.length[rid] = 0
+        self.length[rid] = self.seen[rid] = 0
         if self.rings is not None:
             self.rings.admit(rid)
 
     def release(self, rid: int) -> None:
         self.length.pop(rid, None)
+        self.seen.pop(rid, None)
+        if self.dense is not self.alloc:
+            self.dense.release(rid)
+        if self.selector.evicting is not None:
+            self.selector.evicting.release(rid)
         if self.rings is not None:
             self.rings.release(rid)
         self.ledger.forget(rid)
 
-    def slots(self, rid: int, start: int, n: int) -> np.ndarray:
-        return self.alloc.slots(rid, start, n)
+    def append(self, rids: list[int], n: int, reused: np.ndarray | None = None) -> torch.Tensor:
+        """Each request of `rids` takes token slots for `n` new tokens: its next ones, but for the first reused[b]
+        (host; None: none), which go into slots eviction freed (a selector with a capacity places those: Evicting).
+        Their flat slot numbers [B * n] on the device (one copy up, not waited for), in row order, 0 for the reused
+        ones. The lengths (slots taken) advance on the host."""
+        slots = np.zeros((len(rids), n), dtype=np.int64)
+        reused = np.zeros(len(rids), dtype=np.int64) if reused is None else reused
+        for i, (r, u) in enumerate(zip(rids, reused.tolist(), strict=True)):
+            slots[i, u:] = self.alloc.slots(r, self.length[r], n - u)
+            self.length[r] += n - u
+            self.seen[r] += n
+        return to_device(torch.from_numpy(slots.reshape(-1)), self.device)
 
-    def append(self, rids: list[int], n: int) -> torch.Tensor:
-        """Each request of `rids` takes its next `n` token slots: their flat slot numbers [B * n] on the device (one
-        copy up, not waited for), in row order. The lengths advance on the host."""
-        slots = np.concatenate([self.slots(r, self.length[r], n) for r in rids])
+    def dense_pass(self, p: StoreStep | RequestPass, rids: list[int], n: int) -> tuple[torch.Tensor, Batch]:
+        """The device layers' (slots, batch) of pass p, whose requests `rids` brought n tokens each (appended
+        already): the pass's own, but where the device layers have tables of their own (see device_slots)."""
+        if self.dense is self.alloc:
+            return p.slots, p.batch
+        slots = []
         for r in rids:
-            self.length[r] += n
-        return to_device(torch.from_numpy(slots), self.device)
+            self.dense.grow(r, self.seen[r])
+            slots.append(self.dense.slots(r, self.seen[r] - n, n))
+        return to_device(torch.from_numpy(np.concatenate(slots)), self.device), self.tables(self.dense, self.seen,
+                                                                                           rids, n)  # fmt: skip
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """k, v [B, Hkv, n, D] into `slots` [B * n] (from `append`): one copy per tensor (a pooled layer: per part)
+        """k, v [B, Hkv, n, D] into `slots` [B * n] (from `append`), or for a pooled layer each head's own flat
+        slots [B, Hkv, n] (a capacity's reused ones: Evicting.place): one copy per tensor (a pooled layer: per part)
         for the whole batch. A pooled layer's rows go to host memory as its layout encodes them: on a GPU the scatter
         kernel writes them into the pinned pages, on a CPU index_copy; it returns them, (keys' parts, values' parts)
         [B, Hkv, n, X] each on the device, for attention to read the new tokens as stored."""
         if layer in self.pooled:
             h = self.n_kv
-            rows = (slots[:, None] * h + torch.arange(h, device=slots.device)).reshape(-1)  # [B * n * Hkv]
+            head = torch.arange(h, device=slots.device)
+            if slots.dim() == 1:  # every head's the same
+                rows = (slots[:, None] * h + head).reshape(-1)  # [B * n * Hkv], token-major
+            else:
+                rows = (slots * h + head[:, None]).transpose(1, 2).reshape(-1)
             stored = self.layout.encode(k), self.layout.encode(v)
             for bufs, parts in zip((self.k[layer], self.v[layer]), stored, strict=True):
                 for buf, x in zip(bufs, parts, strict=True):
@@ -247,15 +296,19 @@ class KVStore:
             dst.view(-1, w).index_copy_(0, keep, src.view(-1, w).index_select(0, rows).to(dst.dtype))
         return got
 
-    def batch(self, rids: list[int], new: int = 1) -> Batch:
-        """The step's tables and lengths on the device (two copies up, not waited for); `new`: the tokens each row
-        brings (appended already)."""
-        tables = [self.alloc.tables[r] for r in rids]
+    def batch(self, rids: list[int], new: int | np.ndarray = 1) -> Batch:
+        """The step's tables and lengths on the device (two copies up, not waited for); `new`: the slots each row
+        took (appended already; per row where a capacity reuses freed ones)."""
+        return self.tables(self.alloc, self.length, rids, new)
+
+    def tables(self, alloc: BlockAllocator, length: dict[int, int], rids: list[int], new) -> Batch:
+        """A Batch of `alloc`'s tables and `length`'s lengths (see batch)."""
+        tables = [alloc.tables[r] for r in rids]
         width = max(len(t) for t in tables)
         table = np.zeros((len(rids), width), dtype=np.int32)
         for i, t in enumerate(tables):
             table[i, : len(t)] = t
-        lengths = np.array([self.length[r] for r in rids], dtype=np.int32)
+        lengths = np.array([length[r] for r in rids], dtype=np.int32)
         return Batch(rids, to_device(torch.from_numpy(table), self.device),
                      to_device(torch.from_numpy(lengths), self.device), int(lengths.max()),
                      lengths.astype(np.int64) - new)  # fmt: skip
@@ -270,7 +323,7 @@ class KVStore:
             return paged_decode(q, k, v, batch.table, batch.lengths, BLOCK, batch.longest)
         out = []
         for i, rid in enumerate(batch.rids):
-            n = self.length[rid]
+            n = self.seen[rid]
             keys, values = self.rows_of(k, rid, n), self.rows_of(v, rid, n)  # [1, Hkv, n, D]
             out.append(F.scaled_dot_product_attention(q[i : i + 1], keys, values, enable_gqa=k.shape[0] != q.shape[1]))
         return torch.cat(out)
@@ -278,10 +331,10 @@ class KVStore:
     def rows_of(self, buf: torch.Tensor, rid: int, n: int) -> torch.Tensor:
         """Request `rid`'s first n rows of a device buffer [Hkv, slots, D] as [1, Hkv, n, D]: a view where its blocks
         are one run, else a gather."""
-        table = self.alloc.tables[rid][: -(-n // BLOCK)]
+        table = self.dense.tables[rid][: -(-n // BLOCK)]
         if table == list(range(table[0], table[0] + len(table))):
             return buf[None, :, table[0] * BLOCK : table[0] * BLOCK + n]
-        return buf[None, :, torch.from_numpy(self.slots(rid, 0, n)).to(buf.device)]
+        return buf[None, :, torch.from_numpy(self.dense.slots(rid, 0, n)).to(buf.device)]
 
     def report(self, rid: int) -> KVReport:
         """What request `rid` moved so far (settles the device counts: not inside a decode step)."""
@@ -289,7 +342,8 @@ class KVStore:
         led = self.ledger
         h2d = [round(led.get(f"h2d{i}", rid)) for i in range(max(self.pooled, default=-1) + 1)]
         r = KVReport(bytes_h2d=sum(h2d), bytes_d2h=round(led.get("d2h", rid)), kv_fetched_share=1.0,
-                     kv_attended_share=1.0, per_layer={"bytes_h2d": h2d} if self.pooled else None)  # fmt: skip
+                     kv_attended_share=1.0, evictions=round(led.get("evictions", rid)),
+                     per_layer={"bytes_h2d": h2d} if self.pooled else None)  # fmt: skip
         self.selector.report(rid, r)
         return r
 
@@ -297,12 +351,152 @@ class KVStore:
         """Raise AssertionError when an invariant (module docstring) does not hold."""
         self.alloc.check()
         assert set(self.length) <= set(self.alloc.tables), "a request's length without its table"
+        if self.dense is not self.alloc:
+            self.dense.check()
+            for rid, n in self.seen.items():
+                assert n <= self.dense.reserved.get(rid, 0), f"request {rid}'s device rows past its dense table"
         for rid, n in self.length.items():
             assert n <= self.alloc.reserved[rid], f"request {rid} wrote {n} tokens past its reservation"
+            held = self.selector.evicting.held.get(rid, 0) if self.selector.evicting is not None else n
+            assert held <= n, f"request {rid} holds {held} tokens in {n} slots"
         if self.rings is not None:
             assert set(self.rings.row) == set(self.length), "a request without its ring, or a ring without one"
             rows = sorted([*self.rings.row.values(), *self.rings.free])
             assert rows == list(range(self.rings.rows)), "a ring row lost or held twice"
+
+
+class Evicting:
+    """A capacity in the store (KVOptions' capacity, eviction and window): after every pass each request keeps at most
+    that many tokens per (pooled layer, KV head), and its new tokens go into the slots it freed before it takes more,
+    as its own cache's pools do (pool.KVPool: the same slots, the same victims, the same counts), so its reservation
+    is what OffloadCache.pool_slots replays. On the device, the position each (pooled layer, KV head, flat slot)
+    holds, -1 where free, with a last sink slot that never holds one (where the rows of a pass shorter than its
+    longest look), and beside it, for a policy that selects rows and evicts by counter or lru, each slot's times
+    selected or last pass selected (`key`); on the host, per request, the tokens it holds per head (the same for every
+    head and layer: each evicts as many), and whether it ever freed a slot: no pass reads the device.
+
+    offload and int4 never select rows, so their pools' counters stay zero and every eviction frees the oldest
+    tokens (the ranking's tie-break), whichever `eviction`: here too."""
+
+    def __init__(self, opts, selects: bool = False):
+        """`selects`: the policy marks the rows it selects (`mark`), which counter and lru evict by."""
+        self.opts = opts
+        self.key = opts.eviction if selects and opts.eviction != "fifo" else None
+        self.held: dict[int, int] = {}
+        self.holes: set[int] = set()
+        self.passes = 0  # lru's clock: the passes so far (a request's own count orders its slots alike)
+
+    @classmethod
+    def of(cls, opts, selects: bool = False) -> Evicting | None:
+        """Options' capacity, if they set one."""
+        return None if opts.capacity is None else cls(opts, selects)
+
+    def attach(self, store: KVStore, layers: list[int]) -> None:
+        self.store = weakref.proxy(store)
+        self.at = {layer: i for i, layer in enumerate(layers)}  # a layer's row of the state
+        self.sink = store.alloc.n_blocks * BLOCK
+        self.pos = torch.full((len(layers), store.n_kv, self.sink + 1), -1, dtype=torch.int32, device=store.device)
+        self.score = torch.zeros_like(self.pos) if self.key is not None else None  # hits (counter), last (lru)
+
+    def release(self, rid: int) -> None:
+        self.held.pop(rid, None)
+        self.holes.discard(rid)
+
+    def reuse(self, p, rids: list[int], n: int) -> np.ndarray:
+        """KVPool.insert's rule: of its n new tokens a request puts min(freed, n) into freed slots (freed: the slots
+        it took less the tokens it holds), and those come first. Returns them per request ([B], host); the counts
+        advance, and pass p keeps its new tokens' positions ([B, n] on the device), which of them reuse a slot
+        (`reusing` [B, n] on the device, None where none does), the tokens each request held per head before it
+        (`kept` [B], host) and whether a request of it freed any (`holes`)."""
+        store = self.store
+        seen = np.array([store.seen[r] for r in rids], dtype=np.int64)
+        held = np.array([self.held.get(r, 0) for r in rids], dtype=np.int64)
+        reused = np.minimum(np.array([store.length[r] for r in rids], dtype=np.int64) - held, n)
+        for r, b in zip(rids, held.tolist(), strict=True):
+            self.held[r] = b + n
+        self.passes += 1
+        p.kept = held
+        cols = np.arange(n)
+        p.newpos = to_device(torch.from_numpy((seen[:, None] + cols).astype(np.int32)), store.device)
+        p.reusing = to_device(torch.from_numpy(cols < reused[:, None]), store.device) if reused.any() else None
+        p.holes = any(r in self.holes for r in rids)
+        return reused
+
+    def begin(self, p, idx: torch.Tensor, held: torch.Tensor | None) -> None:
+        """Pass p starts: `p.at` [B, T], the flat slots of the rows each request held before it (idx [B, T], where
+        `held` [B, T], None: all), the sink beyond them."""
+        p.at = idx if held is None else torch.where(held, idx, self.sink)
+
+    def positions(self, p, layer: int) -> torch.Tensor:
+        """[B, Hkv, T]: the position each of the rows held before pass p holds in pooled layer `layer`, -1 where it
+        was freed or is not the row's (before the pass's new tokens go in)."""
+        return self.pos[self.at[layer]][:, p.at].transpose(0, 1)
+
+    def alive(self, p, layer: int) -> torch.Tensor:
+        """[B, Hkv, T]: whether each of the rows held before pass p still holds a token in pooled layer `layer`."""
+        return self.positions(p, layer) >= 0
+
+    def mark(self, p, layer: int, slots: torch.Tensor, ok: torch.Tensor | None) -> None:
+        """Pass p selected rows `slots` [B, Hkv, n] (of those held before it; where `ok`, None: all) of pooled layer
+        `layer`: counted for counter's and lru's ranking, as KVPool.mark_selected counts them."""
+        if self.key is None:
+            return
+        h = slots.shape[1]
+        flat = torch.gather(p.at[:, None].expand(-1, h, -1), 2, slots).transpose(0, 1).reshape(h, -1)  # [Hkv, B * n]
+        ok = None if ok is None else ok.transpose(0, 1).reshape(h, -1)
+        state = self.score[self.at[layer]]
+        if self.key == "counter":
+            state.scatter_add_(1, flat, torch.ones_like(flat, dtype=torch.int32) if ok is None else ok.to(torch.int32))
+        else:
+            state.scatter_(1, flat, self.passes if ok is None else torch.where(ok, self.passes, state.gather(1, flat)))
+
+    def place(self, p, layer: int) -> torch.Tensor:
+        """Where pass p's new tokens go in pooled layer `layer` (their positions noted): its slots p.slots [B * n]
+        where no request reuses one; else each head's own [B, Hkv, n]: a request's lowest freed slots first, in its
+        new tokens' order, then its fresh ones."""
+        pos = self.pos[self.at[layer]]  # [Hkv, S + 1]
+        if p.reusing is None:
+            pos[:, p.slots] = p.newpos.view(1, -1)
+            if self.score is not None:  # a new token's count starts afresh (the slot may have been another's)
+                self.score[self.at[layer]][:, p.slots] = 0
+            return p.slots
+        (b, n), h = p.newpos.shape, pos.shape[0]
+        got = pos[:, p.at]  # [Hkv, B, T]
+        free = (got < 0) & (p.at != self.sink)
+        order = free.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[..., :n]  # lowest freed first
+        freed = torch.gather(p.at.expand(h, -1, -1), 2, order).transpose(0, 1)  # [B, Hkv, min(n, T)]
+        freed = F.pad(freed, (0, n - freed.shape[-1]))
+        slots = torch.where(p.reusing[:, None], freed, p.slots.view(b, 1, n))
+        flat = slots.transpose(0, 1).reshape(h, -1)
+        pos.scatter_(1, flat, p.newpos.view(1, -1).expand(h, -1).contiguous())
+        if self.score is not None:
+            self.score[self.at[layer]].scatter_(1, flat, 0)
+        return slots
+
+    def evict(self, p) -> None:
+        """After pass p, every request of it keeps at most its capacity per (pooled layer, KV head), never fewer than
+        the window (whose tokens stay): the others freed, counter's, lru's or fifo's victims (pool.victims), and
+        counted per request."""
+        store, rids, window = self.store, p.batch.rids, self.opts.window
+        seen = np.array([store.seen[r] for r in rids], dtype=np.int64)
+        held = np.array([self.held[r] for r in rids], dtype=np.int64)
+        over = np.clip(held - np.maximum(self.opts.capacity_tokens(seen), window), 0, None)
+        if not over.any():
+            return
+        fill = np.array([store.length[r] for r in rids], dtype=np.int64)
+        t = int(fill.max())
+        fill_d, newest, over_d = to_device(torch.from_numpy(np.stack([fill, seen - 1, over])), store.device)
+        at = torch.arange(t, device=store.device)
+        at = torch.where(at < fill_d[:, None], store.physical(p.batch, at.expand(len(rids), t)), self.sink)
+        for i in range(len(self.at)):  # a layer at a time: the ranking's temporaries are a layer's
+            pos = self.pos[i][:, at]  # [Hkv, B, T]
+            key = None if self.score is None else self.score[i][:, at]
+            self.pos[i][:, at] = pos.masked_fill(victims(pos, key, pos > (newest[:, None] - window), over_d), -1)
+        for r, o in zip(rids, over.tolist(), strict=True):
+            if o:
+                self.held[r] -= o
+                self.holes.add(r)
+        store.ledger.add("evictions", rids, over * store.n_kv * len(self.at))
 
 
 class Selector:
@@ -315,22 +509,37 @@ class Selector:
 
     indexed = False  # a decode step needs every row's flat slots (StoreStep.idx) though nothing is pooled (h2o's)
 
-    def __init__(self, device_layers, pooled_layers, prefetch=None):
+    def __init__(self, device_layers, pooled_layers, prefetch=None, evicting: Evicting | None = None):
+        """`evicting`: the pooled layers' capacity (None: every token stays)."""
         self.device_layers, self.pooled_layers = list(device_layers), list(pooled_layers)
         self.prefetch = prefetch  # the runner's lane (prefetch.Lane): rows ahead on its side stream or worker
         self.buffers: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # a GPU's fetched parts, used in turn
+        self.evicting = evicting
 
     def attach(self, store: KVStore) -> None:
         self.store = weakref.proxy(store)  # (no cycle: the store's device memory goes with its last reference)
+        if self.evicting is not None:
+            self.evicting.attach(store, self.pooled_layers)
+
+    def reuse(self, p: StoreStep | RequestPass, rids: list[int], n: int) -> np.ndarray:
+        """How many of the n new tokens of each request of pass `p` go into slots eviction freed ([B], host)."""
+        if self.evicting is None:
+            return np.zeros(len(rids), dtype=np.int64)
+        return self.evicting.reuse(p, rids, n)
 
     def written(self, batch: Batch, layer: int, k: torch.Tensor, phys: torch.Tensor) -> None:
         """The new keys k [B, Hkv, s, D] went into flat slots phys [B * s] of a pooled layer (a prefill or a step)."""
 
     def begin(self, step: StoreStep) -> None:
         """A decode step starts (step.batch is on the device)."""
+        if self.evicting is not None:
+            self.evicting.begin(step, step.idx, step.held[1])
 
     def begin_pass(self, p: RequestPass) -> None:
         """A request's prompt chunk starts (its slots and p.batch are on the device)."""
+        if self.evicting is not None:
+            at = torch.arange(p.start, device=self.store.device)
+            self.evicting.begin(p, self.store.physical(p.batch, at[None]), None)
 
     def observe(self, step: StoreStep, layer: int, x: torch.Tensor) -> None:
         """Layer `layer`'s normalised input in a decode step: every row's layer-after rows can start moving."""
@@ -376,10 +585,15 @@ class Selector:
         return k, v
 
     def rows(self, step: StoreStep, layer: int, q: torch.Tensor):
-        """(keys, values, ok) that a pooled layer attends in a decode step (see every_row); q: the layer's query."""
+        """(keys, values, ok) that a pooled layer attends in a decode step (see every_row; under a capacity, where a
+        request of the step freed slots, ok: the rows still held); q: the layer's query."""
         if self.prefetch is not None and layer in self.prefetch:
-            return self.prefetch.result(layer)
-        return self.every_row(step, layer)
+            k, v, ok = self.prefetch.result(layer)
+        else:
+            k, v, ok = self.every_row(step, layer)
+        if self.evicting is not None and step.holes:
+            ok = self.evicting.alive(step, layer)
+        return k, v, ok
 
     def attend(self, step: StoreStep, layer: int, q, k, v) -> torch.Tensor:
         """A decode step's layer for the whole batch: each row's new k, v [B, Hkv, 1, D] written, q [B, H, 1, D]
@@ -387,12 +601,14 @@ class Selector:
         stored, decoded with them)."""
         store = self.store
         if layer in store.device_layers:
-            store.write(layer, step.slots, k, v)
-            return store.attend(layer, q, step.batch)
+            slots, batch = step.dense
+            store.write(layer, slots, k, v)
+            return store.attend(layer, q, batch)
         keys, values, ok = self.rows(step, layer, q)  # the rows held before (and their reads) first
-        new = store.write(layer, step.slots, k, v)
+        slots = step.slots if self.evicting is None else self.evicting.place(step, layer)  # (after the reads)
+        new = store.write(layer, slots, k, v)
         store.ledger.add("d2h", step.rids, k.shape[1] * store.row_bytes)
-        self.written(step.batch, layer, k, step.slots)
+        self.written(step.batch, layer, k, slots)
         for held, parts in zip((keys, values), new, strict=True):
             for x, y in zip(held, parts, strict=True):
                 x[:, :, -1:] = y
@@ -410,12 +626,18 @@ class Selector:
         earlier rows (read from the device, or gathered from host memory for a pooled layer) and the chunk's (a
         pooled layer's as stored, decoded with the earlier ones)."""
         store = self.store
-        new = store.write(layer, p.slots, k, v)
         gqa = k.shape[1] != q.shape[1]
         pooled = layer in store.pooled
+        slots, mask = (p.slots, p.mask) if pooled else (p.dense[0], p.dense_mask)
+        if pooled and self.evicting is not None:  # as in a decode step
+            if p.holes:  # [1, H, s, T + s]: the rows still held, and the chunk's own causally
+                alive = self.evicting.alive(p, layer).repeat_interleave(q.shape[1] // k.shape[1], 1)[:, :, None]
+                mask = mask & torch.cat([alive, alive.new_ones(*alive.shape[:3], k.shape[2])], -1)
+            slots = self.evicting.place(p, layer)
+        new = store.write(layer, slots, k, v)
         if pooled:
             store.ledger.add("d2h", [p.rid], k.shape[1] * k.shape[2] * store.row_bytes)
-            self.written(p.batch, layer, k, p.slots)
+            self.written(p.batch, layer, k, slots)
         if p.held is None:  # a first chunk: nothing earlier to read
             if pooled:
                 k, v = store.layout.decode(new[0]), store.layout.decode(new[1])
@@ -430,10 +652,12 @@ class Selector:
         else:
             keys = store.rows_of(store.k[layer], p.rid, p.held)  # [1, Hkv, T, D]
             values = store.rows_of(store.v[layer], p.rid, p.held)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=p.mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
 
     def end(self, p: StoreStep | RequestPass) -> None:
-        """A pass through the store is over (a decode step's, or a request's prompt chunk)."""
+        """A pass through the store is over (a decode step's, or a request's prompt chunk): a capacity evicts."""
+        if self.evicting is not None:
+            self.evicting.evict(p)
 
     def report(self, rid: int, r: KVReport) -> None:
         """Fill in the policy's fields of request `rid`'s report."""
@@ -448,8 +672,10 @@ class StoreStep(KVCache):
 
     def begin(self, valid, positions) -> None:
         self.positions = positions
-        self.slots = self.store.append(self.rids, 1)
-        self.batch = self.store.batch(self.rids)
+        self.reused = self.store.selector.reuse(self, self.rids, 1)
+        self.slots = self.store.append(self.rids, 1, self.reused)
+        self.batch = self.store.batch(self.rids, 1 - self.reused)
+        self.dense = self.store.dense_pass(self, self.rids, 1)  # the device layers' (slots, batch)
         self.held = self.batch.held()
         self.span = None  # one row whose first T slots are one run: their slice (read in place, no gather)
         if self.store.pooled or self.store.selector.indexed:  # [B, T]: the flat slots of every row's tokens held
@@ -459,7 +685,7 @@ class StoreStep(KVCache):
             if b == 1 and t and table == list(range(table[0], table[0] + len(table))):
                 self.span = slice(table[0] * BLOCK, table[0] * BLOCK + t)
         if self.store.rings is not None:
-            self.store.rings.begin(self.rids, self.batch.old.tolist())
+            self.store.rings.begin(self.rids, [self.store.seen[r] - 1 for r in self.rids])
         self.store.selector.begin(self)
 
     def observe(self, layer, x) -> None:
@@ -486,17 +712,22 @@ class RequestPass(KVCache):
     def begin(self, valid, positions) -> None:
         assert valid is None or bool(valid.all()), "a request's pass through the store has no padding"
         s = positions.shape[1]
-        self.start = self.store.length[self.rid]
-        self.slots = self.store.append([self.rid], s)
-        self.batch = self.store.batch([self.rid], s)
-        self.held = self.start + s if self.start else None  # the rows it reads: every one so far
-        self.mask = causal_mask(torch.ones(1, self.start + s, dtype=torch.bool, device=positions.device),
-                                self.start) if self.start else None  # fmt: skip
+        self.start, self.first = self.store.length[self.rid], self.store.seen[self.rid]  # pool slots, tokens before
+        self.reused = self.store.selector.reuse(self, [self.rid], s)
+        self.slots = self.store.append([self.rid], s, self.reused)
+        self.batch = self.store.batch([self.rid], s - self.reused)
+        self.dense = self.store.dense_pass(self, [self.rid], s)  # the device layers' (slots, batch)
+        self.held = self.first + s if self.first else None  # the device layers' rows it reads: every one so far
+        # causal over the rows read before (a pooled layer's: the pool slots taken; a device layer's: every token)
+        # and the chunk's own
+        causal = lambda t: causal_mask(torch.ones(1, t + s, dtype=torch.bool, device=positions.device), t)  # noqa: E731
+        self.mask = causal(self.start) if self.start else None
+        self.dense_mask = self.mask if self.first == self.start else causal(self.first)
         self.store.selector.begin_pass(self)
 
     def attend(self, layer, q, k, v) -> torch.Tensor:
         if layer in self.store.sliding:
-            return self.store.rings.attend_pass(self.rid, self.start, layer, q, k, v)
+            return self.store.rings.attend_pass(self.rid, self.first, layer, q, k, v)
         return self.store.selector.attend_pass(self, layer, q, k, v)
 
     def end(self) -> None:

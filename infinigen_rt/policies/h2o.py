@@ -226,4 +226,4 @@ class H2OSelector(Selector):
         led = self.store.ledger
         attended, possible = led.get("attended", rid), led.get("possible", rid)
         r.kv_fetched_share = r.kv_attended_share = round(attended / possible, 6) if possible else None
-        r.evictions, r.share_rows = round(led.get("evictions", rid)), round(possible) or None
+        r.share_rows = round(possible) or None  # (its evictions: the store's report counts them)

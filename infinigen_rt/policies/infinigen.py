@@ -21,13 +21,14 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from infinigen_rt.bundle import InfinigenDefaults
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.kv.cache import KVReport, kv_layers
 from infinigen_rt.kv.prefetch import prefetcher
-from infinigen_rt.kv.store import BLOCK, Selector
+from infinigen_rt.kv.store import BLOCK, Evicting, Selector
 from infinigen_rt.policies.offload import POOL_KNOBS, OffloadCache, device_pairs
 from infinigen_rt.policies.options import KVOptions
 from infinigen_rt.policies.speculation import (
@@ -125,8 +126,8 @@ class InfinigenCache(OffloadCache):
 
     @classmethod
     def selector(cls, engine, opts, prefetch=None):
-        """InfiniGen in the store; not yet with a capacity (eviction) or the recall trace."""
-        if opts.capacity is not None or opts.trace_recall or prefetch is None:
+        """InfiniGen in the store, under the capacity if any; not with the recall trace."""
+        if opts.trace_recall or prefetch is None:
             return None
         return InfinigenSelector(engine, opts, prefetch)
 
@@ -310,12 +311,14 @@ class InfinigenSelector(Selector):
     with their speculation keys on the device (in the store's slots); each decode step, layer j-1's input chooses
     layer j's rows for every request at once (one speculative query, one scoring over every row's slots through the
     tables, one selection, one gather), on the compute stream while layer j-1 computes, the copy on the side stream
-    (or the runner's worker thread on a CPU)."""
+    (or the runner's worker thread on a CPU). Under a capacity (store.Evicting) a speculated layer scores the slots
+    each request took and selects among those still holding a token, and its selections count for the eviction
+    (counter, lru); the dense layers keep every token."""
 
     def __init__(self, engine, opts: KVOptions, prefetch):
         cfg, dense = engine.cfg, opts.dense_layers
         self.layers = speculated(cfg, dense)
-        super().__init__([i for i in kv_layers(cfg) if i < dense], self.layers, prefetch)
+        super().__init__([i for i in kv_layers(cfg) if i < dense], self.layers, prefetch, Evicting.of(opts, True))
         self.cfg, self.opts, self.dtype, self.spec, self.tp = cfg, opts, engine.dtype, engine.speculator, engine.tp
         defaults = engine.speculation.defaults
         self.alphas = layer_alphas(opts, defaults, dense, cfg.num_hidden_layers, self.layers)
@@ -330,9 +333,23 @@ class InfinigenSelector(Selector):
 
     def written(self, batch, layer, k, phys) -> None:
         b, h, s, d = k.shape  # the batch's new keys as one sequence of the store's, at their flat slots
-        self.keys.write(layer, k.transpose(0, 1).reshape(1, h, b * s, d), phys.view(1, 1, -1).expand(1, h, -1))
+        at = phys.view(1, 1, -1).expand(1, h, -1) if phys.dim() == 1 else phys.transpose(0, 1).reshape(1, h, -1)
+        self.keys.write(layer, k.transpose(0, 1).reshape(1, h, b * s, d), at)
+
+    def kept(self, step) -> np.ndarray:
+        """The tokens each row held per head before the step ([B], host): its rows, but under a capacity."""
+        return step.batch.old if self.evicting is None else step.kept
+
+    def held(self, step, j: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(held, pos) [B, Hkv, T] of layer j's rows for `select` (None, None: every row holds a token, in position
+        order): where a request of the step freed slots, its layer's own."""
+        if self.evicting is None or not step.holes:
+            return step.held3, step.pos
+        pos = self.evicting.positions(step, j)
+        return pos >= 0, pos
 
     def begin(self, step) -> None:
+        super().begin(step)
         t, held = step.held
         b, h = len(step.batch.rids), self.store.n_kv
         at = torch.arange(t, device=self.store.device)
@@ -351,9 +368,9 @@ class InfinigenSelector(Selector):
         q = self.spec.query(j, x, step.cos_sin, self.opts.renorm, self.keys.full)  # [B, Hkv, G, d' or D], scaled
         t = step.held[0]
         opts = self.spec_opts[j]
-        width = fetch_width(int(step.batch.old.max()), t, opts, BUCKET) if self.sync_free else None
+        width = fetch_width(int(self.kept(step).max()), t, opts, BUCKET) if self.sync_free else None
         s = self.keys.scores_at(j, q, step.span or step.idx)
-        return step, j, select(s, self.alphas[j], opts, step.held3, step.pos, width, self.tp)
+        return step, j, select(s, self.alphas[j], opts, *self.held(step, j), width, self.tp)
 
     @torch.inference_mode()
     def copy(self, chosen) -> tuple:
@@ -371,7 +388,9 @@ class InfinigenSelector(Selector):
         led.add(f"fetched{layer}", rids, sel.slots.shape[-1] * self.store.n_kv if sel.every else sel.counted)
         if self.opts.correct:
             sel, k, v = self.correct(step, layer, q, sel, k, v)
-        led.add(f"held{layer}", rids, step.batch.old * self.store.n_kv)
+        if self.evicting is not None:
+            self.evicting.mark(step, layer, sel.slots, None if sel.every else sel.ok)
+        led.add(f"held{layer}", rids, self.kept(step) * self.store.n_kv)
         led.add("per_row", rids, sel.per_row)
         led.add("per_row_n", rids, 1)
         return k, v, None if sel.every else sel.ok
@@ -380,13 +399,13 @@ class InfinigenSelector(Selector):
         """The correction step for every request: layer j's true query q [B, H, 1, D] scored against the same keys;
         each request's best rows speculation did not fetch, up to the rest of its budget, gathered and joined to the
         speculated ones (before the new token's row)."""
-        per_row = correction_counts(step.batch.old.tolist(), self.layer_opts[layer], self.spec_opts[layer])
+        per_row = correction_counts(self.kept(step).tolist(), self.layer_opts[layer], self.spec_opts[layer])
         if max(per_row) <= 0:
             return sel, k, v
         b, hkv = sel.slots.shape[:2]
         s = self.keys.scores_at(layer, self.spec.keys_side(layer, q.reshape(b, hkv, -1, q.shape[-1]), self.keys.full),
                                 step.span or step.idx)  # fmt: skip
-        slots, ok = correction_rows(s, sel, step.held3, per_row, self.opts.group_agg)
+        slots, ok = correction_rows(s, sel, self.held(step, layer)[0], per_row, self.opts.group_agg)
         counted = ok.sum((1, 2))
         kc, vc = self.gather(step, layer, slots, ok, 0, counted=counted)
         self.store.ledger.add("corrected", step.batch.rids, counted)

@@ -14,7 +14,7 @@ import torch
 from infinigen_rt.kv.cache import KVReport, kv_layers
 from infinigen_rt.kv.pool import KVPool, copy_rows
 from infinigen_rt.kv.quant import code_bytes, dequantize, quantize
-from infinigen_rt.kv.store import Selector
+from infinigen_rt.kv.store import Evicting, Selector
 from infinigen_rt.policies.offload import OffloadCache
 
 GROUP = 64
@@ -102,11 +102,10 @@ class Int4Cache(OffloadCache):
 
     @classmethod
     def selector(cls, engine, opts, prefetch=None):
-        """Every layer pooled as codes, every row read (not a subclass's); not with a capacity (eviction is not in the
-        store yet)."""
-        if cls is not Int4Cache or opts.capacity is not None:
+        """Every layer pooled as codes, every row read (not a subclass's), under the capacity if any."""
+        if cls is not Int4Cache:
             return None
-        return Int4Selector([], kv_layers(engine.cfg), prefetch)
+        return Int4Selector([], kv_layers(engine.cfg), prefetch, Evicting.of(opts))
 
     @classmethod
     def kv_bytes(cls, engine, opts, tokens, dtype_bytes):

@@ -15,7 +15,7 @@ from infinigen_rt.config import ModelConfig
 from infinigen_rt.kv.cache import KVCache, KVReport, causal_mask, kv_layers
 from infinigen_rt.kv.pool import KVPool
 from infinigen_rt.kv.prefetch import prefetcher
-from infinigen_rt.kv.store import Selector
+from infinigen_rt.kv.store import Evicting, Selector
 from infinigen_rt.policies.full import DenseCache
 from infinigen_rt.policies.options import KVOptions
 
@@ -85,11 +85,10 @@ class OffloadCache(KVCache):
 
     @classmethod
     def selector(cls, engine, opts, prefetch=None):
-        """Every layer pooled, every row read (the store's default selector); not with a capacity (eviction is not
-        in the store yet)."""
-        if cls is not OffloadCache or opts.capacity is not None:
+        """Every layer pooled, every row read (the store's default selector), under the capacity if any."""
+        if cls is not OffloadCache:
             return None
-        return Selector([], kv_layers(engine.cfg), prefetch)
+        return Selector([], kv_layers(engine.cfg), prefetch, Evicting.of(opts))
 
     @classmethod
     def kv_bytes(cls, engine, opts, tokens, dtype_bytes):

@@ -30,7 +30,9 @@ def options(policy: str, capacity=None, alpha=2.0, budget=0.5) -> KVOptions:
 
 def steps(engine: Engine, policy: Policy, gpu, prompts, new: int, kv_tokens: int | None = 4096, chunk: int | None = 4):
     """Run requests through a runner step by step (prompts prefilled `chunk` tokens a step, so prefill and decode
-    share steps): (token ids per request, the regions of the steps in which every running request decoded)."""
+    share steps): (token ids per request, the regions of the steps in which every running request decoded). Over a
+    pool (`kv_tokens`) every request runs in the batch's store: every policy here has a selector, with a capacity
+    too."""
     run = Runner(engine, policy, max_batch=len(prompts), prefill_chunk=chunk, kv_tokens=kv_tokens)
     ids = [run.add(Request(p, new)) for p in prompts]
     out, decode = {}, []
@@ -41,6 +43,7 @@ def steps(engine: Engine, policy: Policy, gpu, prompts, new: int, kv_tokens: int
                 out[o.id] = list(o.token_ids)
         if pure and r is not None:
             decode.append(r)
+    assert kv_tokens is None or run.kv is not None, "the requests kept caches of their own"
     return [out[i] for i in ids], decode
 
 

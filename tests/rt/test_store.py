@@ -314,6 +314,48 @@ def test_h2o_runs_its_batch_through_the_store_with_the_tokens_and_report_of_each
     assert run.kv.alloc.used == 0 and not run.kv.length
 
 
+@pytest.mark.parametrize(("model", "policy", "capacity", "eviction"), [
+    ("llama31_gqa", "offload", 12, "counter"), ("llama31_gqa", "int4", 0.4, "lru"), ("opt", "offload", 0.4, "fifo"),
+    ("opt", "int4", 12, "counter"), ("llama31_gqa", "infinigen", 12, "counter"),
+    ("llama31_gqa", "infinigen", 0.4, "lru"), ("opt", "infinigen", 0.4, "fifo"), ("gemma3", "offload", 12, "counter"),
+    ("gemma3", "infinigen", 12, "lru"),
+])  # fmt: skip
+def test_a_capacity_runs_in_the_store_with_the_tokens_and_report_of_each_request_alone(model, policy, capacity,
+                                                                                        eviction, bundles):  # fmt: skip
+    """With a capacity (a count, or a share of the length) `offload`, `int4` and `infinigen` keep their requests' KV
+    in the runner's store: each request evicts after every pass (its prompt chunks of 8 too) down to the capacity per
+    (layer, KV head), by what infinigen selected (counter, lru) or the oldest, and its new tokens reuse the slots it
+    freed, each head its own; infinigen's dense layers keep every token in tables of their own, and a sliding
+    layer's ring (Gemma 3) every token of its window. Each request's tokens and report (the bytes moved, its
+    evictions, the share fetched) are those of its own cache alone. Prompts longer than the capacity, the rows of a
+    step of different lengths, some with freed slots and some not yet."""
+    from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.engine import Engine
+    from infinigen_rt.policies import KVOptions, configure
+    from infinigen_rt.runner import Request, Runner
+
+    e = Engine(read_bundle(bundles[model]), device="cpu", dtype="float32")
+    pol = configure(e, policy, KVOptions(capacity=capacity, eviction=eviction, window=4, prefill_chunk=8, budget=0.5))
+    prompts = [list(range(5, 42)), list(range(50, 57)), list(range(60, 83))]
+    alone = []
+    for p in prompts:
+        run = Runner(e, pol, prefill_chunk=None)
+        run.add(Request(p, 9))
+        (o,) = _finished(run)
+        assert run.kv is None
+        alone.append((o.generation.token_ids, o.report.to_dict()))
+    run = Runner(e, pol, max_batch=3, prefill_chunk=None, kv_tokens=512)
+    ids = [run.add(Request(p, 9)) for p in prompts]
+    outs = {}
+    while run.has_work:
+        outs.update({o.id: (o.generation.token_ids, o.report.to_dict()) for o in run.step() if o.finished})
+        assert run.kv is not None and run.kv_policy.name == policy
+        run.kv.check()
+    assert [outs[i] for i in ids] == alone
+    assert all(r["evictions"] > 0 and r["bytes_h2d"] > 0 for _, r in alone)
+    assert run.kv.alloc.used == 0 and not run.kv.length and not run.kv.selector.evicting.held
+
+
 def _finished(run):
     done = []
     while run.has_work:
