@@ -288,28 +288,13 @@ def test_h2o_runs_its_batch_through_the_store_with_the_tokens_and_report_of_each
     from infinigen_rt.bundle import read_bundle
     from infinigen_rt.engine import Engine
     from infinigen_rt.policies import KVOptions, configure
-    from infinigen_rt.runner import Request, Runner
 
     e = Engine(read_bundle(bundles[model]), device="cpu", dtype="float32")
     policy = configure(e, "h2o", KVOptions(budget=0.4, window=4, prefill_chunk=8))
     prompts = [list(range(5, 42)), list(range(50, 57)), list(range(60, 77))]
-    alone = []
-    for p in prompts:
-        run = Runner(e, policy, prefill_chunk=None)
-        run.add(Request(p, 9))
-        (o,) = _finished(run)
-        assert run.kv is None
-        alone.append((o.generation.token_ids, o.report))
-    run = Runner(e, policy, max_batch=3, prefill_chunk=None, kv_tokens=512)
-    ids = [run.add(Request(p, 9)) for p in prompts]
-    outs = {}
-    while run.has_work:
-        for o in run.step():
-            if o.finished:
-                outs[o.id] = (o.generation.token_ids, o.report)
-        assert run.kv is not None and run.kv_policy.name == "h2o"
-        run.kv.check()
-    assert [outs[i] for i in ids] == alone
+    solo, joined, run = _alone_then_joined(e, policy, prompts, 9)
+    alone = [(o.generation.token_ids, o.report) for o in solo]
+    assert [(o.generation.token_ids, o.report) for o in joined] == alone
     assert all(r.evictions > 0 and 0 < r.kv_fetched_share < 1 for _, r in alone)
     assert run.kv.alloc.used == 0 and not run.kv.length
 
@@ -332,32 +317,36 @@ def test_a_capacity_runs_in_the_store_with_the_tokens_and_report_of_each_request
     from infinigen_rt.bundle import read_bundle
     from infinigen_rt.engine import Engine
     from infinigen_rt.policies import KVOptions, configure
-    from infinigen_rt.runner import Request, Runner
 
     e = Engine(read_bundle(bundles[model]), device="cpu", dtype="float32")
     pol = configure(e, policy, KVOptions(capacity=capacity, eviction=eviction, window=4, prefill_chunk=8, budget=0.5))
     prompts = [list(range(5, 42)), list(range(50, 57)), list(range(60, 83))]
-    alone = []
-    for p in prompts:
-        run = Runner(e, pol, prefill_chunk=None)
-        run.add(Request(p, 9))
-        (o,) = _finished(run)
-        assert run.kv is None
-        alone.append((o.generation.token_ids, o.report.to_dict()))
-    run = Runner(e, pol, max_batch=3, prefill_chunk=None, kv_tokens=512)
-    ids = [run.add(Request(p, 9)) for p in prompts]
-    outs = {}
-    while run.has_work:
-        outs.update({o.id: (o.generation.token_ids, o.report.to_dict()) for o in run.step() if o.finished})
-        assert run.kv is not None and run.kv_policy.name == policy
-        run.kv.check()
-    assert [outs[i] for i in ids] == alone
+    solo, joined, run = _alone_then_joined(e, pol, prompts, 9)
+    alone = [(o.generation.token_ids, o.report.to_dict()) for o in solo]
+    assert [(o.generation.token_ids, o.report.to_dict()) for o in joined] == alone
     assert all(r["evictions"] > 0 and r["bytes_h2d"] > 0 for _, r in alone)
     assert run.kv.alloc.used == 0 and not run.kv.length and not run.kv.selector.evicting.held
 
 
-def _finished(run):
-    done = []
+def _alone_then_joined(e, policy, prompts, new: int):
+    """Each prompt alone (its own cache: no pool), then all of them joined in one runner over a paged pool, whose
+    store holds them (checked after every step): (the Outputs alone, the Outputs joined, in the prompts' order, the
+    joined runner)."""
+    from infinigen_rt.runner import Request, Runner
+
+    solo = []
+    for p in prompts:
+        run = Runner(e, policy, prefill_chunk=None)
+        run.add(Request(p, new))
+        (o,) = _drain(run)
+        assert run.kv is None
+        solo.append(o)
+    run = Runner(e, policy, max_batch=len(prompts), prefill_chunk=None, kv_tokens=512)
+    ids = [run.add(Request(p, new)) for p in prompts]
+    outs = {}
     while run.has_work:
-        done += [o for o in run.step() if o.finished]
-    return done
+        outs.update({o.id: o for o in run.step() if o.finished})
+        assert run.kv is not None and run.kv_policy.name == policy.name
+        run.kv.check()
+    return solo, [outs[i] for i in ids], run
+
