@@ -35,3 +35,93 @@ def dequantize(packed, scale, lo, group: int, dtype, bits: int = 4) -> torch.Ten
 def code_bytes(head_dim: int, group: int, bits: int) -> int:
     """Bytes of one row of `head_dim` values: the packed codes and an fp16 scale and minimum per group."""
     return head_dim * bits // 8 + 4 * (head_dim // group)
+
+
+CHUNK_BYTES = 32 << 20  # what the torch path of `scores` dequantizes at once, in float32
+SPLIT = 512  # the slots a scoring program reads on a GPU (64 of them at a time: TOKENS)
+TOKENS = 16  # keys a scoring program holds at once ([G, TOKENS, D] products in registers, as attention.py's)
+QUANT_ROWS = 16  # new key rows a quantizing program packs
+
+
+def fused(x: torch.Tensor, head_dim: int) -> bool:
+    """Whether the kernels take this call: a GPU with Triton, a power-of-two head_dim (the packed row's width)."""
+    from infinigen_rt.kv.kernels import available
+
+    return x.device.type == "cuda" and head_dim & (head_dim - 1) == 0 and available()
+
+
+def scores(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, group: int, bits: int) -> torch.Tensor:
+    """q [B, Hkv, G, D] (scaled) against keys held as codes [R, Hkv, S, D * bits / 8] and their meta [R, Hkv, S, 2,
+    groups] (scale, minimum): [B, Hkv, G, T] in float32. R = B, each sequence its own rows, and `at` an int T: their
+    first T slots. R = 1, rows shared through tables: `at` a slice (one sequence whose slots are one run) or [B, T]
+    slots per sequence.
+
+    On a GPU one kernel reads the codes and scales once and never writes a key (_quant_kernel.py); else the keys are
+    dequantized a span of slots at a time (what a step holds besides the codes stays near CHUNK_BYTES: all of them
+    at once would be 1 GiB per layer at Llama-2-7B, 4 x 32k) and scored by a matmul in q's dtype."""
+    b, hkv, g, d = q.shape
+    t = at if isinstance(at, int) else at.stop - at.start if isinstance(at, slice) else at.shape[1]
+    if fused(q, d):
+        return _scores_kernel(q, codes, meta, at, t, group, bits)
+    if isinstance(at, slice):
+        codes, meta = codes[:, :, at], meta[:, :, at]
+    elif isinstance(at, torch.Tensor):  # [B, Hkv, T, bytes], gathered once for every span
+        codes, meta = (x[0][:, at].transpose(0, 1) for x in (codes, meta))
+    out = torch.empty(b, hkv, g, t, dtype=torch.float32, device=q.device)
+    span = max(64, CHUNK_BYTES // (b * hkv * d * 4))
+    for i in range(0, t, span):
+        e = min(t, i + span)
+        c, m = codes[:, :, i:e], meta[:, :, i:e]
+        k = dequantize(c, m[..., 0, :], m[..., 1, :], group, q.dtype, bits)
+        out[..., i:e] = q @ k.transpose(-1, -2)
+    return out
+
+
+def _scores_kernel(q, codes, meta, at, t: int, group: int, bits: int) -> torch.Tensor:
+    import triton
+
+    from infinigen_rt.kv._quant_kernel import score_codes_kernel
+    from infinigen_rt.kv.kernels import launch
+
+    b, hkv, g, d = q.shape
+    out = torch.empty(b, hkv, g, t, dtype=torch.float32, device=q.device)
+    if t == 0:
+        return out
+    slots = at if isinstance(at, torch.Tensor) else None
+    start = at.start if isinstance(at, slice) else 0
+    launch(
+        score_codes_kernel, (b, hkv, triton.cdiv(t, SPLIT)),
+        q.float().contiguous(), codes, meta, slots.contiguous() if slots is not None else out, out, t, codes.shape[2],
+        start, BATCH_ROWS=codes.shape[0] > 1, HKV=hkv, G=g, G_PAD=max(2, triton.next_power_of_2(g)), D=d,
+        D_PAD=triton.next_power_of_2(d), GROUP=group, BITS=bits, TOKENS=TOKENS, SPLIT=SPLIT,
+        HAS_SLOTS=slots is not None,
+    )  # fmt: skip
+    return out
+
+
+def store(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, group: int, bits: int) -> None:
+    """New keys x [R, Hkv, s, D] quantized into codes [R, Hkv, S, bytes] and meta [R, Hkv, S, 2, groups] at slots
+    start.. (`at` an int) or at [R, Hkv, s] (each sequence and KV head its own). On a GPU one kernel quantizes and
+    packs every row into its slot; else `quantize` and a scatter."""
+    r, hkv, s, d = x.shape
+    if fused(x, d):
+        import triton
+
+        from infinigen_rt.kv._quant_kernel import quantize_rows_kernel
+        from infinigen_rt.kv.kernels import launch
+
+        if isinstance(at, int):
+            at = torch.arange(at, at + s, device=x.device).expand(r, hkv, s)
+        total = r * hkv * s
+        if total:
+            launch(quantize_rows_kernel, (triton.cdiv(total, QUANT_ROWS),), x.contiguous(), at.contiguous(), codes,
+                   meta, total, s, codes.shape[2], D=d, GROUP=group, BITS=bits, ROWS=QUANT_ROWS)  # fmt: skip
+        return
+    c, scale, lo = quantize(x, group, bits)
+    m = torch.stack([scale, lo], -2)  # [R, Hkv, s, 2, groups]
+    if isinstance(at, int):
+        codes[:, :, at : at + s] = c
+        meta[:, :, at : at + s] = m
+    else:
+        codes.scatter_(2, at[..., None].expand_as(c), c)
+        meta.scatter_(2, at[..., None, None].expand_as(m), m)

@@ -728,7 +728,7 @@ class FakeCuda:
         self.kernel_keys[name].add(tuple(key))
         self.launches.append((name, f"cuda:{idx}", stream.name))
         if self.ops is not None:
-            op = _row_kernel_op if "rows" in params else _attention_op if name == "paged_decode_kernel" else _span_op
+            op = _row_kernel_op if "rows" in params else OPS.get(name, _span_op)
             self.note(op(name, stream.name, named, written, grid, meta))
         for r in self.regions:
             r.launches.append(name)
@@ -873,11 +873,12 @@ def _patch_torch(h: FakeCuda) -> list:
     put(profiler, "profile", _FakeProfile)
     import infinigen_rt.kv._attention_kernel
     import infinigen_rt.kv._gather_kernel
+    import infinigen_rt.kv._quant_kernel
     import infinigen_rt.kv.kernels
     import infinigen_rt.system
 
     h.kernel_runs = {}
-    for kernels in (infinigen_rt.kv._gather_kernel, infinigen_rt.kv._attention_kernel):
+    for kernels in (infinigen_rt.kv._gather_kernel, infinigen_rt.kv._attention_kernel, infinigen_rt.kv._quant_kernel):
         for name, k in vars(kernels).items():  # kernel[grid](...) calls kernel.run(..., grid=grid, warmup=False)
             if hasattr(k, "run") and hasattr(k, "arg_names"):
                 h.kernel_runs[name] = k.run
@@ -1207,6 +1208,25 @@ def _attention_op(name: str, stream: str, named: list, written: set, grid, meta)
     return Op("triton", name, stream, hbm_bytes=read + small, flops=4 * keys * meta["G"] * k.shape[-1])
 
 
+def _score_op(name: str, stream: str, named: list, written: set, grid, meta) -> Op:
+    """Low-bit scoring's op: each program reads its tokens' codes and scales once (not the whole store it indexes),
+    its queries and slot numbers, and writes a score per query head and token; 2 FLOPs a value and query head."""
+    args = dict(named)
+    b, hkv, _ = grid
+    tokens, codes, meta_ = b * hkv * args["n_tok"], args["codes"], args["meta"]
+    read = tokens * (codes.shape[-1] * codes.element_size() + meta_.shape[-1] * meta_.shape[-2] * meta_.element_size())
+    small = sum(_nbytes(args[p]) for p in ("q", "out")) + (_nbytes(args["slots"]) if meta["HAS_SLOTS"] else 0)
+    return Op("triton", name, stream, hbm_bytes=read + small, flops=2 * tokens * meta["G"] * meta["D"])
+
+
+def _quantize_op(name: str, stream: str, named: list, written: set, grid, meta) -> Op:
+    """Quantizing new rows: each read once and its codes and scales written once into its slot."""
+    args = dict(named)
+    total, codes, meta_ = args["total"], args["codes"], args["meta"]
+    row = codes.shape[-1] * codes.element_size() + meta_.shape[-1] * meta_.shape[-2] * meta_.element_size()
+    return Op("triton", name, stream, hbm_bytes=_nbytes(args["x"]) + _nbytes(args["slots"]) + total * row)
+
+
 def _span_op(name: str, stream: str, named: list, written: set, grid, meta) -> Op:
     """Any other kernel's op: every tensor argument read whole (what it writes once more)."""
     hbm = sum(_nbytes(a) * (2 if p in written else 1) for p, a in named if isinstance(a, torch.Tensor))
@@ -1236,6 +1256,9 @@ def _row_kernel_op(name: str, stream: str, named: list, written: set, grid=None,
     return Op("triton", name, stream, hbm_bytes=hbm, pcie_bytes=h2d, d2h_bytes=d2h)
 SPECIAL = {"_local_scalar_dense", "item", "is_nonzero", "is_pinned", "_pin_memory", "pin_memory", "lift_fresh",
            "copy_", "_to_copy", "to"}  # fmt: skip
+
+
+OPS = {"paged_decode_kernel": _attention_op, "score_codes_kernel": _score_op, "quantize_rows_kernel": _quantize_op}
 
 
 @dataclass(frozen=True)

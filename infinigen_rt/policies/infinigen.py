@@ -360,7 +360,9 @@ class InfinigenSelector(Selector):
     def observe(self, step, layer, x) -> None:
         j = layer + 1
         if j in self.store.pooled:  # while layer j-1 computes (the pooled layers are the speculated ones)
-            self.prefetch.start(j, self.speculate, step, j, x, copy=self.copy)
+            # with a correction at layer j-1, j's copy waits for it (prefetch.py: the link's order)
+            self.prefetch.start(j, self.speculate, step, j, x, copy=self.copy,
+                                defer=bool(self.opts.correct) and layer in self.prefetch)  # fmt: skip
 
     @torch.inference_mode()
     def speculate(self, step, j: int, x: torch.Tensor):
@@ -388,6 +390,7 @@ class InfinigenSelector(Selector):
         led.add(f"fetched{layer}", rids, sel.slots.shape[-1] * self.store.n_kv if sel.every else sel.counted)
         if self.opts.correct:
             sel, k, v = self.correct(step, layer, q, sel, k, v)
+            self.prefetch.flush()  # the next layer's copy, after this correction's
         if self.evicting is not None:
             self.evicting.mark(step, layer, sel.slots, None if sel.every else sel.ok)
         led.add(f"held{layer}", rids, self.kept(step) * self.store.n_kv)

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from infinigen_rt.bundle import partial_idx_name, partial_q_name, skew_name
 from infinigen_rt.config import ModelConfig
-from infinigen_rt.kv.quant import code_bytes, dequantize, quantize
+from infinigen_rt.kv import quant
+from infinigen_rt.kv.quant import code_bytes
 from infinigen_rt.models.llama import SpeculationTaps, apply_rope
 from infinigen_rt.system import to_device
 
@@ -158,9 +159,6 @@ class PartialKeys:
         return (q @ self.pk[j][0][:, :, idx].permute(2, 0, 1, 3)).float()
 
 
-CHUNK_BYTES = 32 << 20  # what QuantKeys.scores dequantizes at once, in float32
-
-
 class QuantKeys:
     """Every key column at `bits` bits (asymmetric, per token in groups of `group` columns, fp16 scale and
     minimum: kv/quant.py), per speculated layer [B, Hkv, S, D * bits / 8] on the compute device, written as each
@@ -185,41 +183,17 @@ class QuantKeys:
         return sum(t.numel() * t.element_size() for d in (self.codes, self.meta) for t in d.values())
 
     def write(self, j: int, k: torch.Tensor, start) -> None:
-        codes, scale, lo = quantize(k, self.group, self.bits)
-        meta = torch.stack([scale, lo], -2)  # [B, Hkv, s, 2, groups]
-        if isinstance(start, int):
-            self.codes[j][:, :, start : start + k.shape[2]] = codes
-            self.meta[j][:, :, start : start + k.shape[2]] = meta
-        else:
-            self.codes[j].scatter_(2, start[..., None].expand_as(codes), codes)
-            self.meta[j].scatter_(2, start[..., None, None].expand_as(meta), meta)
+        """k: the new tokens' keys [B, Hkv, s, D] (post-RoPE), into slots start.. (an int) or `start` [B, Hkv, s]."""
+        quant.store(k, self.codes[j], self.meta[j], start, self.group, self.bits)
 
     def scores(self, j: int, q: torch.Tensor, t: int) -> torch.Tensor:
-        """q [B, Hkv, G, D] (scaled) against the first t slots' dequantized keys: [B, Hkv, G, t] in float32. The keys
-        are dequantized a span of slots at a time, so what a step holds besides the codes stays near CHUNK_BYTES
-        (all of them at once: 1 GiB per layer at Llama-2-7B, 4 x 32k)."""
-        return self._scores(q, t, lambda i, e: (self.codes[j][:, :, i:e], self.meta[j][:, :, i:e]))
+        """q [B, Hkv, G, D] (scaled) against the first t slots' keys: [B, Hkv, G, t] in float32 (quant.scores)."""
+        return quant.scores(q, self.codes[j], self.meta[j], t, self.group, self.bits)
 
     def scores_at(self, j: int, q: torch.Tensor, idx: torch.Tensor | slice) -> torch.Tensor:
         """A store's keys (batch 1, its flat slots): q [B, Hkv, G, D] against row b's slots idx[b] ([B, T]):
-        [B, Hkv, G, T] in float32, a span at a time as `scores`. `idx` a slice: one row whose slots are one run
-        (read in place)."""
-        if isinstance(idx, slice):
-            codes, meta, t = self.codes[j][:, :, idx], self.meta[j][:, :, idx], idx.stop - idx.start
-        else:  # [B, Hkv, T, bytes], gathered once for every span
-            (codes, meta), t = (x[j][0][:, idx].transpose(0, 1) for x in (self.codes, self.meta)), idx.shape[1]
-        return self._scores(q, t, lambda i, e: (codes[:, :, i:e], meta[:, :, i:e]))
-
-    def _scores(self, q: torch.Tensor, t: int, span_of) -> torch.Tensor:
-        b, hkv, _, d = q.shape
-        out = torch.empty(*q.shape[:-1], t, dtype=torch.float32, device=q.device)
-        span = max(64, CHUNK_BYTES // (b * hkv * d * 4))
-        for i in range(0, t, span):
-            e = min(t, i + span)
-            codes, meta = span_of(i, e)
-            k = dequantize(codes, meta[..., 0, :], meta[..., 1, :], self.group, q.dtype, self.bits)
-            out[..., i:e] = q @ k.transpose(-1, -2)
-        return out
+        [B, Hkv, G, T] in float32. `idx` a slice: one row whose slots are one run (read in place)."""
+        return quant.scores(q, self.codes[j], self.meta[j], idx, self.group, self.bits)
 
 
 def key_group(head_dim: int, bits: int) -> int:

@@ -134,13 +134,13 @@ def test_bad_speculation_options(bundles):
 def test_low_bit_keys_score_the_same_a_span_at_a_time(bundles, monkeypatch):
     """The keys are dequantized a span of slots at a time (a step's memory stays small at long context): spans of 64
     give the scores, tokens and logits of one span over everything."""
-    from infinigen_rt.policies import speculation
+    from infinigen_rt.kv import quant
 
     kv = KVOptions(alpha=math.inf, budget=0.2, spec_keys="int4", correct=0.25)
     e, pol = engines(bundles["llama31_gqa"], x=("infinigen", kv))["x"]
     prompt = [list(range(4, 180))]
     ref, ref_toks, _ = greedy_logits(e, pol, prompt, 4)
-    monkeypatch.setattr(speculation, "CHUNK_BYTES", 0)
+    monkeypatch.setattr(quant, "CHUNK_BYTES", 0)
     got, toks, _ = greedy_logits(e, pol, prompt, 4)
     assert torch.equal(toks, ref_toks) and torch.equal(got, ref)
 

@@ -1,0 +1,95 @@
+"""The low-bit key kernels (see quant.py, which imports this module only when a GPU scores or quantizes).
+
+`score_codes_kernel`: one program per (sequence, KV head, split of its slots) scores every query head of the group
+against the split's keys straight from their packed codes and fp16 scales, a few tokens at a time in registers: the
+codes and scales are read once and no key is ever written out (the torch path writes each span's float32 keys and
+reads them back, several times over). `quantize_rows_kernel`: each new key row's groups quantized and packed into
+its slot, one launch for a layer's new rows. The counts that change every step are not specialised (see
+_gather_kernel.py)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["n_tok", "n_slots", "start"])
+def score_codes_kernel(
+    q, codes, meta, slots, out, n_tok, n_slots, start, BATCH_ROWS: tl.constexpr,
+    HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    GROUP: tl.constexpr, BITS: tl.constexpr, TOKENS: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr,
+):  # fmt: skip
+    # q [B, HKV, G, D] float32; codes [*, HKV, n_slots, D * BITS / 8] uint8; meta [*, HKV, n_slots, 2, D / GROUP]
+    # fp16 (scale, minimum); slots [B, n_tok] (HAS_SLOTS; else the slots start..start + n_tok); out [B, HKV, G, n_tok]
+    # float32. BATCH_ROWS: codes has a leading row per sequence (a cache of its own), else one shared (the store).
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    PER: tl.constexpr = 8 // BITS
+    BYTES: tl.constexpr = D // PER
+    GROUPS: tl.constexpr = D // GROUP
+    g = tl.arange(0, G_PAD)
+    c = tl.arange(0, D_PAD)
+    inside = c < D
+    qv = tl.load(q + ((b * HKV + h) * G + g[:, None]).to(tl.int64) * D + c[None, :],
+                 mask=(g[:, None] < G) & inside[None, :], other=0)  # fmt: skip
+    head = h.to(tl.int64) * n_slots
+    if BATCH_ROWS:
+        head += b.to(tl.int64) * HKV * n_slots
+    shift = ((c % PER) * BITS).to(tl.uint8)
+    for t0 in range(0, SPLIT, TOKENS):
+        t = s * SPLIT + t0 + tl.arange(0, TOKENS)
+        live = t < n_tok
+        if HAS_SLOTS:
+            slot = tl.load(slots + b.to(tl.int64) * n_tok + t, mask=live, other=0).to(tl.int64)
+        else:
+            slot = start + t.to(tl.int64)
+        row = head + slot
+        m = live[:, None] & inside[None, :]
+        byte = tl.load(codes + row[:, None] * BYTES + (c // PER)[None, :], mask=m, other=0)  # [TOKENS, D_PAD]
+        val = ((byte >> shift[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+        at = row[:, None] * (2 * GROUPS) + (c // GROUP)[None, :]
+        scale = tl.load(meta + at, mask=m, other=0).to(tl.float32)
+        lo = tl.load(meta + at + GROUPS, mask=m, other=0).to(tl.float32)
+        k = val * scale + lo  # the keys, in registers only
+        sc = tl.sum(qv[:, None, :] * k[None, :, :], 2)  # [G_PAD, TOKENS]
+        dst = ((b * HKV + h) * G + g[:, None]).to(tl.int64) * n_tok + t[None, :]
+        tl.store(out + dst, sc, mask=(g[:, None] < G) & live[None, :])
+
+
+@triton.jit(do_not_specialize=["total", "n_new", "n_slots"])
+def quantize_rows_kernel(
+    x, slots, codes, meta, total, n_new, n_slots,
+    D: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    # x [R, n_new, D] (R = sequences x HKV, any float dtype): row i of sequence-and-head r = i // n_new goes to slot
+    # slots[i] of r's rows in codes [R, n_slots, D * BITS / 8] and meta [R, n_slots, 2, D / GROUP]; `total` = R x n_new
+    PER: tl.constexpr = 8 // BITS
+    BYTES: tl.constexpr = D // PER
+    GROUPS: tl.constexpr = D // GROUP
+    TOP: tl.constexpr = (1 << BITS) - 1
+    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = i < total
+    row = (i // n_new).to(tl.int64) * n_slots + tl.load(slots + i, mask=live, other=0).to(tl.int64)
+    p = tl.arange(0, BYTES)
+    # the codes of a byte: columns PER * p + k, k = 0..PER-1, each a [ROWS, BYTES] load; a group's bytes are adjacent
+    lo = tl.full([ROWS, GROUPS], float("inf"), tl.float32)
+    hi = tl.full([ROWS, GROUPS], float("-inf"), tl.float32)
+    for k in tl.static_range(PER):
+        v = tl.load(x + i.to(tl.int64)[:, None] * D + (PER * p + k)[None, :], mask=live[:, None], other=0)
+        v = tl.reshape(v.to(tl.float32), [ROWS, GROUPS, BYTES // GROUPS])
+        lo = tl.minimum(lo, tl.min(v, 2))
+        hi = tl.maximum(hi, tl.max(v, 2))
+    scale = tl.maximum((hi - lo) / TOP, 1e-8)  # [ROWS, GROUPS]
+    packed = tl.zeros([ROWS, BYTES], tl.int32)
+    for k in tl.static_range(PER):
+        v = tl.load(x + i.to(tl.int64)[:, None] * D + (PER * p + k)[None, :], mask=live[:, None], other=0)
+        v = tl.reshape(v.to(tl.float32), [ROWS, GROUPS, BYTES // GROUPS])
+        y = (v - lo[:, :, None]) / scale[:, :, None]
+        r = tl.floor(y + 0.5)  # to the nearest, ties to even (as torch.round)
+        r = tl.where((r - y == 0.5) & (r - 2 * tl.floor(r * 0.5) == 1.0), r - 1.0, r)
+        r = tl.minimum(tl.maximum(r, 0.0), TOP).to(tl.int32)
+        packed = packed | (tl.reshape(r, [ROWS, BYTES]) << (BITS * k))
+    tl.store(codes + row[:, None] * BYTES + p[None, :], packed.to(tl.uint8), mask=live[:, None])
+    gs = tl.arange(0, GROUPS)
+    at = row[:, None] * (2 * GROUPS) + gs[None, :]
+    tl.store(meta + at, scale.to(tl.float16), mask=live[:, None])
+    tl.store(meta + at + GROUPS, lo.to(tl.float16), mask=live[:, None])

@@ -1,0 +1,167 @@
+"""The low-bit key kernels (kv/_quant_kernel.py): scoring queries straight from packed codes, and quantizing new keys
+into their slots, under Triton's interpreter (TRITON_INTERPRET=1 on CPU tensors, set by conftest) against the torch
+path a CPU runs; compiled ahead of time for sm_80 and sm_90 without spills; priced by what they read under fake
+CUDA."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from infinigen_rt.kv import quant
+from infinigen_rt.kv.kernels import available
+from infinigen_rt.policies.speculation import key_group
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.skipif(not available(), reason="needs triton (pip install triton)")
+
+# (bits, head_dim, group of query heads): SmolLM2's 64 and group of 3, Llama-3.1's 128 and 4, two bits, a tiny
+# config's 16 (one group a row), Gemma 3's 256 with one query head a KV head
+CASES = [(4, 64, 3), (4, 128, 4), (2, 64, 2), (4, 16, 1), (4, 256, 1)]
+
+
+def codes_of(gen, r, hkv, slots, d, bits):
+    group = key_group(d, bits)
+    x = torch.randn(r, hkv, slots, d, generator=gen) * torch.linspace(0.1, 4, d)  # columns of very different size
+    c, scale, lo = quant.quantize(x, group, bits)
+    return c, torch.stack([scale, lo], -2), group
+
+
+@pytest.mark.parametrize("bits, d, g", CASES)
+def test_scoring_from_the_codes_equals_the_dequantized_keys_scores(bits, d, g):
+    """Each form a caller has: slots through a table (the batch's store, rows of other lengths), one run of slots (a
+    request alone), and each sequence's own first slots (a request's own cache)."""
+    gen = torch.Generator().manual_seed(bits * d + g)
+    hkv, slots, b, t = 2, 90, 3, 70
+    codes, meta, group = codes_of(gen, 1, hkv, slots, d, bits)
+    q = torch.randn(b, hkv, g, d, generator=gen)
+    idx = torch.randint(0, slots, (b, t), generator=gen)
+    for at, qq, c, m, n in [(idx, q, codes, meta, t), (slice(11, 11 + t), q[:1], codes, meta, t)]:
+        want = quant.scores(qq, c, m, at, group, bits)  # the torch path (CPU tensors)
+        got = quant._scores_kernel(qq, c, m, at, n, group, bits)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * d)
+    own, own_meta, _ = codes_of(gen, b, hkv, slots, d, bits)
+    want = quant.scores(q, own, own_meta, t, group, bits)
+    torch.testing.assert_close(quant._scores_kernel(q, own, own_meta, t, t, group, bits), want, rtol=1e-4,
+                               atol=1e-4 * d)  # fmt: skip
+
+
+@pytest.mark.parametrize("bits, d", [(4, 64), (4, 128), (2, 64), (4, 16), (4, 256)])
+def test_quantizing_into_slots_writes_the_codes_torch_writes_bit_for_bit(bits, d):
+    """Every row into its own slot (each sequence and KV head its own), ties rounded to even as torch.round does (a
+    group spanning 0..15 at 4 bits puts x.5 values exactly half-way), the other slots left as they were."""
+    import triton
+
+    from infinigen_rt.kv._quant_kernel import quantize_rows_kernel
+
+    gen = torch.Generator().manual_seed(d + bits)
+    r, hkv, s, slots = 2, 3, 5, 24
+    group = key_group(d, bits)
+    x = torch.randn(r, hkv, s, d, generator=gen) * torch.linspace(0.1, 4, d)
+    top = 2**bits - 1
+    ties = torch.arange(d) % (top + 1) + 0.5  # a group spanning 0.5..top+0.5: scale 1, every value a tie
+    ties[::group], ties[group - 1 :: group] = 0.0, float(top)
+    x[0, 0, 0] = ties
+    at = torch.stack([torch.randperm(slots, generator=gen)[:s] for _ in range(r * hkv)]).view(r, hkv, s)
+    shape = (r, hkv, slots)
+    want_c = torch.randint(0, 255, (*shape, d * bits // 8), dtype=torch.uint8, generator=gen)
+    want_m = torch.randn(*shape, 2, d // group, generator=gen).half()
+    got_c, got_m = want_c.clone(), want_m.clone()
+    quant.store(x, want_c, want_m, at, group, bits)  # the torch path
+    total = r * hkv * s
+    quantize_rows_kernel[(triton.cdiv(total, quant.QUANT_ROWS),)](
+        x, at, got_c, got_m, total, s, slots, D=d, GROUP=group, BITS=bits, ROWS=quant.QUANT_ROWS)  # fmt: skip
+    assert torch.equal(got_c, want_c) and torch.equal(got_m, want_m)
+
+
+COMPILE = """
+import json, sys, torch, triton
+from pathlib import Path
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from infinigen_rt.kv import quant
+from infinigen_rt.kv._quant_kernel import quantize_rows_kernel, score_codes_kernel
+from infinigen_rt.policies.speculation import key_group
+from tests.rt.test_kernels_aot import resource_usage, signature_of
+
+(cc, g, d, bits), tmp = (int(x) for x in sys.argv[1:5]), sys.argv[5]
+group, hkv, slots, b, t = key_group(d, bits), 8, 4096, 2, 700
+q = torch.empty(b, hkv, g, d)
+codes = torch.empty(1, hkv, slots, d * bits // 8, dtype=torch.uint8)
+meta = torch.empty(1, hkv, slots, 2, d // group, dtype=torch.float16)
+idx, out = torch.empty(b, t, dtype=torch.int64), torch.empty(b, hkv, g, t)
+target = GPUTarget("cuda", cc, 32)
+usage, ptx, sigs = [], "", []
+for kernel, args, meta_ in [
+    (score_codes_kernel, (q, codes, meta, idx, out, t, slots, 0),
+     dict(BATCH_ROWS=False, HKV=hkv, G=g, G_PAD=max(2, triton.next_power_of_2(g)), D=d, D_PAD=d, GROUP=group,
+          BITS=bits, TOKENS=quant.TOKENS, SPLIT=quant.SPLIT, HAS_SLOTS=True)),
+    (quantize_rows_kernel, (torch.empty(1, hkv, b, d, dtype=torch.bfloat16), idx, codes, meta, hkv * b, b, slots),
+     dict(D=d, GROUP=group, BITS=bits, ROWS=quant.QUANT_ROWS)),
+]:
+    jit, signature, constexprs, attrs, options = signature_of(kernel, args, meta_, target)
+    k = triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__)
+    usage.append(resource_usage(k.asm["cubin"], Path(tmp)))
+    ptx += k.asm["ptx"]
+    sigs.append(signature)
+print(json.dumps({"signatures": sigs, "local": ".local" in ptx, "usage": usage}))
+"""
+
+
+@pytest.mark.parametrize("cc", [80, 90])
+@pytest.mark.parametrize("g, d, bits", [(4, 128, 4), (3, 64, 4), (1, 256, 4), (4, 128, 2)])
+def test_the_kernels_compile_for_sm80_and_sm90_without_spills(cc, g, d, bits, tmp_path):
+    """Llama-3.1-8B's group of 4 at head_dim 128, SmolLM2's 3 at 64, Gemma 3's 256, and two bits: both kernels as
+    quant.py launches them, compiled to cubin here (no GPU; in a process of its own, as the interpreter this suite
+    runs kernels under replaces the compiler's loop), with no stack or local memory, the counts unspecialised."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    r = subprocess.run([sys.executable, "-c", COMPILE, str(cc), str(g), str(d), str(bits), str(tmp_path)],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    score, quantize = out["signatures"]
+    assert score["n_tok"] in ("i32", "i64") and score["n_slots"] in ("i32", "i64") and score["start"] in ("i32", "i64")
+    assert quantize["total"] in ("i32", "i64") and quantize["n_new"] in ("i32", "i64")
+    assert not out["local"]
+    for usage in out["usage"]:
+        if usage:
+            assert usage.get("STACK", 0) == 0 and usage.get("LOCAL", 0) == 0, usage
+            assert usage["REG"] <= 192, usage
+
+
+def test_on_the_gpu_path_under_fake_cuda_one_launch_scores_and_reads_only_the_rows_it_scores():
+    """quant.scores and quant.store on cuda tensors (fake CUDA: the kernels through the interpreter) give the CPU's
+    results in one launch each; the scoring is priced by the codes of the rows it scores, not by the store's size."""
+    from infinigen_rt.measure.fakecuda import FakeCuda
+    from infinigen_rt.measure.fakecuda import available as fake_available
+
+    if fake_available():
+        pytest.skip(fake_available())
+    gen = torch.Generator().manual_seed(3)
+    bits, d, g, hkv, slots, b, t = 4, 64, 3, 2, 4096, 2, 100
+    codes, meta, group = codes_of(gen, 1, hkv, slots, d, bits)
+    q = torch.randn(b, hkv, g, d, generator=gen)
+    idx = torch.randint(0, slots, (b, t), generator=gen)
+    x = torch.randn(1, hkv, b, d, generator=gen)
+    at = torch.randint(0, slots, (1, hkv, b), generator=gen)
+    want = quant.scores(q, codes, meta, idx, group, bits)
+    want_c, want_m = codes.clone(), meta.clone()
+    quant.store(x, want_c, want_m, at, group, bits)
+    with FakeCuda() as gpu:
+        dev = [y.to("cuda") for y in (q, codes, meta, idx, x, at)]
+        with gpu.recording() as ops:
+            got = quant.scores(*dev[:4], group, bits)
+            quant.store(dev[4], dev[1], dev[2], dev[5], group, bits)
+        got, got_c, got_m = got.cpu(), dev[1].cpu(), dev[2].cpu()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-2)
+    assert torch.equal(got_c, want_c) and torch.equal(got_m, want_m)
+    launches = [o for o in ops if o.kind == "triton"]
+    assert [o.name for o in launches] == ["score_codes_kernel", "quantize_rows_kernel"]
+    row = d * bits // 8 + 4 * (d // group)
+    assert b * hkv * t * row <= launches[0].hbm_bytes < codes.numel() + meta.numel() * 2  # not the whole store
