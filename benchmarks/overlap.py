@@ -179,13 +179,13 @@ def means(layers: dict) -> dict:
     return out
 
 
-def markdown(result: dict) -> str:
-    """The table docs/performance.md shows: per (context, budget, variant) the mean share over layers (lowest and
-    highest layer) of speculation's rows and the attended ones, and the fetched bytes a reuse would save."""
+def markdown(*results: dict) -> str:
+    """The table docs/performance.md shows of one or more runs' points: per (context, budget, variant) the mean over
+    the layers (lowest-highest layer) of each kind's share kept, the fetched bytes a reuse would save, the seconds."""
     lines = ["| context | budget | variant | spec rows kept, mean (min-max layer) | attended rows kept | "
              "without sinks, recent | correction's rows held | bytes saved | s |",
              "|---:|---:|---|---|---|---|---|---:|---:|"]  # fmt: skip
-    for p in result["points"]:
+    for p in [p for r in results for p in r["points"]]:
         m = p["mean"]
         corr = cell(m, "corr") if "corr" in m else "-"
         lines.append(f"| {p['context']} | {p['budget']:g} | {p['variant']} | {cell(m, 'spec')} | {cell(m, 'final')} | "
