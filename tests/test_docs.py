@@ -299,6 +299,12 @@ def test_published_numbers_are_the_results_json():
     assert tables.projected(*projected) in performance, "docs/performance.md: the projected table is not tables.py's"
     batch = [json.loads((RESULTS / f"bench-cpu-batch-smollm2{s}.json").read_text()) for s in ("-before", "")]
     assert tables.batch_ratios(*batch) in performance, "docs/performance.md: the CPU batch table is not tables.py's"
+    spec = importlib.util.spec_from_file_location("doc_overlap", ROOT / "benchmarks" / "overlap.py")
+    overlap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(overlap)
+    for runs in (["overlap-smollm2"], ["overlap-gemma3", "overlap-gemma3-32k"]):
+        table = overlap.markdown(*[json.loads((RESULTS / f"{r}.json").read_text()) for r in runs])
+        assert table in performance, f"docs/performance.md: the overlap table is not overlap.py's rendering of {runs}"
 
     med = {w: statistics.median(r["ms_per_step"] for r in peer["rows"] if r["peer"] == w) for w in
            ("infinigen-rt full", "transformers")}  # fmt: skip
