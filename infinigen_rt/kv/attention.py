@@ -72,9 +72,9 @@ def paged_decode_reference(q, k, v, table, lengths, block: int, longest: int, sc
     gathered ([B, Hkv, longest, D]), and one SDPA with the positions past each length masked out."""
     b, h, _, d = q.shape
     t = torch.arange(longest, device=table.device)
-    slots = table[:, t // block].long() * block + t % block  # [B, longest]
-    keys = k[:, slots].transpose(0, 1)  # [B, Hkv, longest, D]
-    values = v[:, slots].transpose(0, 1)
+    slots = (table[:, t // block].long() * block + t % block).reshape(-1)  # [B x longest]
+    # [B, Hkv, longest, D]: index_select on the flat slots (several times faster on a CPU than indexing by [B, T])
+    keys, values = (x.index_select(1, slots).unflatten(1, (b, longest)).transpose(0, 1) for x in (k, v))
     mask = (t[None, :] < lengths[:, None].long())[:, None, None, :]  # [B, 1, 1, longest]
     return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale,
                                           enable_gqa=keys.shape[1] != h)  # fmt: skip

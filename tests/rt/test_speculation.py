@@ -131,6 +131,26 @@ def test_bad_speculation_options(bundles):
     one_line_error(run_cli("rt", "eval", b, "--text", "x.txt", "--spec-keys", "fp8"), "spec-keys")
 
 
+@pytest.mark.parametrize("bits, d", [(4, 64), (4, 128), (2, 64), (4, 80), (2, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_scores_low_bit_keys_without_forming_them_as_the_dequantized_keys_score(bits, d, dtype):
+    """quant.score_span (scale * (q . codes) + minimum * sum(q) per group, on codes unpacked four bytes a word, or a
+    byte at a time where a group's bytes are not a multiple of four) against q @ the dequantized keys, both in float64
+    from the same bf16 or fp32 query: one group a row or two, 4 and 2 bits, head_dim 80's one group of 80."""
+    from infinigen_rt.kv import quant
+    from infinigen_rt.policies.speculation import key_group
+
+    gen = torch.Generator().manual_seed(bits * d)
+    group = key_group(d, bits)
+    x = torch.randn(2, 3, 40, d, generator=gen) * torch.linspace(0.1, 4, d)
+    codes, scale, lo = quantize(x, group, bits)
+    q = torch.randn(2, 3, 4, d, generator=gen).to(dtype)
+    want = q.double() @ dequantize(codes, scale, lo, group, torch.float64, bits).transpose(-1, -2)
+    got = quant.score_span(q, codes, torch.stack([scale, lo], -2), group, bits)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
 def test_low_bit_keys_score_the_same_a_span_at_a_time(bundles, monkeypatch):
     """The keys are dequantized a span of slots at a time (a step's memory stays small at long context): spans of 64
     give the scores, tokens and logits of one span over everything."""
