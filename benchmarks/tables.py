@@ -71,6 +71,26 @@ def projected(before: dict, after: dict) -> str:
     return "\n".join(out)
 
 
+def reused(plain: dict, reuse: dict, full: dict) -> str:
+    """bench --rehearse's speculating points without and with `--reuse` (rows kept across steps, at the share of
+    rows held the point states), beside `full`'s step at the same batch: launches, PCIe MB, projected ms and the
+    ratio to `full`."""
+    base = _by_point(plain)
+    whole = {p["batch"]: p for p in full["points"] if p["policy"] == "full"}
+    out = ["| policy | batch | rows held | launches without | with | PCIe MB without | with | projected ms without "
+           "| with | x `full` without | with |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    order = list(dict.fromkeys((p["policy"], p.get("spec_keys"), p.get("correct")) for p in reuse["points"]))
+    for p in sorted(reuse["points"], key=lambda p: (order.index((p["policy"], p.get("spec_keys"), p.get("correct"))),
+                                                     p["batch"])):  # fmt: skip
+        b = base[(p["policy"], p.get("spec_keys"), p.get("correct"), p["batch"])]
+        f = whole[p["batch"]]["projected_ms"]
+        out.append(f"| {label(p['policy'], p.get('spec_keys'), p.get('correct'), short=True)} | {p['batch']} "
+                   f"| {pct(p['reused'])} | {b['launches']:,} | {p['launches']:,} | {b['pcie_bytes'] / 1e6:,.0f} "
+                   f"| {p['pcie_bytes'] / 1e6:,.0f} | {b['projected_ms']:.1f} | {p['projected_ms']:.1f} "
+                   f"| {b['projected_ms'] / f:.2f} | {p['projected_ms'] / f:.2f} |")  # fmt: skip
+    return "\n".join(out)
+
+
 def batch_ratios(before: dict, after: dict) -> str:
     """Two interleaved bench runs at two batch sizes: each policy's ms per step, its ratio to the same run's
     `full`, and how much of its ratio at the smaller batch it keeps at the larger one."""

@@ -297,6 +297,8 @@ def test_published_numbers_are_the_results_json():
     assert tables.needle(json.loads((RESULTS / "needle-gemma3.json").read_text())) in accuracy, "Gemma 3's needles"
     projected = [json.loads((RESULTS / f"projected-h100-llama31-8b-32k{s}.json").read_text()) for s in ("-before", "")]
     assert tables.projected(*projected) in performance, "docs/performance.md: the projected table is not tables.py's"
+    reuse = json.loads((RESULTS / "projected-h100-llama31-8b-32k-reuse.json").read_text())
+    assert tables.reused(projected[1], reuse, projected[1]) in performance, "docs/performance.md: the reuse table"
     batch = [json.loads((RESULTS / f"bench-cpu-batch-smollm2{s}.json").read_text()) for s in ("-before", "")]
     assert tables.batch_ratios(*batch) in performance, "docs/performance.md: the CPU batch table is not tables.py's"
     spec = importlib.util.spec_from_file_location("doc_overlap", ROOT / "benchmarks" / "overlap.py")

@@ -73,6 +73,7 @@ SpecKeys = Annotated[Optional[str], kv_option("spec_keys", help=_list_help(
     "spec_keys", "several time one point each, side by side with --interleave"))]  # fmt: skip
 Correct = Annotated[Optional[str], kv_option("correct", help=_list_help("correct", "every key choice runs with each"))]
 MaxKv = Annotated[Optional[int], kv_option("max_kv")]
+Reuse = Annotated[bool, kv_option("reuse")]
 Alpha = Annotated[Optional[float], kv_option("alpha")]
 Text = Annotated[
     Optional[Path], typer.Option(help="Prompt from this UTF-8 text (a bundle) [random tokens].")
@@ -123,6 +124,7 @@ def bench_cmd(
     alpha: Alpha = None,
     spec_keys: SpecKeys = None,
     correct: Correct = None,
+    reuse: Reuse = False,
     text: Text = None,
     prefill_chunk: PrefillChunk = None,
     device: Device = "auto",
@@ -153,7 +155,7 @@ def bench_cmd(
     names, batches, contexts = _check(bundle, synthetic, policies, batch, context, gen, warmup, probe, text, tp)
     for name, value in (("budget", budget), ("max_kv", max_kv), ("alpha", alpha), ("prefill_chunk", prefill_chunk)):
         check_value(name, value)
-    variants = _variants(names, spec_keys, correct)
+    variants = _variants(names, spec_keys, correct, reuse)
     check_outputs(out, plot_path)
     if rehearse:
         from infinigen_rt.errors import InfinigenError
@@ -282,9 +284,9 @@ def _check(bundle, synthetic, policies: str, batch: str, context: str, gen: int,
     return names, batches, contexts
 
 
-def _variants(names: list[str], spec_keys: str | None, correct: str | None) -> list:
-    """The points' policies: a speculating policy once per key choice and correction share given (the others once
-    each)."""
+def _variants(names: list[str], spec_keys: str | None, correct: str | None, reuse: bool = False) -> list:
+    """The points' policies: a speculating policy once per key choice and correction share given, with `reuse` if
+    asked (the others once each)."""
     from infinigen_rt.cli.options import floats
     from infinigen_rt.errors import InfinigenError
     from infinigen_rt.measure.bench import Variant
@@ -300,7 +302,7 @@ def _variants(names: list[str], spec_keys: str | None, correct: str | None) -> l
     out = []
     for n in names:
         spec = "spec_keys" in POLICIES[n].knobs
-        out += [Variant(n, k, c) for k in keys for c in shares] if spec else [Variant(n)]
+        out += [Variant(n, k, c, reuse or None) for k in keys for c in shares] if spec else [Variant(n)]
     return out
 
 

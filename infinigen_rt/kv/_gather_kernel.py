@@ -42,3 +42,31 @@ def scatter_rows_kernel(dst, src, rows, total, W: tl.constexpr, BLOCK_W: tl.cons
     inside = live[:, None] & (cols[None, :] < W)
     x = tl.load(src + m.to(tl.int64)[:, None] * W + cols[None, :], mask=inside, other=0)
     tl.store(dst + r[:, None] * W + cols[None, :], x, mask=inside)
+
+
+@triton.jit(do_not_specialize=["n_sel", "n_out", "total"])
+def gather_reused_kernel(
+    src_a, src_b, prev_a, prev_b, out_a, out_b, rows, ok, pos, n_sel, n_out, total,
+    W: tl.constexpr, BLOCK_W: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    # as gather_rows_kernel, but a selection whose pos[m] >= 0 was fetched the step before: its row is read from row
+    # pos[m] of the previous output (device memory), the others from the pool (pinned host memory, across PCIe)
+    m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = m < total
+    r = tl.load(rows + m, mask=live, other=0).to(tl.int64)
+    use = live & (tl.load(ok + m, mask=live, other=0) != 0)
+    p = tl.load(pos + m, mask=live, other=-1).to(tl.int64)
+    held = use & (p >= 0)
+    fresh = use & (p < 0)
+    dst = (m // n_sel).to(tl.int64) * n_out + (m % n_sel)
+    cols = tl.arange(0, BLOCK_W)
+    inside = cols[None, :] < W
+    src_off = r[:, None] * W + cols[None, :]
+    prev_off = p[:, None] * W + cols[None, :]
+    dst_off = dst[:, None] * W + cols[None, :]
+    a = tl.load(src_a + src_off, mask=fresh[:, None] & inside, other=0)
+    a = tl.where(held[:, None], tl.load(prev_a + prev_off, mask=held[:, None] & inside, other=0), a)
+    tl.store(out_a + dst_off, a, mask=live[:, None] & inside)
+    b = tl.load(src_b + src_off, mask=fresh[:, None] & inside, other=0)
+    b = tl.where(held[:, None], tl.load(prev_b + prev_off, mask=held[:, None] & inside, other=0), b)
+    tl.store(out_b + dst_off, b, mask=live[:, None] & inside)

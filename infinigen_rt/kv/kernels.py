@@ -72,6 +72,37 @@ def gather_rows(src_a, src_b, rows, ok, out_a, out_b) -> None:
     )  # fmt: skip
 
 
+def gather_reused(src_a, src_b, prev_a, prev_b, rows, ok, pos, out_a, out_b) -> None:
+    """`gather_rows` where a selection was fetched the step before: out_x[g, i] = prev_x[pos[g, i]] where pos >= 0,
+    else src_x[rows[g, i]] (where ok; zeros where not). prev_a, prev_b: [M, X] (the previous step's output, flat
+    rows, on the device); pos: [G, n] int64 on the device. Only the rows not held cross from the pool."""
+    g, n = rows.shape
+    total = g * n
+    if total == 0:
+        return
+    import triton
+
+    from infinigen_rt.kv._gather_kernel import gather_reused_kernel
+
+    sa, sb, pa, pb, oa, ob = (words(x) for x in (src_a, src_b, prev_a, prev_b, out_a, out_b))
+    w = sa.shape[-1]
+    launch(
+        gather_reused_kernel, (triton.cdiv(total, ROWS_PER_PROGRAM),),
+        sa, sb, pa, pb, oa, ob, *(x.reshape(-1).contiguous() for x in (rows, ok, pos)), n, out_a.shape[1], total,
+        W=w, BLOCK_W=triton.next_power_of_2(w), ROWS=ROWS_PER_PROGRAM,
+    )  # fmt: skip
+
+
+def gather_reused_reference(src_a, src_b, prev_a, prev_b, rows, ok, pos, out_a, out_b) -> None:
+    """The definition of `gather_reused` in torch ops."""
+    gather_rows_reference(src_a, src_b, rows, ok & (pos < 0), out_a, out_b)
+    g, n = rows.shape
+    held = (ok & (pos >= 0))[..., None]
+    for prev, out in ((prev_a, out_a), (prev_b, out_b)):
+        kept = prev.index_select(0, pos.clamp(min=0).reshape(-1)).view(g, n, -1)
+        out[:, :n] = torch.where(held, kept.to(out.dtype), out[:, :n])
+
+
 def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
     """dst[rows[i]] = src[i]: dst [N, X] (host pinned memory, or device memory), rows [n] int64 and src [n, X]
     contiguous on the compute device (the new tokens of a step written into freed slots of the pool, each

@@ -40,9 +40,11 @@ class Variant:
     policy: str
     spec_keys: str | None = None
     correct: float | None = None
+    reuse: bool | None = None
 
     def changes(self) -> dict:
-        return {k: v for k, v in (("spec_keys", self.spec_keys), ("correct", self.correct)) if v is not None}
+        return {k: v for k, v in (("spec_keys", self.spec_keys), ("correct", self.correct), ("reuse", self.reuse))
+                if v is not None}  # fmt: skip
 
 
 @dataclass

@@ -204,7 +204,8 @@ def span(t: torch.Tensor) -> tuple[int, int]:
 
 
 # the row kernels' pointer arguments that are indexed by a row-number argument: with values, only those rows count
-INDEXED = {"gather_rows_kernel": {"src_a": "rows", "src_b": "rows"}, "scatter_rows_kernel": {"dst": "rows"}}
+INDEXED = {"gather_rows_kernel": {"src_a": "rows", "src_b": "rows"}, "scatter_rows_kernel": {"dst": "rows"},
+           "gather_reused_kernel": {"src_a": "rows", "src_b": "rows"}}  # fmt: skip
 
 
 def _indexed_ranges(kernel: str, param: str, t: torch.Tensor, params: list, args: tuple):
@@ -423,6 +424,7 @@ class FakeCuda:
         self.values, self.n_devices, self.capacity = values, devices, capacity
         self.host_memory, self.host_limit = host_memory, host_memory if host_limit is None else host_limit
         self.provider, self.strict = provider, strict
+        self.reused: float | None = None  # the share of rows a reusing gather finds held (see _row_kernel_op)
         self.inner_device = torch.device("cpu" if values else "meta")
         self.tls = threading.local()
         self.counter = iter(range(1, 1 << 62))
@@ -1235,29 +1237,37 @@ def _span_op(name: str, stream: str, named: list, written: set, grid, meta) -> O
 
 def _row_kernel_op(name: str, stream: str, named: list, written: set, grid=None, meta=None) -> Op:
     """A row kernel's op: each row it moves, read and written once per tensor of the pair, across PCIe for the
-    tensors in pinned host memory (read: host to device; written: device to host); its row numbers (and validity)
-    read from the device. Shapes only: every row counts as moved."""
+    tensors in pinned host memory (read: host to device; written: device to host); its row numbers (and validity,
+    and where a row was held) read from the device. Shapes only: every row counts as moved. The gather that reuses
+    the last step's rows reads `_HARNESS.reused` of them from device memory (the previous output) and the rest from
+    the pool (a measured share, stated by the caller: which rows were held is a value, which meta tensors lack)."""
     args = dict(named)
     rows = args["rows"]
+    held = _HARNESS.reused if name == "gather_reused_kernel" and _HARNESS is not None else None
     hbm = h2d = d2h = 0
     for pname, a in named:
         if not isinstance(a, torch.Tensor):
             continue
-        if pname in ("rows", "ok"):
+        if pname in ("rows", "ok", "pos"):
             hbm += _nbytes(a)
             continue
         moved = rows.numel() * a.shape[-1] * a.element_size()
-        if vdev(a).type != "cpu":
+        if held is not None and pname.startswith("prev"):
+            hbm += int(moved * held)
+        elif held is not None and pname.startswith("src"):
+            h2d += int(moved * (1 - held))
+        elif vdev(a).type != "cpu":
             hbm += moved
         elif pname in written:
             d2h += moved
         else:
             h2d += moved
     return Op("triton", name, stream, hbm_bytes=hbm, pcie_bytes=h2d, d2h_bytes=d2h)
+
+
 SPECIAL = {"_local_scalar_dense", "item", "is_nonzero", "is_pinned", "_pin_memory", "pin_memory", "lift_fresh",
            "copy_", "_to_copy", "to"}  # fmt: skip
-
-
+# the Triton kernels priced by their own op (the rest: _row_kernel_op if they move rows, else _span_op)
 OPS = {"paged_decode_kernel": _attention_op, "score_codes_kernel": _score_op, "quantize_rows_kernel": _quantize_op}
 
 

@@ -27,6 +27,7 @@ import torch
 from infinigen_rt.bundle import InfinigenDefaults
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.kv.cache import KVReport, kv_layers
+from infinigen_rt.kv.kernels import gather_reused
 from infinigen_rt.kv.prefetch import prefetcher
 from infinigen_rt.kv.store import BLOCK, Evicting, Selector
 from infinigen_rt.policies.offload import POOL_KNOBS, OffloadCache, device_pairs
@@ -103,7 +104,7 @@ class InfinigenCache(OffloadCache):
     sweep = ("budget", "alpha")
     knobs = POOL_KNOBS | {
         "alpha", "budget", "max_kv", "dense_layers", "trace_recall", "sinks", "recent", "renorm", "per_head",
-        "group_agg", "layer_budget", "layer_alpha", "spec_keys", "correct",
+        "group_agg", "layer_budget", "layer_alpha", "spec_keys", "correct", "reuse",
     }  # fmt: skip
 
     @classmethod
@@ -112,6 +113,9 @@ class InfinigenCache(OffloadCache):
         layers resolved (the option, else the bundle's default) and leaving a layer to speculate."""
         engine.require_speculation()
         opts = replace(opts, dense_layers=opts.dense_layers or engine.dense_layers)
+        if opts.reuse and opts.capacity is not None:
+            raise InfinigenError("--reuse keeps the last step's rows by their slots, which a capacity hands to new "
+                                 "tokens: drop --capacity or --reuse")  # fmt: skip
         if opts.dense_layers >= engine.cfg.num_hidden_layers:
             raise InfinigenError(f"--dense-layers {opts.dense_layers} leaves no layer to speculate (the model has "
                                  f"{engine.cfg.num_hidden_layers})")  # fmt: skip
@@ -306,6 +310,65 @@ class InfinigenCache(OffloadCache):
         return r
 
 
+class LastRows:
+    """Rows reused across steps (`reuse`, a GPU): each speculated layer's rows of the last step stay in its own pair
+    of device buffers (used in turn, step by step), and a map from a pool row (flat slot x KV heads + head) to where
+    it sits there (-1: not held); a step's gather reads a selected row from there when held and from the pool across
+    PCIe otherwise (kernels.gather_reused), then the map is moved to this step's rows. Everything stays on the
+    device: no host in the loop. A step whose batch differs from the last one's (a request joined or left: rows
+    would mean other requests' tokens) starts from nothing held. Not with a capacity: an evicted slot takes a new
+    token."""
+
+    def __init__(self, store):
+        self.store = store
+        self.where: dict[int, torch.Tensor] = {}  # layer -> [S x Hkv] int64: the row's place in the last output
+        self.last: dict[int, tuple] = {}  # layer -> (rows [B, Hkv, n], the output's flat (keys, values))
+        self.turn: dict[int, int] = {}
+        self.buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.rids: list[int] | None = None
+        self.places: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (b, h, n) -> (head, place)
+
+    def begin(self, step) -> None:
+        if step.batch.rids != self.rids:
+            self.rids = list(step.batch.rids)
+            for j, (rows, _) in self.last.items():
+                self.where[j].index_fill_(0, rows.reshape(-1), -1)
+            self.last.clear()
+
+    def gather(self, step, j: int, sel: Selection) -> tuple:
+        """Layer j's selected rows [B, Hkv, n + 1, X] (keys' and values' one part each; the last row for the new
+        token), the held ones from the last step's output. Counts what crossed PCIe per request in the ledger."""
+        store, (b, h, n) = self.store, sel.slots.shape
+        (k_src,), (v_src,) = store.k[j], store.v[j]
+        x = k_src.shape[-1]
+        if (b, h, n) not in self.places:  # the head of each row, and where it lands in the output (fetch widths are
+            dev = sel.slots.device  # a few: multiples of a bucket)
+            self.places[b, h, n] = (torch.arange(h, device=dev).view(1, h, 1), torch.arange(n, device=dev)
+                                    + torch.arange(b * h, device=dev).view(b, h, 1) * (n + 1))  # fmt: skip
+        head, place = self.places[b, h, n]
+        rows = store.physical(step.batch, sel.slots) * h + head  # [B, Hkv, n]: pool rows (slot x heads + head)
+        if j not in self.where:
+            self.where[j] = torch.full((k_src.numel() // x,), -1, dtype=torch.int64, device=store.device)
+        turn = self.turn[j] = 1 - self.turn.get(j, 1)
+        need = b * h * (n + 1) * x
+        if (j, turn) not in self.buffers or self.buffers[j, turn][0].numel() < need:
+            self.buffers[j, turn] = tuple(torch.empty(need + need // 8, dtype=k_src.dtype, device=store.device)
+                                          for _ in "kv")  # fmt: skip
+        out_k, out_v = (o[:need].view(b * h, n + 1, x) for o in self.buffers[j, turn])
+        ok = sel.ok.expand(b, h, n) if sel.every else sel.ok
+        last = self.last.get(j)
+        pos = self.where[j].index_select(0, rows.reshape(-1)).view(b, h, n)
+        prev = (k_src.view(-1, x), v_src.view(-1, x)) if last is None else last[1]  # (nothing held: pos all -1)
+        gather_reused(k_src.view(-1, x), v_src.view(-1, x), *prev, rows.reshape(b * h, n), ok.reshape(b * h, n),
+                      pos.reshape(b * h, n), out_k, out_v)  # fmt: skip
+        store.ledger.add(f"h2d{j}", step.batch.rids, (ok & (pos < 0)).sum((1, 2)), store.row_bytes)  # what crossed
+        if last is not None:  # the map follows this step's rows
+            self.where[j].index_fill_(0, last[0].reshape(-1), -1)
+        self.where[j].index_copy_(0, rows.reshape(-1), torch.where(ok, place, -1).reshape(-1))
+        self.last[j] = (rows, (out_k.view(-1, x), out_v.view(-1, x)))
+        return (out_k.view(b, h, n + 1, x),), (out_v.view(b, h, n + 1, x),)
+
+
 class InfinigenSelector(Selector):
     """InfiniGen in the batch's KV store: the dense layers on the device, the speculated ones pooled in host memory
     with their speculation keys on the device (in the store's slots); each decode step, layer j-1's input chooses
@@ -330,6 +393,8 @@ class InfinigenSelector(Selector):
         self.keys = spec_keys(self.opts.spec_keys, self.spec, self.layers, 1, store.alloc.n_blocks * BLOCK,
                               store.device, self.dtype)  # fmt: skip
         self.sync_free = store.device.type == "cuda"  # no device read for the fetch size
+        # rows reused across steps: the kernel's (a CPU's host memory is its device memory: nothing to save)
+        self.last_rows = LastRows(self.store) if self.opts.reuse and store.kernel else None
 
     def written(self, batch, layer, k, phys) -> None:
         b, h, s, d = k.shape  # the batch's new keys as one sequence of the store's, at their flat slots
@@ -356,6 +421,8 @@ class InfinigenSelector(Selector):
         step.held3 = None if held is None else held[:, None].expand(b, h, t)
         step.pos = None if held is None else torch.where(held, at, -1)[:, None].expand(b, h, t)
         step.cos_sin = self.spec.rope(step.positions, self.dtype)
+        if self.last_rows is not None:
+            self.last_rows.begin(step)
 
     def observe(self, step, layer, x) -> None:
         j = layer + 1
@@ -380,6 +447,8 @@ class InfinigenSelector(Selector):
         [B, Hkv, n + 1, D] each (store.Plain)."""
         step, j, sel = chosen
         sel.counted = None if sel.every else sel.ok.sum((1, 2))  # rows per request (its fetch, its bytes)
+        if self.last_rows is not None:
+            return sel, *self.last_rows.gather(step, j, sel)
         return sel, *self.gather(step, j, sel.slots, None if sel.every else sel.ok, 1, j % 2, sel.counted)
 
     def rows(self, step, layer, q):

@@ -117,6 +117,12 @@ class KVOptions:
         "int4",
         "infinigen: what speculation scores on the device: partial (skewed columns), int4, int2 (every column).",
         cli=True, request=True, choices=SPEC_KEYS)  # fmt: skip
+    # consecutive steps select mostly the same rows (docs/performance.md: 55-75 % of speculation's on SmolLM2 and
+    # Gemma 3): with reuse, what a layer fetched the step before stays on the device and only the rest crosses PCIe
+    reuse: bool = opt(
+        False, "infinigen on a GPU: keep each speculated layer's rows of the last step on the device and fetch only "
+        "the rows not among them (the same tokens; device memory for two sets of rows a layer; not with a capacity).",
+        cli=True)  # fmt: skip
     # the correction step: this share of the budget is held back, and once layer j's true query is known it is
     # scored against the same keys and the best rows speculation did not fetch are gathered (0 = off); 0.25 was
     # chosen with the int4 keys on the same texts

@@ -72,3 +72,30 @@ def test_scatter_equals_its_definition(dtype, n, width):
     untouched = torch.ones(n_rows, dtype=torch.bool)
     untouched[rows.cpu()] = False
     assert torch.equal(got.cpu()[untouched], base.cpu()[untouched]) and torch.equal(got.cpu()[rows.cpu()], src.cpu())
+
+
+@pytest.mark.parametrize("dtype, width", [(torch.float16, 64), (torch.bfloat16, 128), (torch.float32, 24)])
+def test_gather_reusing_the_last_rows_equals_its_definition(dtype, width):
+    """gather_reused: a selected row held from the step before (pos >= 0) comes from the previous output, the others
+    from the pool, zeros where a row does not count; the rows past n of each group are left as they were."""
+    from infinigen_rt.kv.kernels import gather_reused, gather_reused_reference
+
+    gen = torch.Generator().manual_seed(width)
+    groups, n, extra, n_rows, n_prev = 4, 21, 1, 60, 50
+    src_a, src_b = pool_tensor((n_rows, width), dtype, gen), pool_tensor((n_rows, width), dtype, gen)
+    prev_a, prev_b = (torch.randn(n_prev, width, generator=gen).to(dtype).to(DEVICE) for _ in "ab")
+    rows = torch.randint(0, n_rows, (groups, n), generator=gen).to(DEVICE)
+    ok = (torch.rand(groups, n, generator=gen) > 0.2).to(DEVICE)
+    pos = torch.where(torch.rand(groups, n, generator=gen) > 0.5, torch.randint(0, n_prev, (groups, n), generator=gen),
+                      -1).to(DEVICE)  # fmt: skip
+    outs = []
+    for fn in (gather_reused, gather_reused_reference):
+        out_a = torch.full((groups, n + extra, width), 7, dtype=dtype, device=DEVICE)
+        out_b = out_a.clone()
+        fn(src_a, src_b, prev_a, prev_b, rows, ok, pos, out_a, out_b)
+        outs.append((out_a, out_b))
+    (ka, kb), (ra, rb) = outs
+    assert torch.equal(ka, ra) and torch.equal(kb, rb)
+    held = ok & (pos >= 0)
+    assert held.any() and (ok & (pos < 0)).any() and (~ok).any()
+    assert torch.equal(ka[:, :n][held], prev_a[pos[held]]) and bool((ka[:, n:] == 7).all())

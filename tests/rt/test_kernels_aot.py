@@ -107,3 +107,36 @@ def test_every_launch_the_pools_make_compiles_for_sm80_and_sm90(monkeypatch, tmp
     # 9 layouts: K/V rows of 16, 32, 64 and 128 int64 words (64..256 dims, 2 or 4 bytes), int4 codes of 4 and 8
     # words (their 16 is a K/V width), its scales as one int16, int32 or int64; gathers with and without `ok`
     assert per_target == 9 * 2 + 9, per_target
+
+
+def test_the_reusing_gather_compiles_for_sm80_and_sm90_without_spills(monkeypatch, tmp_path):
+    """gather_reused (rows kept across steps, policies/infinigen.py's LastRows) for K and V rows of every head size
+    and dtype: no stack or local memory, its counts unspecialised, 16-byte loads and stores for rows of 128 bytes and
+    more, as the plain gather's."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    seen = []
+    monkeypatch.setattr(kernels, "launch", lambda kernel, grid, *args, **meta: seen.append((kernel, args, meta)))
+    for d in HEAD_DIMS:
+        for dt in (torch.float16, torch.bfloat16):
+            src = torch.zeros(64, d, dtype=dt)
+            prev = torch.zeros(40, d, dtype=dt)
+            out = torch.zeros(2, 5, d, dtype=dt)
+            rows, ok, pos = torch.zeros(2, 4, dtype=torch.int64), torch.ones(2, 4, dtype=torch.bool), torch.zeros(
+                2, 4, dtype=torch.int64)  # fmt: skip
+            kernels.gather_reused(src, src, prev, prev, rows, ok, pos, out, out.clone())
+    assert {getattr(k, "fn", k).__name__ for k, _, _ in seen} == {"gather_reused_kernel"}
+    for cc in TARGETS:
+        target = GPUTarget("cuda", cc, 32)
+        for kernel, args, meta in seen:
+            jit, signature, constexprs, attrs, options = signature_of(kernel, args, meta, target)
+            assert all(signature[p] in ("i32", "i64") for p in ("n_sel", "n_out", "total"))
+            k = triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__)
+            assert ".local" not in k.asm["ptx"]
+            usage = resource_usage(k.asm["cubin"], tmp_path)
+            if usage:
+                assert usage.get("STACK", 0) == 0 and usage.get("LOCAL", 0) == 0, usage
+                assert 0 < usage["REG"] <= 128, usage
+            assert "ld.global.v2.b64" in k.asm["ptx"] and "st.global.v2.b64" in k.asm["ptx"], signature

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import functools
 from contextlib import nullcontext
+from dataclasses import replace
 
 import pytest
 import torch
 
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.engine import Engine
+from infinigen_rt.errors import InfinigenError
 from infinigen_rt.measure.fakecuda import FakeCuda, GiB, available
 from infinigen_rt.policies import KVOptions, Policy, configure
 from infinigen_rt.runner import Request, Runner
@@ -229,6 +231,49 @@ def test_every_speculation_key_choice_and_the_correction_on_the_gpu_path(keys, c
         del engine
     assert got == want and gpu.races == []
     assert_one_read(decode)
+
+
+@pytest.mark.parametrize("keys, correct", [("int4", 0.25), ("partial", 0.0)])
+def test_rows_reused_across_steps_give_the_same_tokens_and_cross_pcie_less(keys, correct, bundles):
+    """`reuse`: the rows a layer fetched the step before are read from the device, the rest from the pool. Through
+    the runner on a (fake) GPU, with a request waiting for a row and joining when one ends: the CPU's tokens, no
+    race, one host sync a decode step, and fewer bytes across PCIe than without reuse (the kernel reads only the
+    rows not held; what crossed is counted on the device from `ok` and the map)."""
+    b = read_bundle(bundles["llama31_gqa"])
+    kv = KVOptions(alpha=2.0, budget=0.5, window=4, spec_keys=keys, correct=correct)
+    prompts = PROMPTS + [list(range(30, 52))]
+
+    def run(device, reuse, gpu=None):
+        engine = Engine(b, device=device, dtype="float32")
+        runner = Runner(engine, configure(engine, "infinigen", replace(kv, reuse=reuse)), max_batch=2,
+                        prefill_chunk=4, kv_tokens=4096)  # fmt: skip
+        ids = [runner.add(Request(p, 10)) for p in prompts]
+        got, decode = {}, []
+        while runner.has_work:
+            pure = all(s.done == len(s.req.prompt_ids) for s in runner.running) and not runner.waiting
+            with gpu.region("step") if gpu is not None else nullcontext() as r:
+                for o in runner.step():
+                    got[o.id] = list(o.token_ids)
+            if pure and r is not None:
+                decode.append(r)
+        moved = runner.report().bytes_h2d
+        runner.close()
+        return [got[i] for i in ids], moved, decode
+
+    want = run("cpu", False)[0]
+    moved = {}
+    for reuse in (False, True):
+        with FakeCuda() as gpu:
+            got, moved[reuse], decode = run("cuda", reuse, gpu)
+        assert got == want and gpu.races == []
+        assert_one_read(decode, requests=len(prompts))
+    assert 0 < moved[True] < moved[False], moved
+
+
+def test_reuse_with_a_capacity_is_a_one_line_error(bundles):
+    engine = Engine(read_bundle(bundles["llama31_gqa"]), device="cpu", dtype="float32")
+    with pytest.raises(InfinigenError, match="--reuse"):
+        configure(engine, "infinigen", KVOptions(capacity=0.5, reuse=True))
 
 
 @pytest.mark.parametrize("name", ["opt", "llama2_mha"])
