@@ -455,7 +455,7 @@ def test_the_kv_options_are_declared_once(tmp_path):
     cli = [n for n, o in OPTS.items() if o.cli]
     # the flags users have (dropping one, or adding one by mistake, is a change of the command line)
     assert cli == ["alpha", "budget", "max_kv", "capacity", "eviction", "window", "dense_layers", "spec_keys",
-                   "correct"]  # fmt: skip
+                   "reuse", "correct"]  # fmt: skip
     assert KV_REQUEST == ("alpha", "budget", "spec_keys", "correct")
     commands = typer.main.get_command(app).commands
     for cmd in ("generate", "serve"):
