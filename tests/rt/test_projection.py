@@ -85,7 +85,6 @@ STEP_LIMITS = {
     ("offload", None, None): (1_600, 1.05, 1.05, 1.05),  # 1,497 and 1,497; 1.01x and 1.00x
     ("infinigen", "partial", 0.0): (2_500, 1.05, 1.10, 1.05),  # 2,414 and 2,444; 1.06x and 1.01x
     ("infinigen", "int4", 0.25): (3_200, 1.05, 1.15, 1.10),  # the defaults: 3,074 and 3,074; 1.10x and 1.05x
-    ("infinigen", "int4", 0.0): (2_500, 1.05, 1.10, 1.05),  # 2,384 and 2,384; 1.06x and 1.01x
     # 1,692 and 1,692; 1.75x and 3.26x in the store (docs/performance.md's table: 2,653 and 13,752, a cache a request)
     ("h2o", None, None): (1_750, 1.05, 1.85, 3.4),
     ("int4", None, None): (3_100, 1.05, 1.10, 1.05),  # 2,969 and 2,969; 1.04x and 1.03x
