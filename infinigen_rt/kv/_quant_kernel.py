@@ -55,6 +55,57 @@ def score_codes_kernel(
         tl.store(out + dst, sc, mask=(g[:, None] < G) & live[None, :])
 
 
+@triton.jit(do_not_specialize=["n_tok", "n_slots", "start"])
+def score_codes_dot_kernel(
+    q, codes, meta, slots, out, n_tok, n_slots, start, BATCH_ROWS: tl.constexpr,
+    HKV: tl.constexpr, G: tl.constexpr, G_ROWS: tl.constexpr, D: tl.constexpr,
+    GROUP: tl.constexpr, BITS: tl.constexpr, TOKENS: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr,
+):  # fmt: skip
+    # score_codes_kernel's arguments and result, on the matrix units: a tile of TOKENS rows of codes is read whole
+    # (each row's bytes adjacent), unpacked to [TOKENS, D] in registers and multiplied by a [D, G_ROWS * GROUPS]
+    # matrix holding query head n // GROUPS's columns of group n % GROUPS (zeros elsewhere): the dot products of
+    # each (head, group), which the group's scale and minimum turn into the score. Three tf32 products give float32
+    # accuracy (the codes are small integers, exact in tf32). G_ROWS >= G, a power of two, G_ROWS * GROUPS >= 16.
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    PER: tl.constexpr = 8 // BITS
+    BYTES: tl.constexpr = D // PER
+    GROUPS: tl.constexpr = D // GROUP
+    N: tl.constexpr = G_ROWS * GROUPS
+    c = tl.arange(0, D)
+    n = tl.arange(0, N)
+    head, part = n // GROUPS, n % GROUPS
+    mine = (head[None, :] < G) & (c[:, None] // GROUP == part[None, :])
+    qm = tl.load(q + ((b * HKV + h) * G + head[None, :]).to(tl.int64) * D + c[:, None], mask=mine, other=0)
+    qsum = tl.sum(qm, 0)  # [N]: each (head, group)'s sum of its query columns, times the group's minimum
+    base = h.to(tl.int64) * n_slots
+    if BATCH_ROWS:
+        base += b.to(tl.int64) * HKV * n_slots
+    p = tl.arange(0, BYTES)
+    g = tl.arange(0, G_ROWS)
+    for t0 in range(0, SPLIT, TOKENS):
+        t = s * SPLIT + t0 + tl.arange(0, TOKENS)
+        live = t < n_tok
+        if HAS_SLOTS:
+            slot = tl.load(slots + b.to(tl.int64) * n_tok + t, mask=live, other=0).to(tl.int64)
+        else:
+            slot = start + t.to(tl.int64)
+        row = base + slot
+        byte = tl.load(codes + row[:, None] * BYTES + p[None, :], mask=live[:, None], other=0)  # [TOKENS, BYTES]
+        if BITS == 4:  # column PER * p + k is byte p's k-th code
+            a = tl.interleave(byte & 15, byte >> 4)
+        else:
+            a = tl.interleave(tl.interleave(byte & 3, (byte >> 4) & 3), tl.interleave((byte >> 2) & 3, byte >> 6))
+        dots = tl.dot(a.to(tl.float32), qm, input_precision="tf32x3")  # [TOKENS, N]
+        at = row[:, None] * (2 * GROUPS) + part[None, :]
+        scale = tl.load(meta + at, mask=live[:, None], other=0).to(tl.float32)
+        lo = tl.load(meta + at + GROUPS, mask=live[:, None], other=0).to(tl.float32)
+        sc = tl.sum(tl.reshape(scale * dots + lo * qsum[None, :], [TOKENS, G_ROWS, GROUPS]), 2)  # [TOKENS, G_ROWS]
+        dst = ((b * HKV + h) * G + g[None, :]).to(tl.int64) * n_tok + t[:, None]
+        tl.store(out + dst, sc, mask=live[:, None] & (g[None, :] < G))
+
+
 @triton.jit(do_not_specialize=["total", "n_new", "n_slots"])
 def quantize_rows_kernel(
     x, slots, codes, meta, total, n_new, n_slots,

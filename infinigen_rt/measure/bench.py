@@ -74,6 +74,7 @@ class Point:
     floor_ms: float | None = None
     over_floor: float | None = None  # step time / floor
     syncs_per_step: float | None = None  # CUDA only: synchronising calls counted in one step
+    sync_sites: list | None = None  # CUDA only: where each of them was made (file:line), when more than one
     copy_overlap: float | None = None  # CUDA only: share of host-to-device copy time under a kernel
     tensor_parallel: int | None = None  # ranks (under torchrun); the bytes above are then totals over them
     h2d_bytes_per_step_per_rank: list | None = None
@@ -92,8 +93,9 @@ def is_oom(e: BaseException) -> str | None:
     return None
 
 
-def count_syncs(fn) -> int:
-    """Synchronising CUDA calls made by fn() (torch's sync debug mode, counted)."""
+def count_syncs(fn, sites: list | None = None) -> int:
+    """Synchronising CUDA calls made by fn() (torch's sync debug mode, counted); each one's file:line appended to
+    `sites` if given."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -101,7 +103,10 @@ def count_syncs(fn) -> int:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    if sites is not None:
+        sites += [f"{w.filename}:{w.lineno}" for w in syncs]
+    return len(syncs)
 
 
 def merged(spans: list[tuple[float, float]]) -> list[list[float]]:
@@ -287,7 +292,9 @@ def _finish(pt: Point, e: Engine, policy: Policy, runner: Runner, times: list[fl
     pt.floor_ms, pt.over_floor = round(1000 * floor, 3), round(med / floor, 2)
     if dev.type == "cuda":
         pt.peak_device_bytes = torch.cuda.max_memory_allocated(dev)
-        pt.syncs_per_step = count_syncs(runner.step)
+        sites = []
+        pt.syncs_per_step = count_syncs(runner.step, sites)
+        pt.sync_sites = sites if len(sites) > 1 else None
         if trace:
             pt.copy_overlap, busy = copy_profile(runner.step)
             if busy and h2d:  # bytes over the time the copying is busy, not over the step

@@ -52,7 +52,7 @@ def test_one_host_sync_per_decode_step(policy):
     bw = measure_bandwidths(dev, 1 << 26)
     (p,) = run_points(e, "t", [policy], 2, 512, 4, bw, warmup=2)
     assert p.status == "ok" and p.peak_device_bytes > 0
-    assert p.syncs_per_step == 1, p
+    assert p.syncs_per_step == 1, p.sync_sites
     if policy != "full":
         assert p.h2d_bytes_per_step > 0 and p.h2d_busy_bytes_per_s > 0
         assert p.copy_overlap is not None and 0 <= p.copy_overlap <= 1
@@ -137,3 +137,36 @@ def test_a_failed_registration_is_cleared_from_cudas_last_error():
     assert err != 0
     assert clear_cuda_error() == err
     assert float((torch.ones(4, device="cuda") * 2).sum()) == 8.0  # the next launch is fine
+
+
+def test_the_defaults_with_rows_reused_give_the_cpus_tokens_and_cross_pcie_less(bundles):
+    """--reuse on a real GPU: the defaults' int4 keys scored by the fused kernel, the correction, and the rows a layer
+    fetched the step before read from the device; through the runner with a request joining when one ends. The CPU's
+    tokens, with and without reuse, and fewer bytes across PCIe with it."""
+    from dataclasses import replace
+
+    from infinigen_rt.policies import KVOptions, configure
+    from infinigen_rt.runner import Request, Runner
+
+    b = read_bundle(bundles["llama31_gqa"])
+    kv = KVOptions(alpha=2.0, budget=0.5, window=4)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12] * 3, [13, 14, 15] * 5, list(range(30, 52))]
+
+    def run(device, reuse):
+        engine = Engine(b, device=device, dtype="float32")
+        runner = Runner(engine, configure(engine, "infinigen", replace(kv, reuse=reuse)), max_batch=2,
+                        prefill_chunk=4, kv_tokens=4096)  # fmt: skip
+        ids = [runner.add(Request(p, 10)) for p in prompts]
+        got = {}
+        while runner.has_work:
+            for o in runner.step():
+                got[o.id] = list(o.token_ids)
+        moved = runner.report().bytes_h2d
+        runner.close()
+        return [got[i] for i in ids], moved
+
+    want = run("cpu", False)[0]
+    plain, moved_plain = run("cuda", False)
+    reused, moved_reused = run("cuda", True)
+    assert plain == want and reused == want
+    assert 0 < moved_reused < moved_plain, (moved_reused, moved_plain)

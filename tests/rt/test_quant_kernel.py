@@ -1,7 +1,7 @@
 """The low-bit key kernels (kv/_quant_kernel.py): scoring queries straight from packed codes, and quantizing new keys
-into their slots, under Triton's interpreter (TRITON_INTERPRET=1 on CPU tensors, set by conftest) against the torch
-path a CPU runs; compiled ahead of time for sm_80 and sm_90 without spills; priced by what they read under fake
-CUDA."""
+into their slots, under Triton's interpreter (TRITON_INTERPRET=1 on CPU tensors, set by conftest; compiled on a GPU
+where one is present) against the torch path a CPU runs; compiled ahead of time for sm_80 and sm_90 without spills;
+priced by what they read under fake CUDA."""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ from infinigen_rt.policies.speculation import key_group
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs triton (pip install triton)")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled where a GPU is present
+
+
+def on(x):
+    return x.to(DEVICE) if isinstance(x, torch.Tensor) else x
 
 # (bits, head_dim, group of query heads): SmolLM2's 64 and group of 3, Llama-3.1's 128 and 4, two bits, a tiny
 # config's 16 (one group a row), Gemma 3's 256 with one query head a KV head
@@ -43,12 +48,12 @@ def test_scoring_from_the_codes_equals_the_dequantized_keys_scores(bits, d, g):
     idx = torch.randint(0, slots, (b, t), generator=gen)
     for at, qq, c, m, n in [(idx, q, codes, meta, t), (slice(11, 11 + t), q[:1], codes, meta, t)]:
         want = quant.scores(qq, c, m, at, group, bits)  # the torch path (CPU tensors)
-        got = quant._scores_kernel(qq, c, m, at, n, group, bits)
+        got = quant._scores_kernel(on(qq), on(c), on(m), on(at), n, group, bits).cpu()
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * d)
     own, own_meta, _ = codes_of(gen, b, hkv, slots, d, bits)
     want = quant.scores(q, own, own_meta, t, group, bits)
-    torch.testing.assert_close(quant._scores_kernel(q, own, own_meta, t, t, group, bits), want, rtol=1e-4,
-                               atol=1e-4 * d)  # fmt: skip
+    got = quant._scores_kernel(on(q), on(own), on(own_meta), t, t, group, bits).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * d)
 
 
 @pytest.mark.parametrize("bits, d", [(4, 64), (4, 128), (2, 64), (4, 16), (4, 256)])
@@ -71,12 +76,12 @@ def test_quantizing_into_slots_writes_the_codes_torch_writes_bit_for_bit(bits, d
     shape = (r, hkv, slots)
     want_c = torch.randint(0, 255, (*shape, d * bits // 8), dtype=torch.uint8, generator=gen)
     want_m = torch.randn(*shape, 2, d // group, generator=gen).half()
-    got_c, got_m = want_c.clone(), want_m.clone()
+    got_c, got_m = on(want_c.clone()), on(want_m.clone())
     quant.store(x, want_c, want_m, at, group, bits)  # the torch path
     total = r * hkv * s
     quantize_rows_kernel[(triton.cdiv(total, quant.QUANT_ROWS),)](
-        x, at, got_c, got_m, total, s, slots, D=d, GROUP=group, BITS=bits, ROWS=quant.QUANT_ROWS)  # fmt: skip
-    assert torch.equal(got_c, want_c) and torch.equal(got_m, want_m)
+        on(x), on(at), got_c, got_m, total, s, slots, D=d, GROUP=group, BITS=bits, ROWS=quant.QUANT_ROWS)  # fmt: skip
+    assert torch.equal(got_c.cpu(), want_c) and torch.equal(got_m.cpu(), want_m)
 
 
 COMPILE = """

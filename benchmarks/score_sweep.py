@@ -1,0 +1,115 @@
+"""On a GPU: the int4 scoring kernel (kv/_quant_kernel.py:score_codes_kernel) at one layer of Llama-3.1-8B's shapes
+(8 KV heads, 4 query heads each, head_dim 128) over a context, through the store's slot tables, for each launch
+configuration (the kernel: `fma`, score_codes_kernel, or `dot`, score_codes_dot_kernel on the matrix units; slots a
+program reads, tokens it holds at once, warps). Prints each configuration's microseconds a
+launch and the bytes it reads over that time, checked against the shipped configuration's scores.
+
+    python benchmarks/score_sweep.py --context 32768 --batch 1,4 --out sweep.json
+
+Eight input sets in turn, so that the codes are read from HBM and not from the L2 cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import triton
+
+from infinigen_rt.kv import quant
+from infinigen_rt.kv._quant_kernel import score_codes_dot_kernel, score_codes_kernel
+from infinigen_rt.policies.speculation import key_group
+
+HKV, G, D, BITS, BLOCK, SETS = 8, 4, 128, 4, 16, 8
+
+
+def inputs(b: int, t: int, gen: torch.Generator, dev):
+    group = key_group(D, BITS)
+    n_slots = b * t
+    codes = torch.randint(0, 255, (1, HKV, n_slots, D * BITS // 8), dtype=torch.uint8, generator=gen)
+    meta = (torch.rand(1, HKV, n_slots, 2, D // group, generator=gen) + 0.1).half()
+    blocks = torch.randperm(n_slots // BLOCK, generator=gen).view(b, t // BLOCK)  # each request its own blocks
+    slots = (blocks[..., None] * BLOCK + torch.arange(BLOCK)).view(b, t)
+    q = torch.randn(b, HKV, G, D, generator=gen)
+    return [x.to(dev) for x in (q, codes, meta, slots)], group
+
+
+def run(q, codes, meta, slots, group, kind, split, tokens, warps):
+    b, t = slots.shape
+    out = torch.empty(b, HKV, G, t, device=q.device)
+    common = dict(BATCH_ROWS=False, HKV=HKV, G=G, D=D, GROUP=group, BITS=BITS, TOKENS=tokens, SPLIT=split,
+                  HAS_SLOTS=True, num_warps=warps)  # fmt: skip
+    if kind == "dot":
+        rows = max(triton.next_power_of_2(G), triton.cdiv(16, D // group))
+        score_codes_dot_kernel[(b, HKV, triton.cdiv(t, split))](
+            q, codes, meta, slots, out, t, codes.shape[2], 0, G_ROWS=rows, **common)  # fmt: skip
+    else:
+        score_codes_kernel[(b, HKV, triton.cdiv(t, split))](
+            q, codes, meta, slots, out, t, codes.shape[2], 0, G_PAD=G, D_PAD=D, **common)  # fmt: skip
+    return out
+
+
+def time_us(sets, group, cfg) -> float:
+    for s in sets:  # compile and warm
+        run(*s, group, *cfg)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(9):
+        a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for s in sets:
+            run(*s, group, *cfg)
+        z.record()
+        z.synchronize()
+        times.append(a.elapsed_time(z) * 1000 / len(sets))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--batch", default="1,4")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    rows = []
+    for b in [int(x) for x in a.batch.split(",")]:
+        gen = torch.Generator().manual_seed(b)
+        sets, group = [], None
+        for _ in range(SETS):
+            s, group = inputs(b, a.context, gen, dev)
+            sets.append(s)
+        nbytes = sum(x.numel() * x.element_size() for x in sets[0][1:3]) * 1.0
+        want = run(*sets[0], group, "fma", quant.SPLIT, quant.TOKENS, 4)
+        configs = [("fma", sp, tk, w) for sp, tk, w in itertools.product([256, 512], [16], [2, 4])]
+        configs += [("dot", sp, tk, w) for sp, tk, w in itertools.product([256, 512, 1024], [32, 64, 128], [4, 8])]
+        for kind, split, tokens, warps in configs:
+            if tokens > split:
+                continue
+            got = run(*sets[0], group, kind, split, tokens, warps)
+            ok = bool(torch.allclose(got, want, rtol=1e-4, atol=1e-2))
+            us = time_us(sets, group, (kind, split, tokens, warps))
+            rows.append({"batch": b, "context": a.context, "kernel": kind, "split": split, "tokens": tokens,
+                         "warps": warps, "us": round(us, 2), "gb_per_s": round(nbytes / us / 1e3, 1),
+                         "same_scores": ok})  # fmt: skip
+        best = min((r for r in rows if r["batch"] == b and r["same_scores"]), key=lambda r: r["us"])
+        ship = next(r for r in rows if r["batch"] == b and (r["kernel"], r["split"], r["tokens"], r["warps"]) ==
+                    ("fma", quant.SPLIT, quant.TOKENS, 4))  # fmt: skip
+        print(f"b{b} ctx{a.context}: {nbytes / 1e6:.1f} MB a launch; shipped {ship['us']:.1f} us "
+              f"({ship['gb_per_s']} GB/s); best {best}", flush=True)  # fmt: skip
+        for r in sorted((r for r in rows if r["batch"] == b), key=lambda r: r["us"])[:6]:
+            print("  ", r)
+        del sets
+        torch.cuda.empty_cache()
+        if a.out:  # after each batch: a call cut short keeps what it measured
+            with open(a.out, "w") as f:
+                json.dump({"device_name": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+                           "triton": triton.__version__, "rows": rows}, f, indent=1)  # fmt: skip
+    bad = [r for r in rows if not r["same_scores"]]
+    print(f"{len(rows)} configurations, {len(bad)} with other scores")
+
+
+if __name__ == "__main__":
+    main()
