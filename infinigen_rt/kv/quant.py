@@ -38,16 +38,17 @@ def code_bytes(head_dim: int, group: int, bits: int) -> int:
 
 
 CHUNK_BYTES = 32 << 20  # what the torch path of `scores` dequantizes at once, in float32
-SPLIT = 512  # the slots a scoring program reads on a GPU (64 of them at a time: TOKENS)
-TOKENS = 16  # keys a scoring program holds at once ([G, TOKENS, D] products in registers, as attention.py's)
+SPLIT = 1024  # the slots a scoring program reads on a GPU (TOKENS of them at a time)
+TOKENS = 64  # keys a scoring program holds at once (a [TOKENS, D] tile, one product on the matrix units)
 QUANT_ROWS = 16  # new key rows a quantizing program packs
 
 
 def fused(x: torch.Tensor, head_dim: int) -> bool:
-    """Whether the kernels take this call: a GPU with Triton, a power-of-two head_dim (the packed row's width)."""
+    """Whether the kernels take this call: a GPU with Triton, a power-of-two head_dim (the packed row's width) of at
+    least 16 (the matrix units' smallest product)."""
     from infinigen_rt.kv.kernels import available
 
-    return x.device.type == "cuda" and head_dim & (head_dim - 1) == 0 and available()
+    return x.device.type == "cuda" and head_dim >= 16 and head_dim & (head_dim - 1) == 0 and available()
 
 
 def scores(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, group: int, bits: int) -> torch.Tensor:
@@ -104,6 +105,12 @@ def score_span(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, group: 
     return out.sum(2)
 
 
+def score_rows(g: int, groups: int) -> int:
+    """The query-head rows of the scoring kernel's product: at least g, a power of two, and with `groups` columns a
+    row at least the 16 columns the matrix units take."""
+    return max(1 << (g - 1).bit_length(), -(-16 // groups))
+
+
 def _scores_kernel(q, codes, meta, at, t: int, group: int, bits: int) -> torch.Tensor:
     import triton
 
@@ -119,9 +126,8 @@ def _scores_kernel(q, codes, meta, at, t: int, group: int, bits: int) -> torch.T
     launch(
         score_codes_kernel, (b, hkv, triton.cdiv(t, SPLIT)),
         q.float().contiguous(), codes, meta, slots.contiguous() if slots is not None else out, out, t, codes.shape[2],
-        start, BATCH_ROWS=codes.shape[0] > 1, HKV=hkv, G=g, G_PAD=max(2, triton.next_power_of_2(g)), D=d,
-        D_PAD=triton.next_power_of_2(d), GROUP=group, BITS=bits, TOKENS=TOKENS, SPLIT=SPLIT,
-        HAS_SLOTS=slots is not None,
+        start, BATCH_ROWS=codes.shape[0] > 1, HKV=hkv, G=g, G_ROWS=score_rows(g, d // group), D=d, GROUP=group,
+        BITS=bits, TOKENS=TOKENS, SPLIT=SPLIT, HAS_SLOTS=slots is not None, num_warps=8 if d >= 256 else 4,
     )  # fmt: skip
     return out
 
