@@ -10,6 +10,10 @@ not specialised (see _gather_kernel.py)."""
 import triton
 import triton.language as tl
 
+from infinigen_rt.kv.kernels import interpreter_loop_bounds
+
+interpreter_loop_bounds()  # a split's loop runs to its own tokens, in Triton's interpreter too
+
 
 @triton.jit(do_not_specialize=["n_splits", "max_blocks"])
 def paged_decode_kernel(
@@ -33,7 +37,7 @@ def paged_decode_kernel(
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     acc_l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    for t0 in range(0, SPLIT, TOKENS):
+    for t0 in range(0, hi - lo, TOKENS):  # the split's own tokens (the last split's may be fewer)
         t = lo + t0 + tl.arange(0, TOKENS)
         live = t < hi
         blk = tl.load(table + b.to(tl.int64) * max_blocks + t // BLOCK, mask=live, other=0).to(tl.int64)

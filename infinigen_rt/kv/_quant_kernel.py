@@ -13,6 +13,10 @@ _gather_kernel.py)."""
 import triton
 import triton.language as tl
 
+from infinigen_rt.kv.kernels import interpreter_loop_bounds
+
+interpreter_loop_bounds()  # a split's loop runs to its own tokens, in Triton's interpreter too
+
 
 @triton.jit(do_not_specialize=["n_tok", "n_slots", "start"])
 def score_codes_kernel(
@@ -46,7 +50,7 @@ def score_codes_kernel(
         base += b.to(tl.int64) * HKV * n_slots
     p = tl.arange(0, BYTES)
     g = tl.arange(0, G_ROWS)
-    for t0 in range(0, SPLIT, TOKENS):
+    for t0 in range(0, tl.minimum(n_tok - s * SPLIT, SPLIT), TOKENS):  # the split's own tokens
         t = s * SPLIT + t0 + tl.arange(0, TOKENS)
         live = t < n_tok
         if HAS_SLOTS:

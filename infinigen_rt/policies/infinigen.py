@@ -113,9 +113,6 @@ class InfinigenCache(OffloadCache):
         layers resolved (the option, else the bundle's default) and leaving a layer to speculate."""
         engine.require_speculation()
         opts = replace(opts, dense_layers=opts.dense_layers or engine.dense_layers)
-        if opts.reuse and opts.capacity is not None:
-            raise InfinigenError("--reuse keeps the last step's rows by their slots, which a capacity hands to new "
-                                 "tokens: drop --capacity or --reuse")  # fmt: skip
         if opts.dense_layers >= engine.cfg.num_hidden_layers:
             raise InfinigenError(f"--dense-layers {opts.dense_layers} leaves no layer to speculate (the model has "
                                  f"{engine.cfg.num_hidden_layers})")  # fmt: skip

@@ -138,6 +138,9 @@ class KVOptions:
                 f"--capacity {int(self.capacity)} tokens is below the recent window ({self.window}) that is "
                 "never evicted; raise it or lower --window"
             )
+        if self.reuse and self.capacity is not None:
+            raise InfinigenError("--reuse keeps the last step's rows by their slots, which a capacity hands to new "
+                                 "tokens: drop --capacity or --reuse")  # fmt: skip
 
     def capacity_tokens(self, lengths: np.ndarray) -> np.ndarray:
         """Pool capacity per sequence [B] for current lengths [B] (host); a share never goes below the window."""
