@@ -30,12 +30,14 @@ def options(policy: str, capacity=None, alpha=2.0, budget=0.5) -> KVOptions:
     return KVOptions(alpha=alpha, budget=budget, capacity=capacity, window=4) if policy != "full" else KVOptions()
 
 
-def steps(engine: Engine, policy: Policy, gpu, prompts, new: int, kv_tokens: int | None = 4096, chunk: int | None = 4):
+def steps(engine: Engine, policy: Policy, gpu, prompts, new: int, kv_tokens: int | None = 4096, chunk: int | None = 4,
+          max_batch: int | None = None, report: list | None = None):  # fmt: skip
     """Run requests through a runner step by step (prompts prefilled `chunk` tokens a step, so prefill and decode
-    share steps): (token ids per request, the regions of the steps in which every running request decoded). Over a
+    share steps; `max_batch` running at once, the others waiting their turn): (token ids per request, the regions of
+    the steps in which every running request decoded), the runner's report appended to `report` if given. Over a
     pool (`kv_tokens`) every request runs in the batch's store: every policy here has a selector, with a capacity
     too."""
-    run = Runner(engine, policy, max_batch=len(prompts), prefill_chunk=chunk, kv_tokens=kv_tokens)
+    run = Runner(engine, policy, max_batch=max_batch or len(prompts), prefill_chunk=chunk, kv_tokens=kv_tokens)
     ids = [run.add(Request(p, new)) for p in prompts]
     out, decode = {}, []
     while run.has_work:
@@ -46,6 +48,9 @@ def steps(engine: Engine, policy: Policy, gpu, prompts, new: int, kv_tokens: int
         if pure and r is not None:
             decode.append(r)
     assert kv_tokens is None or run.kv is not None, "the requests kept caches of their own"
+    if report is not None:
+        report.append(run.report())
+    run.close()
     return [out[i] for i in ids], decode
 
 
@@ -244,20 +249,10 @@ def test_rows_reused_across_steps_give_the_same_tokens_and_cross_pcie_less(bundl
 
     def run(device, reuse, gpu=None):
         engine = Engine(b, device=device, dtype="float32")
-        runner = Runner(engine, configure(engine, "infinigen", replace(kv, reuse=reuse)), max_batch=2,
-                        prefill_chunk=4, kv_tokens=4096)  # fmt: skip
-        ids = [runner.add(Request(p, 7)) for p in prompts]
-        got, decode = {}, []
-        while runner.has_work:
-            pure = all(s.done == len(s.req.prompt_ids) for s in runner.running) and not runner.waiting
-            with gpu.region("step") if gpu is not None else nullcontext() as r:
-                for o in runner.step():
-                    got[o.id] = list(o.token_ids)
-            if pure and r is not None:
-                decode.append(r)
-        moved = runner.report().bytes_h2d
-        runner.close()
-        return [got[i] for i in ids], moved, decode
+        report = []
+        got, decode = steps(engine, configure(engine, "infinigen", replace(kv, reuse=reuse)), gpu, prompts, 7,
+                            max_batch=2, report=report)  # fmt: skip
+        return got, report[0].bytes_h2d, decode
 
     want = run("cpu", False)[0]
     moved = {}
