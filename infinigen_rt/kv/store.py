@@ -688,6 +688,12 @@ class StoreStep(KVCache):
             self.store.rings.begin(self.rids, [self.store.seen[r] - 1 for r in self.rids])
         self.store.selector.begin(self)
 
+    def physical(self, slots: torch.Tensor) -> torch.Tensor:
+        """Token slots [B, ..., n] of each row's own sequence, below the step's held count (what a selection over the
+        held tokens picks) -> their flat slot numbers: one gather from `idx`, not the tables' arithmetic again."""
+        b = slots.shape[0]
+        return torch.gather(self.idx, 1, slots.reshape(b, -1)).view(slots.shape)
+
     def observe(self, layer, x) -> None:
         self.store.selector.observe(self, layer, x)
 

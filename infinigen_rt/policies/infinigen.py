@@ -343,7 +343,7 @@ class LastRows:
             self.places[b, h, n] = (torch.arange(h, device=dev).view(1, h, 1), torch.arange(n, device=dev)
                                     + torch.arange(b * h, device=dev).view(b, h, 1) * (n + 1))  # fmt: skip
         head, place = self.places[b, h, n]
-        rows = store.physical(step.batch, sel.slots) * h + head  # [B, Hkv, n]: pool rows (slot x heads + head)
+        rows = step.physical(sel.slots) * h + head  # [B, Hkv, n]: pool rows (slot x heads + head)
         if j not in self.where:
             self.where[j] = torch.full((k_src.numel() // x,), -1, dtype=torch.int64, device=store.device)
         turn = self.turn[j] = 1 - self.turn.get(j, 1)
@@ -446,7 +446,8 @@ class InfinigenSelector(Selector):
         sel.counted = None if sel.every else sel.ok.sum((1, 2))  # rows per request (its fetch, its bytes)
         if self.last_rows is not None:
             return sel, *self.last_rows.gather(step, j, sel)
-        return sel, *self.gather(step, j, sel.slots, None if sel.every else sel.ok, 1, j % 2, sel.counted)
+        return sel, *self.gather(step, j, sel.slots, None if sel.every else sel.ok, 1, j % 2, sel.counted,
+                                 step.physical(sel.slots))  # fmt: skip
 
     def rows(self, step, layer, q):
         if layer not in self.prefetch:
@@ -476,7 +477,7 @@ class InfinigenSelector(Selector):
                                 step.span or step.idx)  # fmt: skip
         slots, ok = correction_rows(s, sel, self.held(step, layer)[0], per_row, self.opts.group_agg)
         counted = ok.sum((1, 2))
-        kc, vc = self.gather(step, layer, slots, ok, 0, counted=counted)
+        kc, vc = self.gather(step, layer, slots, ok, 0, counted=counted, phys=step.physical(slots))
         self.store.ledger.add("corrected", step.batch.rids, counted)
         self.store.ledger.add(f"fetched{layer}", step.batch.rids, counted)
         (k,), (v,), (kc,), (vc,) = k, v, kc, vc  # plain rows: one part each
