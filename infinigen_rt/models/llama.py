@@ -73,16 +73,17 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype):
-    """positions: [B, S] -> cos, sin: [B, 1, S, D]."""
+    """positions: [B, S] -> cos, sin: [B, 1, S, D], sin's first half negated (see apply_rope), once per pass."""
     freqs = positions[..., None].float() * inv_freq  # [B, S, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    return torch.cat((cos, cos), -1)[:, None], torch.cat((-sin, sin), -1)[:, None]
 
 
 def apply_rope(x, cos, sin):
+    """x rotated by rope_cos_sin's angles: x * cos + (-x2, x1) * sin, with the negation in sin (bit for bit the same
+    products, one op fewer a call)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def identity(x: torch.Tensor) -> torch.Tensor:
