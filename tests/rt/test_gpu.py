@@ -146,7 +146,7 @@ def test_the_defaults_with_rows_reused_give_the_cpus_tokens_and_cross_pcie_less(
     from dataclasses import replace
 
     from infinigen_rt.policies import KVOptions, configure
-    from infinigen_rt.runner import Request, Runner
+    from tests.rt.test_rehearsal import steps
 
     b = read_bundle(bundles["llama31_gqa"])
     kv = KVOptions(alpha=2.0, budget=0.5, window=4)
@@ -154,16 +154,10 @@ def test_the_defaults_with_rows_reused_give_the_cpus_tokens_and_cross_pcie_less(
 
     def run(device, reuse):
         engine = Engine(b, device=device, dtype="float32")
-        runner = Runner(engine, configure(engine, "infinigen", replace(kv, reuse=reuse)), max_batch=2,
-                        prefill_chunk=4, kv_tokens=4096)  # fmt: skip
-        ids = [runner.add(Request(p, 10)) for p in prompts]
-        got = {}
-        while runner.has_work:
-            for o in runner.step():
-                got[o.id] = list(o.token_ids)
-        moved = runner.report().bytes_h2d
-        runner.close()
-        return [got[i] for i in ids], moved
+        report = []
+        got, _ = steps(engine, configure(engine, "infinigen", replace(kv, reuse=reuse)), None, prompts, 10,
+                       max_batch=2, report=report)  # fmt: skip
+        return got, report[0].bytes_h2d
 
     want = run("cpu", False)[0]
     plain, moved_plain = run("cuda", False)
