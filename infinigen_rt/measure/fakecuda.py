@@ -445,6 +445,7 @@ class FakeCuda:
         self.kernel_keys: dict[str, set] = defaultdict(set)
         self.regions: list[Region] = []
         self.sync_debug = "default"
+        self.sync_debug_noticed = False
         self.next_addr = 1 << 44
         self.profile: list | None = None  # events while a fake profiler runs
         self.ticks = defaultdict(float)  # per actor: a fake timeline for the profiler
@@ -842,6 +843,10 @@ def _patch_torch(h: FakeCuda) -> list:
                                      minor=0, pci_domain_id=0, pci_bus_id=0, pci_device_id=0)  # fmt: skip
 
     def set_sync_debug_mode(mode):
+        if not h.sync_debug_noticed:  # as torch does, once a process (TORCH_WARN_ONCE): a notice, not a sync
+            h.sync_debug_noticed = True
+            warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all "
+                          "synchronizing operations", stacklevel=2)  # fmt: skip
         h.sync_debug = mode
 
     def reset_peak(device=None):

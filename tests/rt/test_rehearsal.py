@@ -117,6 +117,18 @@ def test_the_fake_counts_every_wait_for_the_device():
         assert int(torch.arange(4, device="cuda").sum()) == 6  # with values, reads are the real ones
 
 
+def test_count_syncs_counts_syncs_not_torchs_notice_on_the_debug_mode():
+    """torch warns once a process when the sync debug mode is first set ("Synchronization debug mode is a prototype
+    feature..."); a step that syncs once counted 2 on the H100 and the H200 for it, the first point of a process."""
+    from infinigen_rt.measure.bench import count_syncs
+
+    with FakeCuda():
+        x = torch.arange(6, device="cuda")
+        sites: list = []
+        assert [count_syncs(lambda: x.tolist(), sites), count_syncs(lambda: x * 2)] == [1, 0]
+        assert len(sites) == 1
+
+
 def test_the_fake_finds_races_between_streams():
     with FakeCuda(strict=False) as gpu:
         side = torch.cuda.Stream()
