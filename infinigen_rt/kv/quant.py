@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from infinigen_rt.kv import cpu
+
 
 def quantize(x: torch.Tensor, group: int, bits: int = 4):
     """x: [..., D] -> (packed uint8 [..., D * bits / 8], scale and min fp16 [..., D / group])."""
@@ -57,14 +59,17 @@ def scores(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, group: 
     first T slots. R = 1, rows shared through tables: `at` a slice (one sequence whose slots are one run) or [B, T]
     slots per sequence.
 
-    On a GPU one kernel reads the codes and scales once and never writes a key (_quant_kernel.py). Else the codes are
-    scored a span of slots at a time (what a step holds besides them stays near CHUNK_BYTES: all at once would be
-    1 GiB per layer at Llama-2-7B, 4 x 32k) without forming the keys: per group, scale * (q . codes) + minimum *
-    sum(q) (`score_span`)."""
+    On a GPU one kernel reads the codes and scales once and never writes a key (_quant_kernel.py); on a CPU the
+    native kernel does the same (kv/cpu.py, built on first use). Else (no compiler) the codes are scored a span of
+    slots at a time (what a step holds besides them stays near CHUNK_BYTES: all at once would be 1 GiB per layer at
+    Llama-2-7B, 4 x 32k) without forming the keys: per group, scale * (q . codes) + minimum * sum(q)
+    (`score_span`)."""
     b, hkv, g, d = q.shape
     t = at if isinstance(at, int) else at.stop - at.start if isinstance(at, slice) else at.shape[1]
     if fused(q, d):
         return _scores_kernel(q, codes, meta, at, t, group, bits)
+    if q.device.type == "cpu" and (out := cpu.score_codes(q, codes, meta, at, t, group, bits)) is not None:
+        return out
     if isinstance(at, slice):
         codes, meta = codes[:, :, at], meta[:, :, at]
     elif isinstance(at, torch.Tensor):  # [B, Hkv, T, bytes], gathered once for every span (index_select on flat
@@ -135,7 +140,7 @@ def _scores_kernel(q, codes, meta, at, t: int, group: int, bits: int) -> torch.T
 def store(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, group: int, bits: int) -> None:
     """New keys x [R, Hkv, s, D] quantized into codes [R, Hkv, S, bytes] and meta [R, Hkv, S, 2, groups] at slots
     start.. (`at` an int) or at [R, Hkv, s] (each sequence and KV head its own). On a GPU one kernel quantizes and
-    packs every row into its slot; else `quantize` and a scatter."""
+    packs every row into its slot, on a CPU the native kernel (kv/cpu.py); else `quantize` and a scatter."""
     r, hkv, s, d = x.shape
     if fused(x, d):
         import triton
@@ -149,6 +154,8 @@ def store(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, group: i
         if total:
             launch(quantize_rows_kernel, (triton.cdiv(total, QUANT_ROWS),), x.contiguous(), at.contiguous(), codes,
                    meta, total, s, codes.shape[2], D=d, GROUP=group, BITS=bits, ROWS=QUANT_ROWS)  # fmt: skip
+        return
+    if x.device.type == "cpu" and cpu.quantize_rows(x, codes, meta, at, group, bits):
         return
     c, scale, lo = quantize(x, group, bits)
     m = torch.stack([scale, lo], -2)  # [R, Hkv, s, 2, groups]

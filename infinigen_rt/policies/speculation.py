@@ -344,7 +344,7 @@ def correction_rows(s: torch.Tensor, sel: Selection, held: torch.Tensor | None, 
                     group_agg: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The correction's choice from the true query's scores s [B, Hkv, G, t]: each sequence's best `per_row` slots
     that speculation (`sel`) did not take, among the held ones (`held` [B, Hkv, t], None: all). (slots, ok)
-    [B, Hkv, max(per_row)]; sorted, so a sequence with a smaller count keeps the first of them."""
+    [B, Hkv, max(per_row)]; sorted where the counts differ, so a sequence with a smaller count keeps the first."""
     b, hkv, _, t = s.shape
     n = max(per_row)
     taken = torch.zeros(b, hkv, t, dtype=torch.bool, device=s.device)
@@ -353,7 +353,8 @@ def correction_rows(s: torch.Tensor, sel: Selection, held: torch.Tensor | None, 
         s = s.masked_fill(~held[:, :, None], float("-inf"))
         taken |= ~held
     agg = s.softmax(-1).sum(2) if group_agg == "sum" else s.amax(2)
-    best = agg.masked_fill(taken, float("-inf")).topk(min(n, t), dim=-1)
+    # in order only where sequences take different counts (an unsorted top-k is several times cheaper on a CPU)
+    best = agg.masked_fill(taken, float("-inf")).topk(min(n, t), dim=-1, sorted=min(per_row) < n)
     slots, ok = best.indices, best.values > float("-inf")
     if min(per_row) < n:  # sequences of other lengths: each its own count (a host-made mask)
         limit = to_device(torch.tensor(per_row), ok.device)

@@ -1,0 +1,236 @@
+/* The CPU's kernel for scoring queries against low-bit keys (kv/quant.py's layout): built on first use by
+   kv/cpu.py with the machine's C compiler (-O3 -march=native), loaded through ctypes, which releases the GIL for
+   the call, so a Python thread per core can take a share of the (sequence, KV head) pairs.
+
+   It reads each held key's packed codes and its fp16 scale and minimum once, through the slot table, and writes
+   the scores; no key is ever formed in memory. Per group of columns the dot product is
+   scale * (q . codes) + minimum * sum(q), as the torch path computes it (quant.score_span). */
+
+#include <stdint.h>
+
+#define MAX_G 64    /* query heads a KV head serves */
+#define MAX_D 512   /* head_dim */
+
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+#else
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (man << 13); /* inf, nan */
+    } else if (exp) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man) { /* subnormal: normalise */
+        int e = -1;
+        do { man <<= 1; e++; } while (!(man & 0x400u));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+    } else {
+        bits = sign;
+    }
+    union { uint32_t u; float f; } v = {bits};
+    return v.f;
+}
+#endif
+
+/* The pairs lo .. hi (see infinigen_score_codes); bits, D and group are constants where the caller below is
+   specialised (the common layouts), so the loops over a key's bytes unroll and vectorise. */
+static inline __attribute__((always_inline)) int score_pairs(
+        const float *q, const uint8_t *codes, const uint16_t *meta, const int64_t *slots, float *out, int64_t R,
+        int64_t Hkv, int64_t G, const int64_t D, const int64_t group, const int64_t bits, int64_t T, int64_t S,
+        int64_t start, int64_t lo, int64_t hi) {
+    const int64_t per = 8 / bits, nb = D / per, groups = D / group, gb = group / per, mask = (1 << bits) - 1;
+    float qp[MAX_G * MAX_D]; /* qp[h][k][p] = q[h][p * per + k]: each code position's columns contiguous */
+    float qs[MAX_G * MAX_D]; /* qs[h][g]: the sum of head h's query over group g's columns */
+    float cf[MAX_D];         /* one key's codes as floats, cf[k][p] */
+    for (int64_t pair = lo; pair < hi; pair++) {
+        const int64_t b = pair / Hkv, h = pair % Hkv, r = R == 1 ? 0 : b;
+        const float *qh = q + pair * G * D;
+        for (int64_t x = 0; x < G; x++) {
+            for (int64_t p = 0; p < nb; p++)
+                for (int64_t k = 0; k < per; k++) qp[x * D + k * nb + p] = qh[x * D + p * per + k];
+            for (int64_t g = 0; g < groups; g++) {
+                float s = 0.f;
+                for (int64_t c = 0; c < group; c++) s += qh[x * D + g * group + c];
+                qs[x * groups + g] = s;
+            }
+        }
+        const uint8_t *cb = codes + (r * Hkv + h) * S * nb;
+        const uint16_t *mb = meta + (r * Hkv + h) * S * 2 * groups;
+        const int64_t *st = slots ? slots + b * T : 0;
+        float *o = out + pair * G * T;
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t slot = st ? st[t] : start + t;
+            if (slot < 0 || slot >= S) return -2;
+            const uint8_t *c = cb + slot * nb;
+            for (int64_t k = 0; k < per; k++)
+                for (int64_t p = 0; p < nb; p++) cf[k * nb + p] = (float)((c[p] >> (bits * k)) & mask);
+            const uint16_t *m = mb + slot * 2 * groups;
+            float scale[MAX_D], minimum[MAX_D];
+            for (int64_t g = 0; g < groups; g++) scale[g] = half_to_float(m[g]), minimum[g] = half_to_float(m[groups + g]);
+            for (int64_t x = 0; x < G; x++) {
+                float total = 0.f;
+                for (int64_t g = 0; g < groups; g++) {
+                    float acc = 0.f;
+                    for (int64_t k = 0; k < per; k++) {
+                        const float *qk = qp + x * D + k * nb + g * gb, *ck = cf + k * nb + g * gb;
+                        for (int64_t p = 0; p < gb; p++) acc += qk[p] * ck[p];
+                    }
+                    total += scale[g] * acc + minimum[g] * qs[x * groups + g];
+                }
+                o[x * T + t] = total;
+            }
+        }
+    }
+    return 0;
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* 4-bit codes in groups of 64 columns (the speculation keys' layout at 4 bits): per key and group, 32 bytes split
+   into their low and high nibbles (columns 2p and 2p + 1), widened to 8 floats at a time, 8 fused multiply-adds a
+   query head, the heads' sums four at a time. */
+static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+static int score_pairs_u4g64(const float *q, const uint8_t *codes, const uint16_t *meta, const int64_t *slots,
+                             float *out, int64_t R, int64_t Hkv, int64_t G, int64_t D, int64_t T, int64_t S,
+                             int64_t start, int64_t lo, int64_t hi) {
+    const int64_t nb = D / 2, groups = D / 64;
+    const int64_t G4 = (G + 3) & ~3;  /* query heads padded to fours (zero queries) */
+    float qp[MAX_G * MAX_D] __attribute__((aligned(32)));  /* qp[h][g][k][p]: a group's 32 low-nibble columns,
+                                                              then its 32 high-nibble ones */
+    float qs[MAX_G * MAX_D];
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int64_t pair = lo; pair < hi; pair++) {
+        const int64_t b = pair / Hkv, h = pair % Hkv, r = R == 1 ? 0 : b;
+        const float *qh = q + pair * G * D;
+        for (int64_t x = 0; x < G4; x++)
+            for (int64_t g = 0; g < groups; g++) {
+                float sum = 0.f;
+                for (int64_t p = 0; p < 32; p++) {
+                    float a = x < G ? qh[x * D + g * 64 + 2 * p] : 0.f, c = x < G ? qh[x * D + g * 64 + 2 * p + 1] : 0.f;
+                    qp[x * D + g * 64 + p] = a, qp[x * D + g * 64 + 32 + p] = c, sum += a + c;
+                }
+                qs[x * groups + g] = sum;
+            }
+        const uint8_t *cb = codes + (r * Hkv + h) * S * nb;
+        const uint16_t *mb = meta + (r * Hkv + h) * S * 2 * groups;
+        const int64_t *st = slots ? slots + b * T : 0;
+        float *o = out + pair * G * T;
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t slot = st ? st[t] : start + t;
+            if (slot < 0 || slot >= S) return -2;
+            const uint8_t *c = cb + slot * nb;
+            const uint16_t *m = mb + slot * 2 * groups;
+            float res[MAX_G + 4];
+            for (int64_t x = 0; x < G4; x++) res[x] = 0.f;
+            for (int64_t g = 0; g < groups; g++) {
+                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(c + g * 32));
+                uint8_t nib[64] __attribute__((aligned(32)));
+                _mm256_store_si256((__m256i *)nib, _mm256_and_si256(bytes, low));
+                _mm256_store_si256((__m256i *)(nib + 32), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low));
+                __m256 cf[8];
+                for (int i = 0; i < 8; i++)
+                    cf[i] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(nib + 8 * i))));
+                const float scale = _cvtsh_ss(m[g]), minimum = _cvtsh_ss(m[groups + g]);
+                for (int64_t x = 0; x < G4; x += 4) {
+                    __m256 acc[4];
+                    for (int j = 0; j < 4; j++) {
+                        const float *qx = qp + (x + j) * D + g * 64;
+                        __m256 a0 = _mm256_mul_ps(_mm256_load_ps(qx), cf[0]);
+                        __m256 a1 = _mm256_mul_ps(_mm256_load_ps(qx + 8), cf[1]);
+                        for (int i = 2; i < 8; i += 2) {
+                            a0 = _mm256_fmadd_ps(_mm256_load_ps(qx + 8 * i), cf[i], a0);
+                            a1 = _mm256_fmadd_ps(_mm256_load_ps(qx + 8 * i + 8), cf[i + 1], a1);
+                        }
+                        acc[j] = _mm256_add_ps(a0, a1);
+                    }
+                    __m128 dot = hsum4(acc[0], acc[1], acc[2], acc[3]);
+                    __m128 qsum = _mm_setr_ps(qs[x * groups + g], qs[(x + 1) * groups + g], qs[(x + 2) * groups + g],
+                                              qs[(x + 3) * groups + g]);
+                    __m128 v = _mm_fmadd_ps(_mm_set1_ps(scale), dot, _mm_mul_ps(_mm_set1_ps(minimum), qsum));
+                    _mm_storeu_ps(res + x, _mm_add_ps(_mm_loadu_ps(res + x), v));
+                }
+            }
+            for (int64_t x = 0; x < G; x++) o[x * T + t] = res[x];
+        }
+    }
+    return 0;
+}
+#endif
+
+#define SPECIALISED(BITS, DIM, GROUP)                                                                       \
+    if (bits == BITS && D == DIM && group == GROUP)                                                         \
+        return score_pairs(q, codes, meta, slots, out, R, Hkv, G, DIM, GROUP, BITS, T, S, start, lo, hi);
+
+/* q [B, Hkv, G, D] float32 (contiguous); codes [R, Hkv, S, D * bits / 8] uint8; meta [R, Hkv, S, 2, D / group]
+   fp16 (scale, minimum); slots [B, T] int64, or NULL for the run start .. start + T; out [B, Hkv, G, T] float32.
+   R is B (each sequence its own rows) or 1 (rows shared through slot tables). Computes the (sequence, KV head)
+   pairs lo .. hi of the B * Hkv. Returns 0, or -1 for shapes it does not take, or -2 for a slot outside 0 .. S. */
+int infinigen_score_codes(const float *q, const uint8_t *codes, const uint16_t *meta, const int64_t *slots,
+                          float *out, int64_t B, int64_t R, int64_t Hkv, int64_t G, int64_t D, int64_t group,
+                          int64_t bits, int64_t T, int64_t S, int64_t start, int64_t lo, int64_t hi) {
+    if (G < 1 || G > MAX_G || D < 1 || D > MAX_D || (bits != 2 && bits != 4 && bits != 8) || group < 1 ||
+        D % group || (group * bits) % 8 || (R != 1 && R != B) || lo < 0 || hi > B * Hkv)
+        return -1;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    if (bits == 4 && group == 64 && D % 64 == 0)
+        return score_pairs_u4g64(q, codes, meta, slots, out, R, Hkv, G, D, T, S, start, lo, hi);
+#endif
+    SPECIALISED(4, 64, 64)
+    SPECIALISED(4, 128, 64)
+    SPECIALISED(4, 256, 64)
+    SPECIALISED(2, 64, 32)
+    SPECIALISED(2, 128, 32)
+    SPECIALISED(2, 256, 32)
+    return score_pairs(q, codes, meta, slots, out, R, Hkv, G, D, group, bits, T, S, start, lo, hi);
+}
+
+/* New keys into their slots: x [N, D] float32, each row quantized as kv/quant.py's `quantize` does (the same
+   codes, scale and minimum, bit for bit: float32 arithmetic, round half to even) into codes [rows, D * bits / 8]
+   and meta [rows, 2, D / group] at its flat row rows[i] (< n_rows). Returns 0, -1 for shapes it does not take (or
+   a machine without F16C: the torch path then runs), -2 for a row outside 0 .. n_rows. */
+int infinigen_quantize_rows(const float *x, const int64_t *rows, uint8_t *codes, uint16_t *meta, int64_t N,
+                            int64_t D, int64_t group, int64_t bits, int64_t n_rows) {
+#if defined(__F16C__)
+    if (D < 1 || D > MAX_D || (bits != 2 && bits != 4 && bits != 8) || group < 1 || D % group || (group * bits) % 8)
+        return -1;
+    const int64_t per = 8 / bits, nb = D / per, groups = D / group;
+    const float top = (float)((1 << bits) - 1);
+    for (int64_t i = 0; i < N; i++) {
+        const int64_t row = rows[i];
+        if (row < 0 || row >= n_rows) return -2;
+        const float *v = x + i * D;
+        uint8_t q[MAX_D];
+        for (int64_t g = 0; g < groups; g++) {
+            float lo = v[g * group], hi = lo;
+            for (int64_t c = 1; c < group; c++) {
+                const float y = v[g * group + c];
+                lo = y < lo ? y : lo, hi = y > hi ? y : hi;
+            }
+            const float span = hi - lo; /* as torch: (hi - lo) / top, then the clamp, in float32 */
+            float scale = span / top;
+            if (!(scale >= 1e-8f)) scale = scale != scale ? scale : 1e-8f;
+            for (int64_t c = 0; c < group; c++) {
+                float code = __builtin_nearbyintf((v[g * group + c] - lo) / scale);
+                code = code < 0.f ? 0.f : code > top ? top : code;
+                q[g * group + c] = (uint8_t)code;
+            }
+            meta[row * 2 * groups + g] = _cvtss_sh(scale, _MM_FROUND_TO_NEAREST_INT);
+            meta[row * 2 * groups + groups + g] = _cvtss_sh(lo, _MM_FROUND_TO_NEAREST_INT);
+        }
+        uint8_t *c = codes + row * nb;
+        for (int64_t p = 0; p < nb; p++) {
+            uint8_t byte = 0;
+            for (int64_t k = 0; k < per; k++) byte |= (uint8_t)(q[p * per + k] << (bits * k));
+            c[p] = byte;
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)rows, (void)codes, (void)meta, (void)N, (void)D, (void)group, (void)bits, (void)n_rows;
+    return -1;
+#endif
+}

@@ -1,0 +1,188 @@
+"""The CPU's native kernel (kv/_cpu_kernels.c): scoring queries against low-bit keys without forming the keys.
+
+Built on first use with the machine's C compiler (`$CC`, else cc, gcc or clang; -O3 -march=native) into a cache
+keyed by the source, the compiler and the machine (`$INFINIGEN_KERNEL_CACHE`, else `$XDG_CACHE_HOME/infinigen` or
+~/.cache/infinigen), written under a temporary name and renamed, so a build killed half way leaves nothing that
+loads. Without a compiler, or with `INFINIGEN_CPU_KERNELS=0`, the torch path runs (kv/quant.py: the same scores up
+to float32 rounding). Loaded through ctypes, whose calls release the GIL: the speculation's scoring on the runner's
+worker thread runs beside the main thread's layers, and a large call is split over torch's threads."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+SRC = Path(__file__).with_name("_cpu_kernels.c")
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
+         "-shared", "-fPIC"]  # fmt: skip
+ENV = "INFINIGEN_CPU_KERNELS"
+SPLIT_WORK = 1 << 16  # (sequence, KV head, slot) triples under which a call stays on its calling thread
+ERRORS = {-1: "shapes the CPU kernel does not take", -2: "a slot outside the keys' rows"}
+
+_off = 0  # `disabled()` depth
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_failed: str | None = None
+_pool: ThreadPoolExecutor | None = None
+
+
+def _compiler() -> str | None:
+    return next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cache_dir() -> Path:
+    if os.environ.get("INFINIGEN_KERNEL_CACHE"):
+        return Path(os.environ["INFINIGEN_KERNEL_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "infinigen"
+
+
+def build(cc: str, out_dir: Path) -> Path:
+    """The shared library for this machine, built into out_dir if it is not there (atomically)."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256(
+        b"\0".join(x.encode() for x in (SRC.read_text(), version, " ".join(FLAGS), platform.machine(), _cpu_flags()))
+    ).hexdigest()[:16]
+    lib = out_dir / f"infinigen-cpu-kernels-{key}.so"
+    if not lib.exists():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+            part = Path(tmp) / lib.name
+            r = subprocess.run([cc, *FLAGS, str(SRC), "-o", str(part)], capture_output=True, text=True, timeout=300)
+            if r.returncode:
+                raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip()[-400:]}")
+            os.replace(part, lib)
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (disabled, no compiler, or a failed build: `reason()` says which)."""
+    global _lib, _failed
+    if _lib is not None or _failed is not None:
+        return _lib
+    with _lock:
+        if _lib is not None or _failed is not None:
+            return _lib
+        if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+            _failed = f"{ENV}=0"
+            return None
+        cc = _compiler()
+        if cc is None:
+            _failed = "no C compiler (set CC)"
+            return None
+        try:
+            lib = ctypes.CDLL(str(build(cc, cache_dir())))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            _failed = f"the build failed: {e}"
+            return None
+        f = lib.infinigen_score_codes
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 12
+        f = lib.infinigen_quantize_rows
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5
+        _lib = lib
+    return _lib
+
+
+def reason() -> str | None:
+    """Why the CPU kernels are not in use (None: they are, or were not needed yet)."""
+    return _failed
+
+
+@contextmanager
+def disabled():
+    """The torch path for the CPU calls made inside (what the kernels are tested against)."""
+    global _off
+    _off += 1
+    try:
+        yield
+    finally:
+        _off -= 1
+
+
+def _threads() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        with _lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()),
+                                           thread_name_prefix="infinigen-cpu-kernel")  # fmt: skip
+    return _pool
+
+
+def score_codes(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, t: int, group: int,
+                bits: int) -> torch.Tensor | None:  # fmt: skip
+    """quant.scores on a CPU through the kernel ([B, Hkv, G, t] float32), or None where it does not apply (no
+    kernel, or tensors it does not take): the caller's torch path then runs."""
+    lib = None if _off else library()
+    if lib is None or codes.dtype != torch.uint8 or meta.dtype != torch.float16:
+        return None
+    if not (codes.is_contiguous() and meta.is_contiguous()):
+        return None
+    b, hkv, g, d = q.shape
+    q = q.float().contiguous()
+    slots = at.to(torch.int64).contiguous() if isinstance(at, torch.Tensor) else None
+    start = at.start if isinstance(at, slice) else 0
+    out = torch.empty(b, hkv, g, t, dtype=torch.float32)
+    if t == 0:
+        return out
+    args = (q.data_ptr(), codes.data_ptr(), meta.data_ptr(), slots.data_ptr() if slots is not None else None,
+            out.data_ptr(), b, codes.shape[0], hkv, g, d, group, bits, t, codes.shape[2], start)  # fmt: skip
+    pairs, n = b * hkv, max(1, torch.get_num_threads())
+    f = lib.infinigen_score_codes
+    if n == 1 or pairs == 1 or pairs * t < SPLIT_WORK:
+        rcs = [f(*args, 0, pairs)]
+    else:
+        cuts = [pairs * i // min(n, pairs) for i in range(min(n, pairs) + 1)]
+        rcs = list(_threads().map(lambda lo_hi: f(*args, *lo_hi), zip(cuts, cuts[1:], strict=False)))
+    bad = next((rc for rc in rcs if rc), 0)
+    if bad == -1:
+        return None
+    if bad:
+        raise IndexError(f"scoring low-bit keys: {ERRORS.get(bad, f'error {bad}')}")
+    return out
+
+
+def quantize_rows(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, group: int, bits: int) -> bool:
+    """quant.store on a CPU through the kernel: new keys x [R, Hkv, s, D] quantized into codes [R, Hkv, S, bytes]
+    and meta [R, Hkv, S, 2, groups] at slots at.. (an int) or at [R, Hkv, s]. False where it does not apply (the
+    torch path then runs); the codes are quant.quantize's, bit for bit."""
+    lib = None if _off else library()
+    if lib is None or codes.dtype != torch.uint8 or meta.dtype != torch.float16:
+        return False
+    if not (codes.is_contiguous() and meta.is_contiguous()):
+        return False
+    r, hkv, s, d = x.shape
+    n_slots = codes.shape[2]
+    base = (torch.arange(r * hkv, dtype=torch.int64) * n_slots).view(r, hkv, 1)
+    rows = base + (torch.arange(at, at + s, dtype=torch.int64) if isinstance(at, int) else at.to(torch.int64))
+    # held in names through the call: a temporary's memory would be free (and reused) once its pointer is taken
+    x, rows = x.float().contiguous(), rows.contiguous()
+    rc = lib.infinigen_quantize_rows(x.data_ptr(), rows.data_ptr(), codes.data_ptr(), meta.data_ptr(), r * hkv * s,
+                                     d, group, bits, r * hkv * n_slots)  # fmt: skip
+    if rc == -1:
+        return False
+    if rc:
+        raise IndexError(f"quantizing keys: {ERRORS.get(rc, f'error {rc}')}")
+    return True

@@ -1,0 +1,179 @@
+"""The CPU's native kernels (kv/_cpu_kernels.c, built on first use by kv/cpu.py): scoring queries against low-bit
+keys without forming them, and quantizing new keys into their slots, against the torch path and a float64
+reference; hostile slots; the build's cache, its fallbacks and what a failed build leaves behind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infinigen_rt.kv import cpu, quant
+from infinigen_rt.policies.speculation import key_group
+
+needs_kernel = pytest.mark.skipif(cpu.library() is None, reason=f"no CPU kernel: {cpu.reason()}")
+
+# (bits, head_dim, query heads a KV head): SmolLM2's 64 and 3, Llama-3.1's 128 and 4, two bits, Gemma 3's 256 and 1,
+# a head_dim no 64 divides (one group a row: the generic loop), a group of 5 (padded to fours in the AVX2 loop)
+CASES = [(4, 64, 3), (4, 128, 4), (2, 64, 2), (4, 256, 1), (4, 96, 3), (4, 64, 5), (2, 128, 8)]
+
+
+def codes_of(gen, r, hkv, slots, d, bits):
+    group = key_group(d, bits)
+    x = torch.randn(r, hkv, slots, d, generator=gen) * torch.linspace(0.1, 4, d)  # columns of very different size
+    c, scale, lo = quant.quantize(x, group, bits)
+    return c, torch.stack([scale, lo], -2).contiguous(), group
+
+
+def reference(q, codes, meta, slots, group, bits):
+    """float64: q [B, Hkv, G, D] against the dequantized keys of rows slots [B, T] of codes [R, Hkv, S, bytes]."""
+    k = quant.dequantize(codes, meta[..., 0, :], meta[..., 1, :], group, torch.float64, bits)  # [R, Hkv, S, D]
+    b = q.shape[0]
+    rows = k[0][:, slots] if k.shape[0] == 1 else torch.stack([k[i][:, slots[i]] for i in range(b)])
+    if k.shape[0] == 1:
+        rows = rows.permute(1, 0, 2, 3)  # [B, Hkv, T, D]
+    return q.double() @ rows.transpose(-1, -2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits, d, g", CASES)
+def test_the_kernel_scores_as_the_torch_path_and_the_float64_reference(bits, d, g):
+    """Every form a caller has: slots through a table (the batch's store), one run of slots (a request alone), and
+    each sequence's own first slots (a request's own cache); split over threads or not."""
+    gen = torch.Generator().manual_seed(bits * d + g)
+    hkv, n_slots, b, t = 3, 300, 3, 257
+    codes, meta, group = codes_of(gen, 1, hkv, n_slots, d, bits)
+    own, own_meta, _ = codes_of(gen, b, hkv, n_slots, d, bits)
+    q = torch.randn(b, hkv, g, d, generator=gen)
+    idx = torch.randint(0, n_slots, (b, t), generator=gen)
+    run = slice(11, 11 + t)
+    forms = [(q, codes, meta, idx, idx), (q[:1], codes, meta, run, torch.arange(11, 11 + t)[None]),
+             (q, own, own_meta, t, torch.arange(t).expand(b, t))]  # fmt: skip
+    for split in (1 << 30, 1):
+        for qq, c, m, at, slots in forms:
+            cpu.SPLIT_WORK, saved = split, cpu.SPLIT_WORK
+            try:
+                got = cpu.score_codes(qq, c, m, at, t, group, bits)
+            finally:
+                cpu.SPLIT_WORK = saved
+            with cpu.disabled():
+                torch_path = quant.scores(qq, c, m, at, group, bits)
+            ref = reference(qq, c, m, slots, group, bits)
+            assert got is not None and got.shape == ref.shape and got.dtype == torch.float32
+            assert torch.isfinite(got).all()
+            assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5
+            torch.testing.assert_close(got, torch_path, rtol=1e-4, atol=1e-4 * d)
+            assert torch.equal(quant.scores(qq, c, m, at, group, bits), got)  # what a CPU's quant.scores runs
+
+
+@needs_kernel
+def test_a_slot_outside_the_rows_is_an_error_not_a_read():
+    gen = torch.Generator().manual_seed(0)
+    codes, meta, group = codes_of(gen, 1, 2, 40, 64, 4)
+    q = torch.randn(1, 2, 3, 64, generator=gen)
+    for bad in (40, -1, 1 << 40):
+        with pytest.raises(IndexError, match="slot outside"):
+            cpu.score_codes(q, codes, meta, torch.tensor([[0, 5, bad]]), 3, group, 4)
+    with pytest.raises(IndexError, match="slot outside"):
+        cpu.score_codes(q, codes, meta, slice(30, 45), 15, group, 4)  # a run past the end
+    x = torch.randn(1, 2, 1, 64)
+    with pytest.raises(IndexError, match="outside"):
+        cpu.quantize_rows(x, codes, meta, torch.tensor([[[40]], [[0]]]), group, 4)
+    assert cpu.score_codes(q, codes, meta, torch.tensor([[0, 5, 39]]), 3, group, 4) is not None
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits, d", [(4, 64), (4, 128), (2, 64), (4, 256), (4, 96), (2, 16)])
+def test_quantizing_into_slots_writes_the_codes_torch_writes_bit_for_bit(bits, d):
+    """Each row into its own slot (each sequence and KV head its own) and a run of slots; ties rounded to even as
+    torch.round does, a constant row (the scale's floor), the other slots left as they were."""
+    gen = torch.Generator().manual_seed(d + bits)
+    r, hkv, s, n_slots = 2, 3, 5, 24
+    group = key_group(d, bits)
+    # not contiguous, as a step's keys come (the kernel's contiguous copy must live through the call)
+    x = (torch.randn(r, s, hkv, d, generator=gen) * torch.linspace(0.1, 4, d)).transpose(1, 2)
+    top = 2**bits - 1
+    ties = torch.arange(d) % (top + 1) + 0.5  # a group spanning 0.5..top+0.5: scale 1, every value a tie
+    ties[::group], ties[group - 1 :: group] = 0.0, float(top)
+    x[0, 0, 0], x[1, 2, 4] = ties, 2.5
+    at = torch.stack([torch.randperm(n_slots, generator=gen)[:s] for _ in range(r * hkv)]).view(r, hkv, s)
+    shape = (r, hkv, n_slots)
+    start_c = torch.randint(0, 255, (*shape, d * bits // 8), dtype=torch.uint8, generator=gen)
+    start_m = torch.randn(*shape, 2, d // group, generator=gen).half()
+    for where in (at, 7):
+        want_c, want_m, got_c, got_m = start_c.clone(), start_m.clone(), start_c.clone(), start_m.clone()
+        with cpu.disabled():
+            quant.store(x, want_c, want_m, where, group, bits)  # the torch path
+        assert cpu.quantize_rows(x, got_c, got_m, where, group, bits)
+        assert torch.equal(got_c, want_c)
+        assert torch.equal(got_m.view(torch.int16), want_m.view(torch.int16))
+
+
+def test_a_failed_build_falls_back_to_the_torch_path_and_leaves_nothing(tmp_path, monkeypatch):
+    """A compiler that fails (or none, or INFINIGEN_CPU_KERNELS=0): the scores still come, from the torch path, and
+    the cache holds no half-written library; a working build leaves exactly the library."""
+    gen = torch.Generator().manual_seed(1)
+    codes, meta, group = codes_of(gen, 1, 2, 50, 64, 4)
+    q = torch.randn(1, 2, 3, 64, generator=gen)
+    with cpu.disabled():
+        want = quant.scores(q, codes, meta, 50, group, 4)
+    bad_cc = tmp_path / "bad-cc"
+    bad_cc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo bad-cc 1.0 && exit 0\n"
+                      "echo 'no such flag' >&2\nexit 1\n")
+    bad_cc.chmod(0o755)
+    cache = tmp_path / "cache"
+    off = "INFINIGEN_CPU_KERNELS"
+    for env, why in [({"CC": str(bad_cc)}, "build failed"), ({off: "0"}, f"{off}=0")]:
+        monkeypatch.setattr(cpu, "_lib", None)
+        monkeypatch.setattr(cpu, "_failed", None)
+        monkeypatch.setenv("INFINIGEN_KERNEL_CACHE", str(cache))
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert cpu.library() is None and why in cpu.reason()
+        assert cpu.score_codes(q, codes, meta, 50, 50, group, 4) is None
+        torch.testing.assert_close(quant.scores(q, codes, meta, 50, group, 4), want)
+        assert not cache.exists() or not any(cache.rglob("*.so"))
+        monkeypatch.delenv("INFINIGEN_CPU_KERNELS", raising=False)
+        monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(cpu, "_lib", None)
+    monkeypatch.setattr(cpu, "_failed", None)
+    if cpu._compiler() is None:
+        pytest.skip("no C compiler here")
+    assert cpu.library() is not None, cpu.reason()
+    assert [p.name for p in cache.iterdir()] == [p.name for p in cache.glob("infinigen-cpu-kernels-*.so")]
+    assert len(list(cache.iterdir())) == 1
+    torch.testing.assert_close(quant.scores(q, codes, meta, 50, group, 4), want, rtol=1e-4, atol=1e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("keys", ["int4", "int2"])
+def test_a_cpu_decode_step_scores_and_quantizes_through_the_kernel(keys, bundles, monkeypatch):
+    """The defaults' layout (every key column at low bits, a correction) decoding a batch on a CPU: speculation's
+    and the correction's scores and every new key's codes go through the kernels, and the logits are the torch
+    path's up to float32 rounding (the tiny model's margins are wide: the tokens are the same)."""
+    import math
+
+    from infinigen_rt.policies import KVOptions
+    from tests.rt.test_policies import PROMPTS, engines, greedy_logits
+
+    kv = KVOptions(alpha=math.inf, budget=0.2, spec_keys=keys, correct=0.25)
+    e, pol = engines(bundles["llama31_gqa"], x=("infinigen", kv))["x"]
+    with cpu.disabled():
+        ref, ref_toks, _ = greedy_logits(e, pol, PROMPTS, 6)
+    calls = {"score": 0, "quantize": 0}
+    score, quantize = cpu.score_codes, cpu.quantize_rows
+
+    def counted(name, fn):
+        def run(*a, **k):
+            out = fn(*a, **k)
+            calls[name] += out is not None and out is not False
+            return out
+
+        return run
+
+    monkeypatch.setattr(cpu, "score_codes", counted("score", score))
+    monkeypatch.setattr(cpu, "quantize_rows", counted("quantize", quantize))
+    got, toks, _ = greedy_logits(e, pol, PROMPTS, 6)
+    speculated = e.cfg.num_hidden_layers - pol.opts.dense_layers - 1  # layer j's rows chosen at layer j - 1
+    assert speculated > 0 and calls["score"] >= 5 * 2 * speculated and calls["quantize"] > 0, calls
+    assert torch.equal(toks, ref_toks)
+    assert (got - ref).abs().max().item() <= 1e-3
