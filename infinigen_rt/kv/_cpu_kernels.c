@@ -131,13 +131,29 @@ static int score_pairs_u4g64(const float *q, const uint8_t *codes, const uint16_
                 uint8_t nib[64] __attribute__((aligned(32)));
                 _mm256_store_si256((__m256i *)nib, _mm256_and_si256(bytes, low));
                 _mm256_store_si256((__m256i *)(nib + 32), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low));
+#if defined(__AVX512F__)  /* 16 codes a conversion and a product, the heads' sums halved to 8 lanes */
+                __m512 cw[4];
+                for (int i = 0; i < 4; i++)
+                    cw[i] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(nib + 16 * i))));
+#else
                 __m256 cf[8];
                 for (int i = 0; i < 8; i++)
                     cf[i] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(nib + 8 * i))));
+#endif
                 const float scale = _cvtsh_ss(m[g]), minimum = _cvtsh_ss(m[groups + g]);
                 for (int64_t x = 0; x < G4; x += 4) {
                     __m256 acc[4];
                     for (int j = 0; j < 4; j++) {
+#if defined(__AVX512F__)
+                        const float *qw = qp + (x + j) * D + g * 64;
+                        __m512 w0 = _mm512_mul_ps(_mm512_loadu_ps(qw), cw[0]);
+                        __m512 w1 = _mm512_mul_ps(_mm512_loadu_ps(qw + 16), cw[1]);
+                        w0 = _mm512_fmadd_ps(_mm512_loadu_ps(qw + 32), cw[2], w0);
+                        w1 = _mm512_fmadd_ps(_mm512_loadu_ps(qw + 48), cw[3], w1);
+                        w0 = _mm512_add_ps(w0, w1);
+                        acc[j] = _mm256_add_ps(_mm512_castps512_ps256(w0),
+                                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w0), 1)));
+#else
                         const float *qx = qp + (x + j) * D + g * 64;
                         __m256 a0 = _mm256_mul_ps(_mm256_load_ps(qx), cf[0]);
                         __m256 a1 = _mm256_mul_ps(_mm256_load_ps(qx + 8), cf[1]);
@@ -146,6 +162,7 @@ static int score_pairs_u4g64(const float *q, const uint8_t *codes, const uint16_
                             a1 = _mm256_fmadd_ps(_mm256_load_ps(qx + 8 * i + 8), cf[i + 1], a1);
                         }
                         acc[j] = _mm256_add_ps(a0, a1);
+#endif
                     }
                     __m128 dot = hsum4(acc[0], acc[1], acc[2], acc[3]);
                     __m128 qsum = _mm_setr_ps(qs[x * groups + g], qs[(x + 1) * groups + g], qs[(x + 2) * groups + g],
@@ -176,7 +193,7 @@ int infinigen_score_codes(const float *q, const uint8_t *codes, const uint16_t *
         D % group || (group * bits) % 8 || (R != 1 && R != B) || lo < 0 || hi > B * Hkv)
         return -1;
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    if (bits == 4 && group == 64 && D % 64 == 0)
+    if (bits == 4 && group == 64 && D % 64 == 0 && G >= 3) /* (fewer heads: the padding to four costs more) */
         return score_pairs_u4g64(q, codes, meta, slots, out, R, Hkv, G, D, T, S, start, lo, hi);
 #endif
     SPECIALISED(4, 64, 64)

@@ -1,0 +1,80 @@
+"""The CPU's ways to score queries against low-bit keys, side by side at one layer's shapes: the native kernel
+(kv/_cpu_kernels.c) and the torch path (quant.score_span: scale * (q . codes) + minimum * sum(q) on unpacked codes),
+each checked against float64 on the dequantized keys. Slots through block-permuted tables, as the store holds them.
+
+    python benchmarks/cpu_score.py --out artifacts/results/cpu-score-kernel.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import time
+
+import torch
+
+from infinigen_rt.kv import cpu, quant
+from infinigen_rt.policies.speculation import key_group
+
+# (name, batch, KV heads, query heads a KV head, head_dim, bits): SmolLM2-135M, Llama-3.1-8B, two bits
+SHAPES = [("smollm2-135m", 1, 3, 3, 64, 4), ("smollm2-135m", 8, 3, 3, 64, 4), ("llama-3.1-8b", 1, 8, 4, 128, 4),
+          ("smollm2-135m int2", 1, 3, 3, 64, 2)]  # fmt: skip
+
+
+def score(way: str, q, codes, meta, at, t: int, group: int, bits: int):
+    if way == "torch":
+        with cpu.disabled():
+            return quant.scores(q, codes, meta, at, group, bits)
+    return cpu.score_codes(q, codes, meta, at, t, group, bits)
+
+
+def median_ms(fn, n: int) -> float:
+    fn()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1000 * sorted(times)[n // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--repeat", type=int, default=15)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    rows = []
+    for name, b, hkv, g, d, bits in SHAPES:
+        gen = torch.Generator().manual_seed(0)
+        t, group = a.context, key_group(d, bits)
+        n_slots = b * t + 64
+        c, scale, lo = quant.quantize(torch.randn(1, hkv, n_slots, d, generator=gen), group, bits)
+        meta = torch.stack([scale, lo], -2).contiguous()
+        q = torch.randn(b, hkv, g, d, generator=gen)
+        blocks = torch.randperm(n_slots // 16, generator=gen)[: b * t // 16]
+        at = (blocks[:, None] * 16 + torch.arange(16)).view(b, t).contiguous()
+        keys = quant.dequantize(c, scale, lo, group, torch.float64, bits)[0][:, at].permute(1, 0, 2, 3)
+        ref = q.double() @ keys.transpose(-1, -2)
+        for way in ("kernel", "torch"):
+            run = functools.partial(score, way, q, c, meta, at, t, group, bits)
+            out = run()
+            if out is None:
+                rows.append({"shape": name, "way": way, "status": cpu.reason()})
+                continue
+            err = ((out.double() - ref).norm() / ref.norm()).item()
+            ms = median_ms(run, a.repeat)
+            rows.append({"shape": name, "batch": b, "kv_heads": hkv, "group": g, "head_dim": d, "bits": bits,
+                         "context": t, "way": way, "ms": round(ms, 3), "rel_err_vs_float64": float(f"{err:.3g}")})
+            print(f"{name:18} b{b} {way:6} {ms:8.3f} ms  rel err {err:.2e}")
+    out = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+           "torch": torch.__version__, "rows": rows}  # fmt: skip
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
