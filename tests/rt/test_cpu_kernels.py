@@ -62,7 +62,8 @@ def test_the_kernel_scores_as_the_torch_path_and_the_float64_reference(bits, d, 
             assert torch.isfinite(got).all()
             assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5
             torch.testing.assert_close(got, torch_path, rtol=1e-4, atol=1e-4 * d)
-            assert torch.equal(quant.scores(qq, c, m, at, group, bits), got)  # what a CPU's quant.scores runs
+            if bits == 4:  # what a CPU's quant.scores runs (at 2 bits the torch path: the faster there)
+                assert torch.equal(quant.scores(qq, c, m, at, group, bits), got)
 
 
 @needs_kernel
@@ -148,8 +149,8 @@ def test_a_failed_build_falls_back_to_the_torch_path_and_leaves_nothing(tmp_path
 @pytest.mark.parametrize("keys", ["int4", "int2"])
 def test_a_cpu_decode_step_scores_and_quantizes_through_the_kernel(keys, bundles, monkeypatch):
     """The defaults' layout (every key column at low bits, a correction) decoding a batch on a CPU: speculation's
-    and the correction's scores and every new key's codes go through the kernels, and the logits are the torch
-    path's up to float32 rounding (the tiny model's margins are wide: the tokens are the same)."""
+    and the correction's scores (at 4 bits) and every new key's codes go through the kernels, and the logits are
+    the torch path's up to float32 rounding (the tiny model's margins are wide: the tokens are the same)."""
     import math
 
     from infinigen_rt.policies import KVOptions
@@ -174,6 +175,8 @@ def test_a_cpu_decode_step_scores_and_quantizes_through_the_kernel(keys, bundles
     monkeypatch.setattr(cpu, "quantize_rows", counted("quantize", quantize))
     got, toks, _ = greedy_logits(e, pol, PROMPTS, 6)
     speculated = e.cfg.num_hidden_layers - pol.opts.dense_layers - 1  # layer j's rows chosen at layer j - 1
-    assert speculated > 0 and calls["score"] >= 5 * 2 * speculated and calls["quantize"] > 0, calls
+    scored = 5 * 2 * speculated if keys == "int4" else 0  # 2 bits: the torch path scores (the faster there)
+    assert speculated > 0 and calls["quantize"] > 0, calls
+    assert calls["score"] >= scored if scored else calls["score"] == 0, calls
     assert torch.equal(toks, ref_toks)
     assert (got - ref).abs().max().item() <= 1e-3
