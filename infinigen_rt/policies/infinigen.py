@@ -498,10 +498,13 @@ class InfinigenSelector(Selector):
         assert room >= c, "the correction's rows exceed the room left for them"
         k[:, :, n : n + c], v[:, :, n : n + c] = kc, vc
         pad = room - c  # rows of the room no sequence took: never attended (and never NaN bits: zeros)
+        more_slots, more_ok = [slots], [ok]
         if pad:
             k[:, :, n + c : n + room], v[:, :, n + c : n + room] = 0, 0
-        sel = Selection(torch.cat([sel.slots, slots, slots.new_zeros(b, hkv, pad)], -1),
-                        torch.cat([sel.ok.expand(b, hkv, n), ok, ok.new_zeros(b, hkv, pad)], -1), False, sel.per_row)
+            more_slots.append(slots.new_zeros(b, hkv, pad))
+            more_ok.append(ok.new_zeros(b, hkv, pad))
+        sel = Selection(torch.cat([sel.slots, *more_slots], -1), torch.cat([sel.ok.expand(b, hkv, n), *more_ok], -1),
+                        False, sel.per_row)  # fmt: skip
         return sel, (k,), (v,)
 
     def report(self, rid: int, r: KVReport) -> None:
