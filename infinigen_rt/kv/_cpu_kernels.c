@@ -33,6 +33,22 @@ static inline float half_to_float(uint16_t h) {
 }
 #endif
 
+/* Where the (sequence, KV head) pair's keys, their scales, its slots and its scores start: codes [R, Hkv, S, nb],
+   meta [R, Hkv, S, 2, groups], slots [B, T] (or none), out [B, Hkv, G, T]. */
+typedef struct {
+    const uint8_t *codes;
+    const uint16_t *meta;
+    const int64_t *slots;
+    float *out;
+} Rows;
+
+static inline Rows rows_of(const uint8_t *codes, const uint16_t *meta, const int64_t *slots, float *out, int64_t pair,
+                           int64_t R, int64_t Hkv, int64_t G, int64_t T, int64_t S, int64_t nb, int64_t groups) {
+    const int64_t b = pair / Hkv, row = (R == 1 ? 0 : b) * Hkv + pair % Hkv;
+    Rows at = {codes + row * S * nb, meta + row * S * 2 * groups, slots ? slots + b * T : 0, out + pair * G * T};
+    return at;
+}
+
 /* The pairs lo .. hi (see infinigen_score_codes); bits, D and group are constants where the caller below is
    specialised (the common layouts), so the loops over a key's bytes unroll and vectorise. */
 static inline __attribute__((always_inline)) int score_pairs(
@@ -44,7 +60,6 @@ static inline __attribute__((always_inline)) int score_pairs(
     float qs[MAX_G * MAX_D]; /* qs[h][g]: the sum of head h's query over group g's columns */
     float cf[MAX_D];         /* one key's codes as floats, cf[k][p] */
     for (int64_t pair = lo; pair < hi; pair++) {
-        const int64_t b = pair / Hkv, h = pair % Hkv, r = R == 1 ? 0 : b;
         const float *qh = q + pair * G * D;
         for (int64_t x = 0; x < G; x++) {
             for (int64_t p = 0; p < nb; p++)
@@ -55,10 +70,11 @@ static inline __attribute__((always_inline)) int score_pairs(
                 qs[x * groups + g] = s;
             }
         }
-        const uint8_t *cb = codes + (r * Hkv + h) * S * nb;
-        const uint16_t *mb = meta + (r * Hkv + h) * S * 2 * groups;
-        const int64_t *st = slots ? slots + b * T : 0;
-        float *o = out + pair * G * T;
+        const Rows at = rows_of(codes, meta, slots, out, pair, R, Hkv, G, T, S, nb, groups);
+        const uint8_t *cb = at.codes;
+        const uint16_t *mb = at.meta;
+        const int64_t *st = at.slots;
+        float *o = at.out;
         for (int64_t t = 0; t < T; t++) {
             const int64_t slot = st ? st[t] : start + t;
             if (slot < 0 || slot >= S) return -2;
@@ -104,7 +120,6 @@ static int score_pairs_u4g64(const float *q, const uint8_t *codes, const uint16_
     float qs[MAX_G * MAX_D];
     const __m256i low = _mm256_set1_epi8(0x0f);
     for (int64_t pair = lo; pair < hi; pair++) {
-        const int64_t b = pair / Hkv, h = pair % Hkv, r = R == 1 ? 0 : b;
         const float *qh = q + pair * G * D;
         for (int64_t x = 0; x < G4; x++)
             for (int64_t g = 0; g < groups; g++) {
@@ -115,10 +130,11 @@ static int score_pairs_u4g64(const float *q, const uint8_t *codes, const uint16_
                 }
                 qs[x * groups + g] = sum;
             }
-        const uint8_t *cb = codes + (r * Hkv + h) * S * nb;
-        const uint16_t *mb = meta + (r * Hkv + h) * S * 2 * groups;
-        const int64_t *st = slots ? slots + b * T : 0;
-        float *o = out + pair * G * T;
+        const Rows at = rows_of(codes, meta, slots, out, pair, R, Hkv, G, T, S, nb, groups);
+        const uint8_t *cb = at.codes;
+        const uint16_t *mb = at.meta;
+        const int64_t *st = at.slots;
+        float *o = at.out;
         for (int64_t t = 0; t < T; t++) {
             const int64_t slot = st ? st[t] : start + t;
             if (slot < 0 || slot >= S) return -2;

@@ -131,14 +131,20 @@ def _threads() -> ThreadPoolExecutor:
     return _pool
 
 
+def _taking(codes: torch.Tensor, meta: torch.Tensor) -> ctypes.CDLL | None:
+    """The kernels, where they are in use and take these keys (packed uint8 codes, fp16 meta, both contiguous)."""
+    lib = None if _off else library()
+    if lib is None or codes.dtype != torch.uint8 or meta.dtype != torch.float16:
+        return None
+    return lib if codes.is_contiguous() and meta.is_contiguous() else None
+
+
 def score_codes(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, t: int, group: int,
                 bits: int) -> torch.Tensor | None:  # fmt: skip
     """quant.scores on a CPU through the kernel ([B, Hkv, G, t] float32), or None where it does not apply (no
     kernel, or tensors it does not take): the caller's torch path then runs."""
-    lib = None if _off else library()
-    if lib is None or codes.dtype != torch.uint8 or meta.dtype != torch.float16:
-        return None
-    if not (codes.is_contiguous() and meta.is_contiguous()):
+    lib = _taking(codes, meta)
+    if lib is None:
         return None
     b, hkv, g, d = q.shape
     q = q.float().contiguous()
@@ -168,10 +174,8 @@ def quantize_rows(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, 
     """quant.store on a CPU through the kernel: new keys x [R, Hkv, s, D] quantized into codes [R, Hkv, S, bytes]
     and meta [R, Hkv, S, 2, groups] at slots at.. (an int) or at [R, Hkv, s]. False where it does not apply (the
     torch path then runs); the codes are quant.quantize's, bit for bit."""
-    lib = None if _off else library()
-    if lib is None or codes.dtype != torch.uint8 or meta.dtype != torch.float16:
-        return False
-    if not (codes.is_contiguous() and meta.is_contiguous()):
+    lib = _taking(codes, meta)
+    if lib is None:
         return False
     r, hkv, s, d = x.shape
     n_slots = codes.shape[2]

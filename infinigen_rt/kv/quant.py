@@ -70,8 +70,8 @@ def scores(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, group: 
         return _scores_kernel(q, codes, meta, at, t, group, bits)
     # the kernel where it is the faster (benchmarks/cpu_score.py: 4 bits 5-10x the torch path; at 2 bits its plain
     # loop lost, 1.45 against 1.24 ms at SmolLM2's shapes)
-    on_cpu = q.device.type == "cpu" and bits == 4
-    if on_cpu and (out := cpu.score_codes(q, codes, meta, at, t, group, bits)) is not None:
+    kernel_wins = q.device.type == "cpu" and bits == 4
+    if kernel_wins and (out := cpu.score_codes(q, codes, meta, at, t, group, bits)) is not None:
         return out
     if isinstance(at, slice):
         codes, meta = codes[:, :, at], meta[:, :, at]

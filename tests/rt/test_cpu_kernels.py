@@ -36,7 +36,7 @@ def reference(q, codes, meta, slots, group, bits):
 
 @needs_kernel
 @pytest.mark.parametrize("bits, d, g", CASES)
-def test_the_kernel_scores_as_the_torch_path_and_the_float64_reference(bits, d, g):
+def test_the_kernel_scores_as_the_torch_path_and_the_float64_reference(bits, d, g, monkeypatch):
     """Every form a caller has: slots through a table (the batch's store), one run of slots (a request alone), and
     each sequence's own first slots (a request's own cache); split over threads or not."""
     gen = torch.Generator().manual_seed(bits * d + g)
@@ -50,11 +50,8 @@ def test_the_kernel_scores_as_the_torch_path_and_the_float64_reference(bits, d, 
              (q, own, own_meta, t, torch.arange(t).expand(b, t))]  # fmt: skip
     for split in (1 << 30, 1):
         for qq, c, m, at, slots in forms:
-            cpu.SPLIT_WORK, saved = split, cpu.SPLIT_WORK
-            try:
-                got = cpu.score_codes(qq, c, m, at, t, group, bits)
-            finally:
-                cpu.SPLIT_WORK = saved
+            monkeypatch.setattr(cpu, "SPLIT_WORK", split)
+            got = cpu.score_codes(qq, c, m, at, t, group, bits)
             with cpu.disabled():
                 torch_path = quant.scores(qq, c, m, at, group, bits)
             ref = reference(qq, c, m, slots, group, bits)
