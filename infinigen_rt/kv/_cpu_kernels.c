@@ -267,3 +267,179 @@ int infinigen_quantize_rows(const float *x, const int64_t *rows, uint8_t *codes,
     return -1;
 #endif
 }
+
+/* ---- Selection (policies/speculation.py): a group's softmax summed, and each row's k largest ---- */
+
+#include <stdlib.h>
+
+/* e^x for x <= 0 in float32 (a few ulp; 0 below -87.3, and for -inf): a plain loop of it vectorises. */
+static inline float exp_neg(float x) {
+    const float z = x < -87.3f ? -87.3f : x;
+    const float n = __builtin_rintf(z * 1.44269504f);
+    const float r = (z - n * 0.693359375f) + n * 2.12194440e-4f; /* z - n ln 2, ln 2 in two parts */
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { uint32_t u; float f; } s = {(uint32_t)((int32_t)n + 127) << 23};
+    return x < -87.3f ? 0.0f : p * s.f;
+}
+
+/* A float's order as an unsigned integer's (-inf lowest; NaN with its sign bit clear above +inf). */
+static inline uint32_t order_key(float f) {
+    union { float f; uint32_t u; } v = {f};
+    return v.u ^ ((v.u >> 31) ? 0xffffffffu : 0x80000000u);
+}
+
+static inline float key_float(uint32_t k) {
+    union { uint32_t u; float f; } v = {k ^ ((k >> 31) ? 0x80000000u : 0xffffffffu)};
+    return v.f;
+}
+
+/* s [R, G, T] float32 (a KV head's query heads' scores, -inf where a slot does not count): agg [R, T] the sum over
+   the G heads of each head's softmax over T, and, where alpha is finite, within [R, G] the slots whose score is
+   within alpha of their head's largest. Rows lo .. hi of R. A head whose every score is -inf adds nothing. */
+int infinigen_group_softmax(const float *s, float *agg, int64_t *within, int64_t R, int64_t G, int64_t T,
+                            float alpha, int64_t lo, int64_t hi) {
+    if (G < 1 || T < 1 || lo < 0 || hi > R) return -1;
+    float *e = malloc(sizeof(float) * (size_t)T);
+    if (!e) return -3;
+    const int count = alpha < __builtin_inff();
+    for (int64_t r = lo; r < hi; r++) {
+        float *a = agg + r * T;
+        for (int64_t g = 0; g < G; g++) {
+            const float *x = s + (r * G + g) * T;
+            uint32_t most = 0; /* the largest, as its order key (an integer maximum vectorises) */
+            for (int64_t t = 0; t < T; t++) {
+                const uint32_t k = order_key(x[t]);
+                most = k > most ? k : most;
+            }
+            const float top = key_float(most), edge = top - alpha;
+            float sum = 0.0f;
+            int64_t n = 0;
+            if (top == -__builtin_inff()) {
+                for (int64_t t = 0; t < T; t++) e[t] = 0.0f;
+            } else {
+                for (int64_t t = 0; t < T; t++) {
+                    e[t] = exp_neg(x[t] - top);
+                    sum += e[t];
+                    n += x[t] > edge;
+                }
+                const float inv = 1.0f / sum;
+                for (int64_t t = 0; t < T; t++) e[t] *= inv;
+            }
+            if (count) within[r * G + g] = n;
+            if (g == 0)
+                for (int64_t t = 0; t < T; t++) a[t] = e[t];
+            else
+                for (int64_t t = 0; t < T; t++) a[t] += e[t];
+        }
+    }
+    free(e);
+    return 0;
+}
+
+/* The k-th largest (1 <= k <= n) of keys[0 .. n): a radix select, three digits of the key from the top, each a
+   pass over the keys; *above: how many keys are larger. */
+static uint32_t kth_largest(const uint32_t *keys, int64_t n, int64_t k, int64_t *above) {
+    static const int shift[3] = {21, 10, 0}, width[3] = {11, 11, 10};
+    uint32_t prefix = 0, known = 0; /* the top bits decided so far, and their mask */
+    int64_t larger = 0;
+    for (int d = 0; d < 3; d++) {
+        int64_t hist[2048] = {0};
+        const uint32_t bins = 1u << width[d];
+        for (int64_t i = 0; i < n; i++)
+            if ((keys[i] & known) == prefix) hist[(keys[i] >> shift[d]) & (bins - 1)]++;
+        uint32_t b = bins - 1;
+        for (;; b--) { /* from the largest bin down, until it holds the k-th */
+            if (larger + hist[b] >= k) break;
+            larger += hist[b];
+        }
+        prefix |= b << shift[d];
+        known |= (bins - 1) << shift[d];
+    }
+    *above = larger;
+    return prefix;
+}
+
+/* keys[0 .. n) with their slots at[], largest first, equal keys kept in their order (a stable radix sort of the
+   keys' complement, three digits from the bottom; tk, ta: room for n of each). */
+static void sort_down(uint32_t *keys, int32_t *at, int64_t n, uint32_t *tk, int32_t *ta) {
+    static const int shift[3] = {0, 11, 22};
+    for (int d = 0; d < 3; d++) {
+        int64_t start[2048] = {0};
+        for (int64_t i = 0; i < n; i++) start[((~keys[i]) >> shift[d]) & 2047]++;
+        for (int64_t b = 0, sum = 0; b < 2048; b++) {
+            const int64_t c = start[b];
+            start[b] = sum, sum += c;
+        }
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t to = start[((~keys[i]) >> shift[d]) & 2047]++;
+            tk[to] = keys[i], ta[to] = at[i];
+        }
+        uint32_t *k = keys; keys = tk; tk = k;
+        int32_t *a = at; at = ta; ta = a;
+    }
+    /* three passes: the sorted rows are in the buffers the caller passed as tk, ta */
+}
+
+/* x [R, T] float32: each row's k largest (0 < k <= T), their slots into idx [R, k] and values into val [R, k]; in
+   slot order, or with `sorted` largest first (equal values: the lower slot first), and of equal values at the
+   edge the lower slots. A sample of the row sets a bar that the k largest clear (checked: else every slot is a
+   candidate), so the select passes over a few times k candidates rather than the row. Rows lo .. hi of R. */
+int infinigen_topk(const float *x, int64_t *idx, float *val, int64_t R, int64_t T, int64_t k, int sorted,
+                   int64_t lo, int64_t hi) {
+    if (k < 1 || k > T || T > 0x7fffffff || lo < 0 || hi > R) return -1;
+    uint32_t *keys = malloc(sizeof(uint32_t) * (size_t)T);
+    int32_t *at = malloc(sizeof(int32_t) * (size_t)T);
+    uint32_t *sk = sorted ? malloc(sizeof(uint32_t) * (size_t)k) : 0;
+    int32_t *sa = sorted ? malloc(sizeof(int32_t) * (size_t)k) : 0;
+    if (!keys || !at || (sorted && (!sk || !sa))) {
+        free(keys), free(at), free(sk), free(sa);
+        return -3;
+    }
+    enum { SAMPLE = 256 };
+    for (int64_t r = lo; r < hi; r++) {
+        const float *v = x + r * T;
+        int64_t n = T;
+        if (T >= 8 * SAMPLE && k * 4 < T) {
+            uint32_t sample[SAMPLE];
+            for (int64_t i = 0; i < SAMPLE; i++) sample[i] = order_key(v[i * (T / SAMPLE)]);
+            /* the rank in the sample of the k-th largest, with a margin of about four standard deviations */
+            const int64_t expect = (k * SAMPLE + T - 1) / T;
+            int64_t rank = expect + 4 * (int64_t)__builtin_sqrt((double)expect) + 8, above;
+            if (rank < SAMPLE) {
+                const uint32_t bar = kth_largest(sample, SAMPLE, rank, &above);
+                n = 0;
+                for (int64_t i = 0; i < T; i++) { /* branchless: every slot written, the count moves on a hit */
+                    const uint32_t key = order_key(v[i]);
+                    keys[n] = key, at[n] = (int32_t)i;
+                    n += key >= bar;
+                }
+                if (n < k) n = T; /* the bar was too high: every slot */
+            }
+        }
+        if (n == T)
+            for (int64_t i = 0; i < T; i++) keys[i] = order_key(v[i]), at[i] = (int32_t)i;
+        int64_t above;
+        const uint32_t edge = kth_largest(keys, n, k, &above);
+        int64_t ties = k - above, m = 0;
+        int64_t *out = idx + r * k;
+        float *got = val + r * k;
+        if (!sorted) {
+            for (int64_t i = 0; i < n && m < k; i++)
+                if (keys[i] > edge || (keys[i] == edge && ties-- > 0)) out[m] = at[i], got[m++] = key_float(keys[i]);
+            continue;
+        }
+        for (int64_t i = 0; i < n && m < k; i++) /* the chosen, in slot order, to the front of keys and at */
+            if (keys[i] > edge || (keys[i] == edge && ties-- > 0)) keys[m] = keys[i], at[m++] = at[i];
+        for (int64_t i = 0; i < k; i++) sk[i] = keys[i], sa[i] = at[i];
+        sort_down(sk, sa, k, keys, at); /* three passes: the result in keys, at */
+        for (int64_t i = 0; i < k; i++) out[i] = at[i], got[i] = key_float(keys[i]);
+    }
+    free(keys), free(at), free(sk), free(sa);
+    return 0;
+}

@@ -1,4 +1,5 @@
-"""The CPU's native kernel (kv/_cpu_kernels.c): scoring queries against low-bit keys without forming the keys.
+"""The CPU's native kernels (kv/_cpu_kernels.c): scoring queries against low-bit keys without forming the keys,
+and the selection's group softmax and top-k (policies/speculation.py).
 
 Built on first use with the machine's C compiler (`$CC`, else cc, gcc or clang; -O3 -march=native) into a cache
 keyed by the source, the compiler and the machine (`$INFINIGEN_KERNEL_CACHE`, else `$XDG_CACHE_HOME/infinigen` or
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -101,6 +103,12 @@ def library() -> ctypes.CDLL | None:
         f = lib.infinigen_quantize_rows
         f.restype = ctypes.c_int
         f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5
+        f = lib.infinigen_group_softmax
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_float] + [ctypes.c_int64] * 2
+        f = lib.infinigen_topk
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_int64] * 2
         _lib = lib
     return _lib
 
@@ -155,19 +163,65 @@ def score_codes(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, t:
         return out
     args = (q.data_ptr(), codes.data_ptr(), meta.data_ptr(), slots.data_ptr() if slots is not None else None,
             out.data_ptr(), b, codes.shape[0], hkv, g, d, group, bits, t, codes.shape[2], start)  # fmt: skip
-    pairs, n = b * hkv, max(1, torch.get_num_threads())
-    f = lib.infinigen_score_codes
-    if n == 1 or pairs == 1 or pairs * t < SPLIT_WORK:
-        rcs = [f(*args, 0, pairs)]
-    else:
-        cuts = [pairs * i // min(n, pairs) for i in range(min(n, pairs) + 1)]
-        rcs = list(_threads().map(lambda lo_hi: f(*args, *lo_hi), zip(cuts, cuts[1:], strict=False)))
-    bad = next((rc for rc in rcs if rc), 0)
+    bad = _split(lib.infinigen_score_codes, args, b * hkv, t)
     if bad == -1:
         return None
     if bad:
         raise IndexError(f"scoring low-bit keys: {ERRORS.get(bad, f'error {bad}')}")
     return out
+
+
+def _split(f, args: tuple, rows: int, per_row: int) -> int:
+    """f(*args, lo, hi) over rows 0 .. rows: on the calling thread, or in shares over torch's threads where the
+    work (rows x per_row) is large enough to pay for them. The first non-zero return code, else 0."""
+    n = max(1, torch.get_num_threads())
+    if n == 1 or rows == 1 or rows * per_row < SPLIT_WORK:
+        return f(*args, 0, rows)
+    cuts = [rows * i // min(n, rows) for i in range(min(n, rows) + 1)]
+    rcs = list(_threads().map(lambda lo_hi: f(*args, *lo_hi), zip(cuts, cuts[1:], strict=False)))
+    return next((rc for rc in rcs if rc), 0)
+
+
+def _floats(x: torch.Tensor) -> ctypes.CDLL | None:
+    """The kernels, where they are in use and x is a CPU float32 tensor."""
+    lib = None if _off else library()
+    return lib if lib is not None and x.dtype == torch.float32 and x.device.type == "cpu" else None
+
+
+def group_softmax(s: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """s [..., G, T] float32 (-inf where a slot does not count): (s.softmax(-1).sum(-2), and where alpha is finite
+    the slots within alpha of each head's largest, (s > s.amax(-1, keepdim=True) - alpha).sum(-1)), in one pass of
+    the kernel (the same up to float32 rounding; a head whose every score is -inf adds 0, not NaN). None where
+    the kernels are not in use."""
+    lib = _floats(s)
+    if lib is None or s.dim() < 2 or not s.shape[-1] or not s.shape[-2]:
+        return None
+    *lead, g, t = s.shape
+    s = s.contiguous()
+    agg = torch.empty(*lead, t, dtype=torch.float32)
+    within = torch.empty(*lead, g, dtype=torch.int64) if math.isfinite(alpha) else None
+    rows = agg.numel() // t
+    args = (s.data_ptr(), agg.data_ptr(), within.data_ptr() if within is not None else None, rows, g, t, alpha)
+    if lib.infinigen_group_softmax(*args, 0, rows):  # (on the calling thread: shared, the hand-off cost more)
+        return None
+    return agg, within
+
+
+def topk(x: torch.Tensor, k: int, sorted: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x.topk(k, -1, sorted=sorted) of a CPU float32 x through the kernel: (values, indices); unsorted ones in slot
+    order, and of equal values the lower slots first. None where the kernels are not in use."""
+    lib = _floats(x)
+    t = x.shape[-1] if x.dim() else 0
+    if lib is None or not 0 < k <= t or t > 0x7FFFFFFF:
+        return None
+    x = x.contiguous()
+    idx = torch.empty(*x.shape[:-1], k, dtype=torch.int64)
+    val = torch.empty(*x.shape[:-1], k, dtype=torch.float32)
+    rows = idx.numel() // k
+    rc = lib.infinigen_topk(x.data_ptr(), idx.data_ptr(), val.data_ptr(), rows, t, k, int(sorted), 0, rows)
+    if rc == -3:
+        raise MemoryError("the CPU top-k kernel could not allocate its buffers")
+    return (val, idx) if rc == 0 else None
 
 
 def quantize_rows(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, group: int, bits: int) -> bool:

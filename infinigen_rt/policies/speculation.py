@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from infinigen_rt.bundle import partial_idx_name, partial_q_name, skew_name
 from infinigen_rt.config import ModelConfig
-from infinigen_rt.kv import quant
+from infinigen_rt.kv import cpu, quant
 from infinigen_rt.kv.quant import code_bytes
 from infinigen_rt.models.llama import SpeculationTaps, apply_rope
 from infinigen_rt.system import to_device
@@ -269,10 +269,12 @@ def select(
         if opts.max_kv is not None:
             cap = cap.clamp(max=opts.max_kv)
         cap = torch.minimum(cap, held_b)[:, None]
+    agg, within = group_softmax(s, alpha) if opts.group_agg == "sum" else (s.amax(2), None)
     if math.isinf(alpha):  # no margin: the budget decides
         n = cap
     else:
-        within = s > (s.amax(-1, keepdim=True) - alpha)  # tokens within alpha of each query head's max
+        if within is None:  # tokens within alpha of each query head's max
+            within = s > (s.amax(-1, keepdim=True) - alpha)
         if opts.per_head:  # [B, Hkv]: each KV head its group's mean count
             n = within.sum(-1).float().mean(2).ceil().long()
         else:  # [B, 1]: one count per sequence, the mean over every query head
@@ -281,10 +283,7 @@ def select(
                 total, heads = tp.all_reduce(total), heads * tp.size
             n = (total / heads).ceil().long()[:, None]
         n = n.clamp(1, cap) if prefix else torch.minimum(n, cap).clamp(min=1)
-    if opts.group_agg == "sum":  # a token's share of the group's attention
-        agg = s.softmax(-1).sum(2)
-    else:  # a token any head of the group wants
-        agg = s.amax(2)  # [B, Hkv, t]
+    # agg [B, Hkv, t]: "sum", a token's share of the group's attention; "max", a token any head of the group wants
     # sinks and recent tokens first, inside the budget: distinct values above any score, sinks then the newest
     # (so a budget smaller than both takes the same ones on every path, whatever top-k does with ties)
     if prefix:
@@ -314,7 +313,7 @@ def select(
         return Selection(top, ok, False, per_row)
     # every row fetching the same count needs no order among the chosen (an unsorted top-k is several times
     # cheaper on a CPU once k is a sizeable share); rows fetching fewer take the first n of a sorted top-k
-    top = agg.topk(n_max, dim=-1, sorted=n_min != n_max).indices  # [B, Hkv, n]
+    top = top_k(agg, n_max, n_min != n_max)[1]  # [B, Hkv, n]
     if prefix:  # every chosen slot holds a token (rows fetching fewer drop their tail)
         ok = torch.ones(top.shape, dtype=torch.bool, device=top.device)
         if n_min != n_max:
@@ -324,6 +323,25 @@ def select(
         if n_min != n_max:
             ok &= torch.arange(n_max, device=top.device) < n[..., None]
     return Selection(top, ok, prefix and n_min == n_max, per_row)
+
+
+def group_softmax(s: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """s [B, Hkv, G, t] float32: s.softmax(-1).sum(2), and where alpha is finite the slots within alpha of each
+    head's largest, summed over the last dimension for each head's count: a CPU's kernel computes both in one pass
+    (kv/cpu.py; the counts [B, Hkv, G, 1]), elsewhere torch's ops (the mask [B, Hkv, G, t])."""
+    fused = cpu.group_softmax(s, alpha) if s.device.type == "cpu" else None
+    if fused is not None:
+        agg, counts = fused
+        return agg, None if counts is None else counts[..., None]
+    within = None if math.isinf(alpha) else s > (s.amax(-1, keepdim=True) - alpha)
+    return s.softmax(-1).sum(2), within
+
+
+def top_k(x: torch.Tensor, k: int, sorted: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x.topk(k, -1, sorted=sorted): (values, indices); a CPU's kernel passes over a few times k candidates (a
+    sample of each row sets the bar) rather than sorting pairs (kv/cpu.py: 4-5x torch's at SmolLM2's 8k)."""
+    got = cpu.topk(x, k, sorted) if x.device.type == "cpu" else None
+    return got if got is not None else tuple(x.topk(k, -1, sorted=sorted))
 
 
 def speculated_share(layer_opts: dict, correct: float) -> dict:
@@ -352,10 +370,10 @@ def correction_rows(s: torch.Tensor, sel: Selection, held: torch.Tensor | None, 
     if held is not None:
         s = s.masked_fill(~held[:, :, None], float("-inf"))
         taken |= ~held
-    agg = s.softmax(-1).sum(2) if group_agg == "sum" else s.amax(2)
+    agg = group_softmax(s, math.inf)[0] if group_agg == "sum" else s.amax(2)
     # in order only where sequences take different counts (an unsorted top-k is several times cheaper on a CPU)
-    best = agg.masked_fill(taken, float("-inf")).topk(min(n, t), dim=-1, sorted=min(per_row) < n)
-    slots, ok = best.indices, best.values > float("-inf")
+    values, slots = top_k(agg.masked_fill(taken, float("-inf")), min(n, t), min(per_row) < n)
+    ok = values > float("-inf")
     if min(per_row) < n:  # sequences of other lengths: each its own count (a host-made mask)
         limit = to_device(torch.tensor(per_row), ok.device)
         ok &= torch.arange(slots.shape[-1], device=ok.device) < limit[:, None, None]

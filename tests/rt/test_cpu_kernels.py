@@ -1,6 +1,7 @@
 """The CPU's native kernels (kv/_cpu_kernels.c, built on first use by kv/cpu.py): scoring queries against low-bit
-keys without forming them, and quantizing new keys into their slots, against the torch path and a float64
-reference; hostile slots; the build's cache, its fallbacks and what a failed build leaves behind."""
+keys without forming them, quantizing new keys into their slots, the selection's group softmax and top-k, against
+the torch path and a float64 reference; hostile slots; the build's cache, its fallbacks and what a failed build
+leaves behind."""
 
 from __future__ import annotations
 
@@ -143,6 +144,66 @@ def test_a_failed_build_falls_back_to_the_torch_path_and_leaves_nothing(tmp_path
 
 
 @needs_kernel
+@pytest.mark.parametrize("g, t", [(3, 8192), (4, 300), (1, 1), (8, 2049)])
+def test_the_group_softmax_is_torchs_and_its_counts_exact(g, t):
+    """The selection's sum over a KV head's query heads of their softmax, and each head's slots within alpha of
+    its largest: masked slots (-inf) count for nothing, a head masked whole adds nothing (torch: NaN)."""
+    gen = torch.Generator().manual_seed(g * t)
+    s = torch.randn(2, 3, g, t, generator=gen) * 4
+    s[0, 1, :, : t // 3] = float("-inf")
+    agg, within = cpu.group_softmax(s, 5.0)
+    torch.testing.assert_close(agg, s.softmax(-1).sum(2), rtol=2e-6, atol=1e-7)
+    assert torch.equal(within, (s > s.amax(-1, keepdim=True) - 5.0).sum(-1))
+    agg, within = cpu.group_softmax(s, float("inf"))
+    assert within is None and torch.allclose(agg.sum(-1), torch.full((2, 3), float(g)))
+    s[1, 2, 0] = float("-inf")  # a head with no slot
+    agg, within = cpu.group_softmax(s, 5.0)
+    torch.testing.assert_close(agg[1, 2], s[1, 2, 1:].softmax(-1).sum(0), rtol=2e-6, atol=1e-7)
+    assert within[1, 2, 0] == 0
+
+
+def _bar_too_high(t: int) -> torch.Tensor:
+    """A row whose sample (every t // 256th slot) holds its only large values: the sample's bar passes fewer than
+    k slots, and the kernel must fall back to every slot."""
+    x = torch.linspace(-1, 0, t)
+    x[:: t // 256] = 10 + torch.arange(len(x[:: t // 256]), dtype=torch.float32)
+    return x
+
+
+@needs_kernel
+@pytest.mark.parametrize("t, k", [(8192, 614), (8192, 204), (8192, 4500), (8192, 8192), (8192, 1), (300, 30),
+                                  (5000, 1200), (2048, 100)])  # fmt: skip
+def test_the_top_k_kernel_chooses_torchs_rows(t, k):
+    """torch's top-k values, from the slots holding them (distinct within the row, and of equal values the lower
+    ones: randn holds a few ties), unsorted in slot order, sorted largest first; values masked to -inf taken last;
+    a row whose sample misleads the bar."""
+    gen = torch.Generator().manual_seed(t + k)
+    x = torch.randn(3, 4, t, generator=gen)
+    x[1, 2, : t // 2] = float("-inf")  # more masked slots than most k leave
+    x[2, 3] = _bar_too_high(t)[torch.randperm(t, generator=gen)] if t >= 2048 else x[2, 3]
+    x[2, 2] = _bar_too_high(t) if t >= 2048 else x[2, 2]
+    want_v, want_i = x.topk(k, -1, sorted=True)
+    v, i = cpu.topk(x, k, True)
+    assert torch.equal(v, want_v) and torch.equal(x.gather(-1, i), v)
+    assert ((v[..., :-1] > v[..., 1:]) | ((v[..., :-1] == v[..., 1:]) & (i[..., :-1] < i[..., 1:]))).all()
+    finite = torch.isfinite(want_v)
+    assert (i[finite] == want_i[finite]).float().mean() > 0.99  # the same slots but where values tie
+    v, i = cpu.topk(x, k, False)
+    assert (i[..., 1:] > i[..., :-1]).all(), "unsorted: in slot order, each slot once"
+    assert torch.equal(v, x.gather(-1, i))
+    assert torch.equal(v.sort(-1, descending=True).values, want_v)  # the k largest values
+
+
+@needs_kernel
+def test_the_top_k_kernel_breaks_ties_towards_the_lower_slots():
+    x = torch.tensor([[1.0, 3.0, 2.0, 3.0, 2.0, 2.0, 0.0, 2.0]])
+    assert cpu.topk(x, 3, False)[1].tolist() == [[1, 2, 3]]
+    assert cpu.topk(x, 4, True)[1].tolist() == [[1, 3, 2, 4]]
+    assert cpu.topk(x, 9, True) is None and cpu.topk(x, 0, False) is None  # torch's then says what is wrong
+    assert cpu.topk(x.double(), 2, True) is None
+
+
+@needs_kernel
 @pytest.mark.parametrize("keys", ["int4", "int2"])
 def test_a_cpu_decode_step_scores_and_quantizes_through_the_kernel(keys, bundles, monkeypatch):
     """The defaults' layout (every key column at low bits, a correction) decoding a batch on a CPU: speculation's
@@ -157,8 +218,8 @@ def test_a_cpu_decode_step_scores_and_quantizes_through_the_kernel(keys, bundles
     e, pol = engines(bundles["llama31_gqa"], x=("infinigen", kv))["x"]
     with cpu.disabled():
         ref, ref_toks, _ = greedy_logits(e, pol, PROMPTS, 6)
-    calls = {"score": 0, "quantize": 0}
-    score, quantize = cpu.score_codes, cpu.quantize_rows
+    calls = {"score": 0, "quantize": 0, "topk": 0, "group_softmax": 0}
+    score, quantize, topk, softmax = cpu.score_codes, cpu.quantize_rows, cpu.topk, cpu.group_softmax
 
     def counted(name, fn):
         def run(*a, **k):
@@ -170,10 +231,13 @@ def test_a_cpu_decode_step_scores_and_quantizes_through_the_kernel(keys, bundles
 
     monkeypatch.setattr(cpu, "score_codes", counted("score", score))
     monkeypatch.setattr(cpu, "quantize_rows", counted("quantize", quantize))
+    monkeypatch.setattr(cpu, "topk", counted("topk", topk))
+    monkeypatch.setattr(cpu, "group_softmax", counted("group_softmax", softmax))
     got, toks, _ = greedy_logits(e, pol, PROMPTS, 6)
     speculated = e.cfg.num_hidden_layers - pol.opts.dense_layers - 1  # layer j's rows chosen at layer j - 1
     scored = 5 * 2 * speculated if keys == "int4" else 0  # 2 bits: the torch path scores (the faster there)
     assert speculated > 0 and calls["quantize"] > 0, calls
     assert calls["score"] >= scored if scored else calls["score"] == 0, calls
+    assert calls["topk"] >= 5 * 2 * speculated and calls["group_softmax"] >= 5 * 2 * speculated, calls
     assert torch.equal(toks, ref_toks)
     assert (got - ref).abs().max().item() <= 1e-3
