@@ -443,3 +443,42 @@ int infinigen_topk(const float *x, int64_t *idx, float *val, int64_t R, int64_t 
     free(keys), free(at), free(sk), free(sa);
     return 0;
 }
+
+/* ---- The rows a selection chose, copied out of the host pool (kv/store.py's gather on a CPU) ---- */
+
+#include <string.h>
+
+static inline __attribute__((always_inline)) void copy_pairs(
+        const uint8_t *src_k, const uint8_t *src_v, const int64_t *rows, uint8_t *dst_k, uint8_t *dst_v, int64_t n,
+        int64_t width, const int64_t rb, int64_t lo, int64_t hi) {
+    for (int64_t p = lo; p < hi; p++) {
+        const int64_t *r = rows + p * n;
+        uint8_t *dk = dst_k + p * width * rb, *dv = dst_v + p * width * rb;
+        for (int64_t i = 0; i < n; i++) {
+            if (i + 4 < n) { /* the row four ahead: its lines on their way while this one copies */
+                __builtin_prefetch(src_k + r[i + 4] * rb);
+                __builtin_prefetch(src_v + r[i + 4] * rb);
+            }
+            memcpy(dk + i * rb, src_k + r[i] * rb, (size_t)rb);
+            memcpy(dv + i * rb, src_v + r[i] * rb, (size_t)rb);
+        }
+        memset(dk + n * rb, 0, (size_t)((width - n) * rb)); /* the rows left for the caller: zeros, never NaN bits */
+        memset(dv + n * rb, 0, (size_t)((width - n) * rb));
+    }
+}
+
+/* K and V rows rows[P, n] (< n_src) of src_k, src_v [n_src, rb bytes] into dst_k, dst_v [P, width, rb bytes]: row
+   (p, i) to (p, i), rows n .. width of each p zeros. Pairs lo .. hi of P. Returns 0, -1 for shapes it does not
+   take, -2 for a row outside 0 .. n_src (nothing read from it). */
+int infinigen_gather_rows(const uint8_t *src_k, const uint8_t *src_v, const int64_t *rows, uint8_t *dst_k,
+                          uint8_t *dst_v, int64_t P, int64_t n, int64_t width, int64_t rb, int64_t n_src, int64_t lo,
+                          int64_t hi) {
+    if (n < 0 || width < n || rb < 1 || lo < 0 || hi > P) return -1;
+    for (int64_t i = lo * n; i < hi * n; i++)
+        if (rows[i] < 0 || rows[i] >= n_src) return -2;
+    if (rb == 256) copy_pairs(src_k, src_v, rows, dst_k, dst_v, n, width, 256, lo, hi);
+    else if (rb == 512) copy_pairs(src_k, src_v, rows, dst_k, dst_v, n, width, 512, lo, hi);
+    else if (rb == 128) copy_pairs(src_k, src_v, rows, dst_k, dst_v, n, width, 128, lo, hi);
+    else copy_pairs(src_k, src_v, rows, dst_k, dst_v, n, width, rb, lo, hi);
+    return 0;
+}

@@ -109,6 +109,9 @@ def library() -> ctypes.CDLL | None:
         f = lib.infinigen_topk
         f.restype = ctypes.c_int
         f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_int64] * 2
+        f = lib.infinigen_gather_rows
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7
         _lib = lib
     return _lib
 
@@ -244,3 +247,25 @@ def quantize_rows(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, 
     if rc:
         raise IndexError(f"quantizing keys: {ERRORS.get(rc, f'error {rc}')}")
     return True
+
+
+def gather_rows(src_k: torch.Tensor, src_v: torch.Tensor, rows: torch.Tensor, out_k: torch.Tensor,
+                out_v: torch.Tensor) -> bool:  # fmt: skip
+    """pool.copy_rows on a CPU: out_x[b, h, :n] = rows rows [B, Hkv, n] of src_x (viewed as [-1, X]) for x = k, v,
+    and the rows after n of out_x [B, Hkv, n', X] zeros, in one call for both. False where it does not apply
+    (the caller's index_select then runs); IndexError for a row outside the pool."""
+    lib = None if _off else library()
+    b, h, n = rows.shape
+    tensors = (src_k, src_v, out_k, out_v)
+    if (lib is None or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors)
+            or len({t.dtype for t in tensors}) > 1 or out_k.shape != out_v.shape or src_k.shape != src_v.shape
+            or out_k.shape[:2] != (b, h) or out_k.shape[-1] != src_k.shape[-1]):  # fmt: skip
+        return False
+    x = src_k.shape[-1]
+    rows = rows.to(torch.int64).contiguous()  # held through the call (see quantize_rows)
+    rc = lib.infinigen_gather_rows(src_k.data_ptr(), src_v.data_ptr(), rows.data_ptr(), out_k.data_ptr(),
+                                   out_v.data_ptr(), b * h, n, out_k.shape[2], x * src_k.element_size(),
+                                   src_k.numel() // x, 0, b * h)  # fmt: skip
+    if rc == -2:
+        raise IndexError(f"gathering rows: {ERRORS[-2]}")
+    return rc == 0

@@ -31,6 +31,7 @@ import weakref
 import numpy as np
 import torch
 
+from infinigen_rt.kv import cpu
 from infinigen_rt.kv.kernels import gather_rows, scatter_rows
 from infinigen_rt.system import host_buffer, retire, to_device, unpin
 
@@ -252,7 +253,7 @@ def copy_rows(src_k, src_v, rows, ok, out_k, out_v, kernel: bool) -> None:
 
     `kernel` (a GPU computes, from pinned pages): the gather kernel reads the rows from the device, skipping those
     where `ok` is False (rows n.. of each (b, h) are left as they are). Else index_select copies every row, in one
-    copy."""
+    copy (a CPU's kernel where it runs: kv/cpu.py)."""
     b, h, n = rows.shape
     x = src_k.shape[-1]
     src_k, src_v = src_k.view(-1, x), src_v.view(-1, x)
@@ -260,6 +261,8 @@ def copy_rows(src_k, src_v, rows, ok, out_k, out_v, kernel: bool) -> None:
         # reshape, not view: a selection's `ok` may be an expanded view (one count per sequence, strides of 0)
         gather_rows(src_k, src_v, rows.reshape(b * h, n), None if ok is None else ok.reshape(b * h, n),
                     out_k.view(b * h, -1, x), out_v.view(b * h, -1, x))  # fmt: skip
+        return
+    if src_k.device.type == "cpu" and cpu.gather_rows(src_k, src_v, rows, out_k, out_v):  # the extra rows: zeros
         return
     extra = out_k.shape[2] - n
     if extra:  # one copy straight into the output: the extra rows take row 0, to be overwritten

@@ -1,7 +1,7 @@
 """The CPU's native kernels (kv/_cpu_kernels.c, built on first use by kv/cpu.py): scoring queries against low-bit
-keys without forming them, quantizing new keys into their slots, the selection's group softmax and top-k, against
-the torch path and a float64 reference; hostile slots; the build's cache, its fallbacks and what a failed build
-leaves behind."""
+keys without forming them, quantizing new keys into their slots, the selection's group softmax and top-k, the row
+gather, against the torch path and a float64 reference; hostile slots; the build's cache, its fallbacks and what a
+failed build leaves behind."""
 
 from __future__ import annotations
 
@@ -201,6 +201,26 @@ def test_the_top_k_kernel_breaks_ties_towards_the_lower_slots():
     assert cpu.topk(x, 4, True)[1].tolist() == [[1, 3, 2, 4]]
     assert cpu.topk(x, 9, True) is None and cpu.topk(x, 0, False) is None  # torch's then says what is wrong
     assert cpu.topk(x.double(), 2, True) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype, x", [(torch.float32, 64), (torch.bfloat16, 128), (torch.uint8, 40)])
+def test_the_row_gather_kernel_copies_index_selects_rows_and_zeros_the_rest(dtype, x):
+    """pool.copy_rows on a CPU: the chosen rows of K and V as index_select copies them, the rows left for the new
+    token and the correction zeros (never the memory's old bits); a row outside the pool is an error, not a read."""
+    from infinigen_rt.kv import pool
+
+    gen = torch.Generator().manual_seed(x)
+    src_k, src_v = (torch.randint(0, 200, (500, x), generator=gen).to(dtype) for _ in "kv")
+    rows = torch.randint(0, 500, (2, 3, 37), generator=gen)
+    out_k, out_v = (torch.full((2, 3, 41, x), 7, dtype=dtype) for _ in "kv")
+    pool.copy_rows(src_k, src_v, rows, None, out_k, out_v, False)
+    assert torch.equal(out_k[:, :, :37], src_k[rows]) and torch.equal(out_v[:, :, :37], src_v[rows])
+    assert (out_k[:, :, 37:] == 0).all() and (out_v[:, :, 37:] == 0).all()
+    rows[1, 2, 5] = 500
+    with pytest.raises(IndexError, match="outside"):
+        cpu.gather_rows(src_k, src_v, rows, out_k, out_v)
+    assert not cpu.gather_rows(src_k, src_v.double(), rows, out_k, out_v)  # not its tensors: index_select's turn
 
 
 @needs_kernel
