@@ -9,6 +9,8 @@
 #   bash benchmarks/gpu.sh llama2-32k   batch 4 x 32k, where only the pool policies fit; the peer   (~6 min)
 #   bash benchmarks/gpu.sh llama31-32k  Llama-3.1-8B shapes (GQA), batch 1 and 4 x 32k              (~5 min)
 #   bash benchmarks/gpu.sh llama31-128k Llama-3.1-8B shapes, batch 1 x 128k                         (~5 min)
+#   bash benchmarks/gpu.sh gather-grid  the defaults at Llama-2-7B b8 x 8k with the row gather's grid capped
+#                                       (INFINIGEN_GATHER_PROGRAMS 0: uncapped, 32, 132): does it overlap more (~6 min)
 # The device machine has torch, Triton, transformers and pytest and no network: the project runs from the tree.
 #
 # REHEARSAL=1 runs a part here, on the CPU: the same commands, files and time-outs, through fake CUDA
@@ -82,8 +84,16 @@ case "$PART" in
   llama31-128k)
     bench 540 llama-3.1-8b-128k --synthetic llama-3.1-8b --batch 1 --context 131072 --policies offload,infinigen,full
     ;;
+  gather-grid)
+    export INFINIGEN_GATHER_PROGRAMS=0
+    bench 150 llama-2-7b-b8-8k-grid0 --synthetic llama-2-7b --batch 8 --context 8192 --policies infinigen
+    export INFINIGEN_GATHER_PROGRAMS=32
+    bench 150 llama-2-7b-b8-8k-grid32 --synthetic llama-2-7b --batch 8 --context 8192 --policies infinigen
+    export INFINIGEN_GATHER_PROGRAMS=132
+    bench 150 llama-2-7b-b8-8k-grid132 --synthetic llama-2-7b --batch 8 --context 8192 --policies infinigen
+    ;;
   *)
-    echo "unknown part $PART: tests, llama2-8k, llama2-32k, llama31-32k, llama31-128k" >&2
+    echo "unknown part $PART: tests, llama2-8k, llama2-32k, llama31-32k, llama31-128k, gather-grid" >&2
     exit 2
     ;;
 esac

@@ -16,7 +16,7 @@ from infinigen_rt.measure.fakecuda import available
 from tests.conftest import ROOT
 
 GPU_SH = ROOT / "benchmarks" / "gpu.sh"
-PARTS = ("tests", "llama2-8k", "llama2-32k", "llama31-32k", "llama31-128k")
+PARTS = ("tests", "llama2-8k", "llama2-32k", "llama31-32k", "llama31-128k", "gather-grid")
 MAX_FILES = 8  # what one call of the device tool brings back
 
 # The plan's rates: assumptions, set low (an H100 over PCIe Gen5 does better on each), so that a part planned to fit

@@ -9,10 +9,18 @@ included, and the interpreter needs no half-precision arithmetic)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
+from infinigen_rt.errors import InfinigenError
+
 ROWS_PER_PROGRAM = 16
+# the gather's programs at most (`INFINIGEN_GATHER_PROGRAMS`; unset or 0: a program per ROWS_PER_PROGRAM rows, the
+# default). A capped grid loops over the chunks: the H100's profile (artifacts/results/gpu-h100-2026-11-26) showed
+# the gather, whose programs wait on PCIe, overlapping the compute stream's kernels 7-15 % of the time; fewer
+# programs may leave SMs to them. Not yet measured on a GPU: `benchmarks/gpu.sh gather-grid` compares.
+GATHER_PROGRAMS_ENV = "INFINIGEN_GATHER_PROGRAMS"
 # the kernels' names, as a CUDA profiler shows them (bench counts the gather as host-to-device copying)
 GATHER_KERNEL, SCATTER_KERNEL = "gather_rows_kernel", "scatter_rows_kernel"
 
@@ -65,6 +73,19 @@ def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
         kernel[grid](*args, **meta)
 
 
+def gather_grid(total: int) -> int:
+    """The gather's programs for `total` rows: one a chunk of ROWS_PER_PROGRAM, at most GATHER_PROGRAMS_ENV's."""
+    chunks = -(-total // ROWS_PER_PROGRAM)
+    raw = os.environ.get(GATHER_PROGRAMS_ENV, "").strip()
+    try:
+        cap = int(raw or 0)
+    except ValueError:
+        raise InfinigenError(f"{GATHER_PROGRAMS_ENV}={raw!r}: expected a whole number (0: no cap)") from None
+    if cap < 0:
+        raise InfinigenError(f"{GATHER_PROGRAMS_ENV}={raw!r}: expected 0 (no cap) or more")
+    return min(chunks, cap) if cap else chunks
+
+
 def gather_rows(src_a, src_b, rows, ok, out_a, out_b) -> None:
     """out_x[g, i] = src_x[rows[g, i]] where ok[g, i] (else zeros), for the pair x = a, b (keys and values).
 
@@ -84,7 +105,7 @@ def gather_rows(src_a, src_b, rows, ok, out_a, out_b) -> None:
 
     rows = rows.reshape(-1).contiguous()
     launch(
-        gather_rows_kernel, (triton.cdiv(total, ROWS_PER_PROGRAM),),
+        gather_rows_kernel, (gather_grid(total),),
         sa, sb, oa, ob, rows, ok.reshape(-1).contiguous() if ok is not None else rows, n, n_out, total,
         W=w, BLOCK_W=triton.next_power_of_2(w), ROWS=ROWS_PER_PROGRAM, HAS_OK=ok is not None,
     )  # fmt: skip
@@ -105,7 +126,7 @@ def gather_reused(src_a, src_b, prev_a, prev_b, rows, ok, pos, out_a, out_b) -> 
     sa, sb, pa, pb, oa, ob = (words(x) for x in (src_a, src_b, prev_a, prev_b, out_a, out_b))
     w = sa.shape[-1]
     launch(
-        gather_reused_kernel, (triton.cdiv(total, ROWS_PER_PROGRAM),),
+        gather_reused_kernel, (gather_grid(total),),
         sa, sb, pa, pb, oa, ob, *(x.reshape(-1).contiguous() for x in (rows, ok, pos)), n, out_a.shape[1], total,
         W=w, BLOCK_W=triton.next_power_of_2(w), ROWS=ROWS_PER_PROGRAM,
     )  # fmt: skip

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infinigen_rt.kv.kernels import available, gather_rows, gather_rows_reference, scatter_rows, scatter_rows_reference
+from infinigen_rt.kv.kernels import (
+    available,
+    gather_reused,
+    gather_rows,
+    gather_rows_reference,
+    scatter_rows,
+    scatter_rows_reference,
+)
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs triton (pip install triton)")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -49,6 +56,40 @@ def test_gather_equals_its_definition(dtype, groups, n, extra, width):
         if mask is not None:
             assert bool((ka[:, :n][~mask] == 0).all())  # a row that does not count is zeros, not pool bytes
         assert torch.equal(ka[0, :n], src_a[rows[0].cpu()].to(DEVICE))
+
+
+@pytest.mark.parametrize("cap", ["1", "3"])
+def test_a_capped_gather_grid_loops_over_every_chunk(cap, monkeypatch):
+    """INFINIGEN_GATHER_PROGRAMS: fewer programs than chunks, each looping over its share, move the same rows (fresh
+    and reused); a cap that is not a count is a one-line error."""
+    from infinigen_rt.errors import InfinigenError
+    from infinigen_rt.kv import kernels
+
+    gen = torch.Generator().manual_seed(int(cap))
+    groups, n, width, n_rows = 5, 37, 24, 60  # 185 rows: 12 chunks of 16
+    src_a, src_b = pool_tensor((n_rows, width), torch.float32, gen), pool_tensor((n_rows, width), torch.float32, gen)
+    rows = torch.randint(0, n_rows, (groups, n), generator=gen).to(DEVICE)
+    ok = (torch.rand(groups, n, generator=gen) > 0.3).to(DEVICE)
+    monkeypatch.setenv(kernels.GATHER_PROGRAMS_ENV, cap)
+    assert kernels.gather_grid(groups * n) == int(cap)
+    outs = []
+    for fn in (gather_rows, gather_rows_reference):
+        out_a, out_b = (torch.full((groups, n + 1, width), 7.0, device=DEVICE) for _ in "ab")
+        fn(src_a, src_b, rows, ok, out_a, out_b)
+        outs.append((out_a, out_b))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    prev_a, prev_b = outs[1][0].reshape(-1, width), outs[1][1].reshape(-1, width)
+    pos = torch.where(torch.rand(groups, n, generator=gen).to(DEVICE) > 0.5, torch.arange(groups * n, device=DEVICE)
+                      .view(groups, n), -1)  # fmt: skip
+    reused = [torch.full((groups, n + 1, width), 7.0, device=DEVICE) for _ in "ab"]
+    gather_reused(src_a, src_b, prev_a, prev_b, rows, ok, pos, *reused)
+    want = [torch.full((groups, n + 1, width), 7.0, device=DEVICE) for _ in "ab"]
+    monkeypatch.delenv(kernels.GATHER_PROGRAMS_ENV)
+    gather_reused(src_a, src_b, prev_a, prev_b, rows, ok, pos, *want)
+    assert torch.equal(reused[0], want[0]) and torch.equal(reused[1], want[1])
+    monkeypatch.setenv(kernels.GATHER_PROGRAMS_ENV, "many")
+    with pytest.raises(InfinigenError, match="whole number"):
+        kernels.gather_grid(10)
 
 
 @pytest.mark.parametrize(
