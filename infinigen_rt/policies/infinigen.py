@@ -323,7 +323,7 @@ class LastRows:
         self.turn: dict[int, int] = {}
         self.buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.rids: list[int] | None = None
-        self.places: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (b, h, n) -> (head, place)
+        self.places: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (b, h, n, room) -> (head, place)
 
     def begin(self, step) -> None:
         if step.batch.rids != self.rids:
@@ -332,26 +332,27 @@ class LastRows:
                 self.where[j].index_fill_(0, rows.reshape(-1), -1)
             self.last.clear()
 
-    def gather(self, step, j: int, sel: Selection) -> tuple:
-        """Layer j's selected rows [B, Hkv, n + 1, X] (keys' and values' one part each; the last row for the new
-        token), the held ones from the last step's output. Counts what crossed PCIe per request in the ledger."""
+    def gather(self, step, j: int, sel: Selection, room: int = 0) -> tuple:
+        """Layer j's selected rows [B, Hkv, n + room + 1, X] (keys' and values' one part each; `room` rows left for
+        the correction to fill, InfinigenSelector.room; the last row for the new token), the held ones from the last
+        step's output. Counts what crossed PCIe per request in the ledger."""
         store, (b, h, n) = self.store, sel.slots.shape
         (k_src,), (v_src,) = store.k[j], store.v[j]
-        x = k_src.shape[-1]
-        if (b, h, n) not in self.places:  # the head of each row, and where it lands in the output (fetch widths are
-            dev = sel.slots.device  # a few: multiples of a bucket)
-            self.places[b, h, n] = (torch.arange(h, device=dev).view(1, h, 1), torch.arange(n, device=dev)
-                                    + torch.arange(b * h, device=dev).view(b, h, 1) * (n + 1))  # fmt: skip
-        head, place = self.places[b, h, n]
+        x, width = k_src.shape[-1], n + room + 1
+        if (b, h, n, room) not in self.places:  # the head of each row, and where it lands in the output (fetch
+            dev = sel.slots.device  # widths are a few: multiples of a bucket)
+            self.places[b, h, n, room] = (torch.arange(h, device=dev).view(1, h, 1), torch.arange(n, device=dev)
+                                          + torch.arange(b * h, device=dev).view(b, h, 1) * width)  # fmt: skip
+        head, place = self.places[b, h, n, room]
         rows = step.physical(sel.slots) * h + head  # [B, Hkv, n]: pool rows (slot x heads + head)
         if j not in self.where:
             self.where[j] = torch.full((k_src.numel() // x,), -1, dtype=torch.int64, device=store.device)
         turn = self.turn[j] = 1 - self.turn.get(j, 1)
-        need = b * h * (n + 1) * x
+        need = b * h * width * x
         if (j, turn) not in self.buffers or self.buffers[j, turn][0].numel() < need:
             self.buffers[j, turn] = tuple(torch.empty(need + need // 8, dtype=k_src.dtype, device=store.device)
                                           for _ in "kv")  # fmt: skip
-        out_k, out_v = (o[:need].view(b * h, n + 1, x) for o in self.buffers[j, turn])
+        out_k, out_v = (o[:need].view(b * h, width, x) for o in self.buffers[j, turn])
         ok = sel.ok.expand(b, h, n) if sel.every else sel.ok
         last = self.last.get(j)
         pos = self.where[j].index_select(0, rows.reshape(-1)).view(b, h, n)
@@ -363,7 +364,7 @@ class LastRows:
             self.where[j].index_fill_(0, last[0].reshape(-1), -1)
         self.where[j].index_copy_(0, rows.reshape(-1), torch.where(ok, place, -1).reshape(-1))
         self.last[j] = (rows, (out_k.view(-1, x), out_v.view(-1, x)))
-        return (out_k.view(b, h, n + 1, x),), (out_v.view(b, h, n + 1, x),)
+        return (out_k.view(b, h, width, x),), (out_v.view(b, h, width, x),)
 
 
 class InfinigenSelector(Selector):
@@ -445,7 +446,7 @@ class InfinigenSelector(Selector):
         step, j, sel = chosen
         sel.counted = None if sel.every else sel.ok.sum((1, 2))  # rows per request (its fetch, its bytes)
         if self.last_rows is not None:
-            return sel, *self.last_rows.gather(step, j, sel)
+            return sel, *self.last_rows.gather(step, j, sel, self.room(step, j))
         return sel, *self.gather(step, j, sel.slots, None if sel.every else sel.ok, 1, j % 2, sel.counted,
                                  step.physical(sel.slots), room=self.room(step, j))  # fmt: skip
 
