@@ -40,6 +40,15 @@ def median_ms(fn, n: int) -> float:
     return 1000 * sorted(times)[n // 2]
 
 
+def save(rows: list[dict], path: str | None) -> None:
+    """The rows, with the machine, torch's threads and version, as JSON at path (None: nowhere)."""
+    out = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+           "torch": torch.__version__, "rows": rows}  # fmt: skip
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--context", type=int, default=8192)
@@ -69,11 +78,7 @@ def main() -> None:
             rows.append({"shape": name, "batch": b, "kv_heads": hkv, "group": g, "head_dim": d, "bits": bits,
                          "context": t, "way": way, "ms": round(ms, 3), "rel_err_vs_float64": float(f"{err:.3g}")})
             print(f"{name:18} b{b} {way:6} {ms:8.3f} ms  rel err {err:.2e}")
-    out = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-           "torch": torch.__version__, "rows": rows}  # fmt: skip
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
+    save(rows, a.out)
 
 
 if __name__ == "__main__":

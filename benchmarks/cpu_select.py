@@ -10,28 +10,20 @@ pool (pool.copy_rows). Every kernel's result is checked against torch's before i
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import time
+import sys
 from functools import partial
+from pathlib import Path
 
 import torch
 
 from infinigen_rt.kv import cpu, pool
 from infinigen_rt.policies.speculation import group_softmax, top_k
 
+sys.path.insert(0, str(Path(__file__).parent))
+from cpu_score import median_ms, save  # noqa: E402
+
 # (name, batch, KV heads, query heads a KV head, head_dim): fp32 rows
 SHAPES = [("smollm2-135m", 1, 3, 3, 64), ("smollm2-135m", 8, 3, 3, 64), ("llama-3.1-8b", 1, 8, 4, 128)]
-
-
-def median_ms(fn, n: int) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * sorted(times)[n // 2]
 
 
 def gather(src_k, src_v, picked, out_k, out_v):
@@ -87,11 +79,7 @@ def main() -> None:
             rows.append({"shape": name, "batch": b, "kv_heads": hkv, "group": g, "head_dim": d, "context": t,
                          "part": part, "kernel_ms": round(kernel, 4), "torch_ms": round(plain, 4)})  # fmt: skip
             print(f"{name:14} b{b} {part:24} kernel {kernel:7.3f} ms  torch {plain:7.3f} ms  ({plain / kernel:.1f}x)")
-    out = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-           "torch": torch.__version__, "rows": rows}  # fmt: skip
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
+    save(rows, a.out)
 
 
 if __name__ == "__main__":
