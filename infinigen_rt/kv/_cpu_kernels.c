@@ -10,6 +10,7 @@
 
 #define MAX_G 64    /* query heads a KV head serves */
 #define MAX_D 512   /* head_dim */
+#define AHEAD 16    /* keys ahead whose rows a scattered scoring requests before it needs them */
 
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -34,7 +35,7 @@ static inline float half_to_float(uint16_t h) {
 #endif
 
 /* Where the (sequence, KV head) pair's keys, their scales, its slots and its scores start: codes [R, Hkv, S, nb],
-   meta [R, Hkv, S, 2, groups], slots [B, T] (or none), out [B, Hkv, G, T]. */
+   meta [R, Hkv, S, 2, groups], slots [B, T] or, where `pairs`, [B, Hkv, T] (or none), out [B, Hkv, G, T]. */
 typedef struct {
     const uint8_t *codes;
     const uint16_t *meta;
@@ -42,17 +43,20 @@ typedef struct {
     float *out;
 } Rows;
 
-static inline Rows rows_of(const uint8_t *codes, const uint16_t *meta, const int64_t *slots, float *out, int64_t pair,
-                           int64_t R, int64_t Hkv, int64_t G, int64_t T, int64_t S, int64_t nb, int64_t groups) {
+static inline Rows rows_of(const uint8_t *codes, const uint16_t *meta, const int64_t *slots, int64_t pairs,
+                           float *out, int64_t pair, int64_t R, int64_t Hkv, int64_t G, int64_t T, int64_t S,
+                           int64_t nb, int64_t groups) {
     const int64_t b = pair / Hkv, row = (R == 1 ? 0 : b) * Hkv + pair % Hkv;
-    Rows at = {codes + row * S * nb, meta + row * S * 2 * groups, slots ? slots + b * T : 0, out + pair * G * T};
+    Rows at = {codes + row * S * nb, meta + row * S * 2 * groups, slots ? slots + (pairs ? pair : b) * T : 0,
+               out + pair * G * T};
     return at;
 }
 
 /* The pairs lo .. hi (see infinigen_score_codes); bits, D and group are constants where the caller below is
    specialised (the common layouts), so the loops over a key's bytes unroll and vectorise. */
 static inline __attribute__((always_inline)) int score_pairs(
-        const float *q, const uint8_t *codes, const uint16_t *meta, const int64_t *slots, float *out, int64_t R,
+        const float *q, const uint8_t *codes, const uint16_t *meta, const int64_t *slots, int64_t pairs, float *out,
+        int64_t R,
         int64_t Hkv, int64_t G, const int64_t D, const int64_t group, const int64_t bits, int64_t T, int64_t S,
         int64_t start, int64_t lo, int64_t hi) {
     const int64_t per = 8 / bits, nb = D / per, groups = D / group, gb = group / per, mask = (1 << bits) - 1;
@@ -70,7 +74,7 @@ static inline __attribute__((always_inline)) int score_pairs(
                 qs[x * groups + g] = s;
             }
         }
-        const Rows at = rows_of(codes, meta, slots, out, pair, R, Hkv, G, T, S, nb, groups);
+        const Rows at = rows_of(codes, meta, slots, pairs, out, pair, R, Hkv, G, T, S, nb, groups);
         const uint8_t *cb = at.codes;
         const uint16_t *mb = at.meta;
         const int64_t *st = at.slots;
@@ -111,7 +115,7 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
 }
 
 static int score_pairs_u4g64(const float *q, const uint8_t *codes, const uint16_t *meta, const int64_t *slots,
-                             float *out, int64_t R, int64_t Hkv, int64_t G, int64_t D, int64_t T, int64_t S,
+                             int64_t pairs, float *out, int64_t R, int64_t Hkv, int64_t G, int64_t D, int64_t T, int64_t S,
                              int64_t start, int64_t lo, int64_t hi) {
     const int64_t nb = D / 2, groups = D / 64;
     const int64_t G4 = (G + 3) & ~3;  /* query heads padded to fours (zero queries) */
@@ -130,7 +134,7 @@ static int score_pairs_u4g64(const float *q, const uint8_t *codes, const uint16_
                 }
                 qs[x * groups + g] = sum;
             }
-        const Rows at = rows_of(codes, meta, slots, out, pair, R, Hkv, G, T, S, nb, groups);
+        const Rows at = rows_of(codes, meta, slots, pairs, out, pair, R, Hkv, G, T, S, nb, groups);
         const uint8_t *cb = at.codes;
         const uint16_t *mb = at.meta;
         const int64_t *st = at.slots;
@@ -138,6 +142,13 @@ static int score_pairs_u4g64(const float *q, const uint8_t *codes, const uint16_
         for (int64_t t = 0; t < T; t++) {
             const int64_t slot = st ? st[t] : start + t;
             if (slot < 0 || slot >= S) return -2;
+            if (st && t + AHEAD < T) { /* scattered slots (a shortlist): their rows requested ahead, not waited for */
+                const int64_t next = st[t + AHEAD];
+                if (next >= 0 && next < S) {
+                    for (int64_t i = 0; i < nb; i += 64) __builtin_prefetch(cb + next * nb + i);
+                    __builtin_prefetch(mb + next * 2 * groups);
+                }
+            }
             const uint8_t *c = cb + slot * nb;
             const uint16_t *m = mb + slot * 2 * groups;
             float res[MAX_G + 4];
@@ -196,21 +207,22 @@ static int score_pairs_u4g64(const float *q, const uint8_t *codes, const uint16_
 
 #define SPECIALISED(BITS, DIM, GROUP)                                                                       \
     if (bits == BITS && D == DIM && group == GROUP)                                                         \
-        return score_pairs(q, codes, meta, slots, out, R, Hkv, G, DIM, GROUP, BITS, T, S, start, lo, hi);
+        return score_pairs(q, codes, meta, slots, pairs, out, R, Hkv, G, DIM, GROUP, BITS, T, S, start, lo, hi);
 
 /* q [B, Hkv, G, D] float32 (contiguous); codes [R, Hkv, S, D * bits / 8] uint8; meta [R, Hkv, S, 2, D / group]
-   fp16 (scale, minimum); slots [B, T] int64, or NULL for the run start .. start + T; out [B, Hkv, G, T] float32.
+   fp16 (scale, minimum); slots [B, T] int64 (each sequence's, for every KV head) or, where `pairs` is non-zero,
+   [B, Hkv, T] (each pair's own), or NULL for the run start .. start + T; out [B, Hkv, G, T] float32.
    R is B (each sequence its own rows) or 1 (rows shared through slot tables). Computes the (sequence, KV head)
    pairs lo .. hi of the B * Hkv. Returns 0, or -1 for shapes it does not take, or -2 for a slot outside 0 .. S. */
 int infinigen_score_codes(const float *q, const uint8_t *codes, const uint16_t *meta, const int64_t *slots,
-                          float *out, int64_t B, int64_t R, int64_t Hkv, int64_t G, int64_t D, int64_t group,
-                          int64_t bits, int64_t T, int64_t S, int64_t start, int64_t lo, int64_t hi) {
+                          int64_t pairs, float *out, int64_t B, int64_t R, int64_t Hkv, int64_t G, int64_t D,
+                          int64_t group, int64_t bits, int64_t T, int64_t S, int64_t start, int64_t lo, int64_t hi) {
     if (G < 1 || G > MAX_G || D < 1 || D > MAX_D || (bits != 2 && bits != 4 && bits != 8) || group < 1 ||
         D % group || (group * bits) % 8 || (R != 1 && R != B) || lo < 0 || hi > B * Hkv)
         return -1;
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     if (bits == 4 && group == 64 && D % 64 == 0 && G >= 3) /* (fewer heads: the padding to four costs more) */
-        return score_pairs_u4g64(q, codes, meta, slots, out, R, Hkv, G, D, T, S, start, lo, hi);
+        return score_pairs_u4g64(q, codes, meta, slots, pairs, out, R, Hkv, G, D, T, S, start, lo, hi);
 #endif
     SPECIALISED(4, 64, 64)
     SPECIALISED(4, 128, 64)
@@ -218,7 +230,7 @@ int infinigen_score_codes(const float *q, const uint8_t *codes, const uint16_t *
     SPECIALISED(2, 64, 32)
     SPECIALISED(2, 128, 32)
     SPECIALISED(2, 256, 32)
-    return score_pairs(q, codes, meta, slots, out, R, Hkv, G, D, group, bits, T, S, start, lo, hi);
+    return score_pairs(q, codes, meta, slots, pairs, out, R, Hkv, G, D, group, bits, T, S, start, lo, hi);
 }
 
 /* New keys into their slots: x [N, D] float32, each row quantized as kv/quant.py's `quantize` does (the same

@@ -23,9 +23,11 @@ def score_codes_kernel(
     q, codes, meta, slots, out, n_tok, n_slots, start, BATCH_ROWS: tl.constexpr,
     HKV: tl.constexpr, G: tl.constexpr, G_ROWS: tl.constexpr, D: tl.constexpr,
     GROUP: tl.constexpr, BITS: tl.constexpr, TOKENS: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    PAIR_SLOTS: tl.constexpr = False,
 ):  # fmt: skip
     # q [B, HKV, G, D] float32; codes [*, HKV, n_slots, D * BITS / 8] uint8; meta [*, HKV, n_slots, 2, D / GROUP]
-    # fp16 (scale, minimum); slots [B, n_tok] (HAS_SLOTS; else the slots start..start + n_tok); out [B, HKV, G, n_tok]
+    # fp16 (scale, minimum); slots [B, n_tok] (HAS_SLOTS; [B, HKV, n_tok] where PAIR_SLOTS: each pair its own; else
+    # the slots start..start + n_tok); out [B, HKV, G, n_tok]
     # float32. BATCH_ROWS: codes has a leading row per sequence (a cache of its own), else one shared (the store).
     # On the matrix units: a tile of TOKENS rows of codes is read whole (each row's bytes adjacent), unpacked to
     # [TOKENS, D] in registers and multiplied by a [D, G_ROWS * GROUPS] matrix holding query head n // GROUPS's
@@ -54,7 +56,8 @@ def score_codes_kernel(
         t = s * SPLIT + t0 + tl.arange(0, TOKENS)
         live = t < n_tok
         if HAS_SLOTS:
-            slot = tl.load(slots + b.to(tl.int64) * n_tok + t, mask=live, other=0).to(tl.int64)
+            owner = (b * HKV + h) if PAIR_SLOTS else b
+            slot = tl.load(slots + owner.to(tl.int64) * n_tok + t, mask=live, other=0).to(tl.int64)
         else:
             slot = start + t.to(tl.int64)
         row = base + slot

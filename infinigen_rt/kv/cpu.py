@@ -99,7 +99,7 @@ def library() -> ctypes.CDLL | None:
             return None
         f = lib.infinigen_score_codes
         f.restype = ctypes.c_int
-        f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 12
+        f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 12
         f = lib.infinigen_quantize_rows
         f.restype = ctypes.c_int
         f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5
@@ -164,8 +164,10 @@ def score_codes(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, t:
     out = torch.empty(b, hkv, g, t, dtype=torch.float32)
     if t == 0:
         return out
+    pairs = slots is not None and slots.dim() == 3  # [B, Hkv, t]: each (sequence, KV head) its own slots
     args = (q.data_ptr(), codes.data_ptr(), meta.data_ptr(), slots.data_ptr() if slots is not None else None,
-            out.data_ptr(), b, codes.shape[0], hkv, g, d, group, bits, t, codes.shape[2], start)  # fmt: skip
+            int(pairs), out.data_ptr(), b, codes.shape[0], hkv, g, d, group, bits, t, codes.shape[2],
+            start)  # fmt: skip
     bad = _split(lib.infinigen_score_codes, args, b * hkv, t)
     if bad == -1:
         return None

@@ -57,7 +57,7 @@ def scores(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, group: 
     """q [B, Hkv, G, D] (scaled) against keys held as codes [R, Hkv, S, D * bits / 8] and their meta [R, Hkv, S, 2,
     groups] (scale, minimum): [B, Hkv, G, T] in float32. R = B, each sequence its own rows, and `at` an int T: their
     first T slots. R = 1, rows shared through tables: `at` a slice (one sequence whose slots are one run) or [B, T]
-    slots per sequence.
+    slots per sequence. Either R, `at` [B, Hkv, T]: slots per (sequence, KV head) (the correction's shortlist).
 
     On a GPU one kernel reads the codes and scales once and never writes a key (_quant_kernel.py); on a CPU the
     native kernel does the same (kv/cpu.py, built on first use). Else (no compiler) the codes are scored a span of
@@ -65,7 +65,7 @@ def scores(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, group: 
     Llama-2-7B, 4 x 32k) without forming the keys: per group, scale * (q . codes) + minimum * sum(q)
     (`score_span`)."""
     b, hkv, g, d = q.shape
-    t = at if isinstance(at, int) else at.stop - at.start if isinstance(at, slice) else at.shape[1]
+    t = at if isinstance(at, int) else at.stop - at.start if isinstance(at, slice) else at.shape[-1]
     if fused(q, d):
         return _scores_kernel(q, codes, meta, at, t, group, bits)
     # the kernel where it is the faster (benchmarks/cpu_score.py: 4 bits 5-10x the torch path; at 2 bits its plain
@@ -75,6 +75,10 @@ def scores(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, group: 
         return out
     if isinstance(at, slice):
         codes, meta = codes[:, :, at], meta[:, :, at]
+    elif isinstance(at, torch.Tensor) and at.dim() == 3:  # each pair its slots: [B, Hkv, T, bytes]
+        heads = torch.arange(hkv, device=at.device)[None, :, None]
+        rows = torch.arange(b, device=at.device)[:, None, None] if codes.shape[0] > 1 else 0
+        codes, meta = codes[rows, heads, at], meta[rows, heads, at]
     elif isinstance(at, torch.Tensor):  # [B, Hkv, T, bytes], gathered once for every span (index_select on flat
         flat = at.reshape(-1)  # slots: several times faster than indexing by [B, T] on a CPU)
         codes, meta = (x[0].index_select(1, flat).unflatten(1, (b, t)).transpose(0, 1) for x in (codes, meta))
@@ -135,7 +139,8 @@ def _scores_kernel(q, codes, meta, at, t: int, group: int, bits: int) -> torch.T
         score_codes_kernel, (b, hkv, triton.cdiv(t, SPLIT)),
         q.float().contiguous(), codes, meta, slots.contiguous() if slots is not None else out, out, t, codes.shape[2],
         start, BATCH_ROWS=codes.shape[0] > 1, HKV=hkv, G=g, G_ROWS=score_rows(g, d // group), D=d, GROUP=group,
-        BITS=bits, TOKENS=TOKENS, SPLIT=SPLIT, HAS_SLOTS=slots is not None, num_warps=8 if d >= 256 else 4,
+        BITS=bits, TOKENS=TOKENS, SPLIT=SPLIT, HAS_SLOTS=slots is not None,
+        PAIR_SLOTS=slots is not None and slots.dim() == 3, num_warps=8 if d >= 256 else 4,
     )  # fmt: skip
     return out
 

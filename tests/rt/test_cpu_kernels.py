@@ -26,9 +26,14 @@ def codes_of(gen, r, hkv, slots, d, bits):
 
 
 def reference(q, codes, meta, slots, group, bits):
-    """float64: q [B, Hkv, G, D] against the dequantized keys of rows slots [B, T] of codes [R, Hkv, S, bytes]."""
+    """float64: q [B, Hkv, G, D] against the dequantized keys of rows slots [B, T] (or each pair's [B, Hkv, T]) of
+    codes [R, Hkv, S, bytes]."""
     k = quant.dequantize(codes, meta[..., 0, :], meta[..., 1, :], group, torch.float64, bits)  # [R, Hkv, S, D]
-    b = q.shape[0]
+    b, hkv = q.shape[:2]
+    if slots.dim() == 3:
+        rows = torch.stack([torch.stack([k[i if k.shape[0] > 1 else 0][h][slots[i, h]] for h in range(hkv)])
+                            for i in range(b)])  # fmt: skip
+        return q.double() @ rows.transpose(-1, -2)
     rows = k[0][:, slots] if k.shape[0] == 1 else torch.stack([k[i][:, slots[i]] for i in range(b)])
     if k.shape[0] == 1:
         rows = rows.permute(1, 0, 2, 3)  # [B, Hkv, T, D]
@@ -39,7 +44,8 @@ def reference(q, codes, meta, slots, group, bits):
 @pytest.mark.parametrize("bits, d, g", CASES)
 def test_the_kernel_scores_as_the_torch_path_and_the_float64_reference(bits, d, g, monkeypatch):
     """Every form a caller has: slots through a table (the batch's store), one run of slots (a request alone), and
-    each sequence's own first slots (a request's own cache); split over threads or not."""
+    each sequence's own first slots (a request's own cache), and each (sequence, KV head) its own slots (the
+    correction's shortlist, through a table or in a request's own rows); split over threads or not."""
     gen = torch.Generator().manual_seed(bits * d + g)
     hkv, n_slots, b, t = 3, 300, 3, 257
     codes, meta, group = codes_of(gen, 1, hkv, n_slots, d, bits)
@@ -47,8 +53,10 @@ def test_the_kernel_scores_as_the_torch_path_and_the_float64_reference(bits, d, 
     q = torch.randn(b, hkv, g, d, generator=gen)
     idx = torch.randint(0, n_slots, (b, t), generator=gen)
     run = slice(11, 11 + t)
+    pairs = torch.randint(0, n_slots, (b, hkv, t), generator=gen)
     forms = [(q, codes, meta, idx, idx), (q[:1], codes, meta, run, torch.arange(11, 11 + t)[None]),
-             (q, own, own_meta, t, torch.arange(t).expand(b, t))]  # fmt: skip
+             (q, own, own_meta, t, torch.arange(t).expand(b, t)), (q, codes, meta, pairs, pairs),
+             (q, own, own_meta, pairs, pairs)]  # fmt: skip
     for split in (1 << 30, 1):
         for qq, c, m, at, slots in forms:
             monkeypatch.setattr(cpu, "SPLIT_WORK", split)

@@ -40,17 +40,24 @@ def codes_of(gen, r, hkv, slots, d, bits):
 @pytest.mark.parametrize("bits, d, g", CASES)
 def test_scoring_from_the_codes_equals_the_dequantized_keys_scores(bits, d, g):
     """Each form a caller has: slots through a table (the batch's store, rows of other lengths), one run of slots (a
-    request alone), and each sequence's own first slots (a request's own cache)."""
+    request alone), each sequence's own first slots (a request's own cache), and each (sequence, KV head) its own
+    slots (the correction's shortlist) through a table or in a request's own rows."""
     gen = torch.Generator().manual_seed(bits * d + g)
     hkv, slots, b, t = 2, 90, 3, 70
     codes, meta, group = codes_of(gen, 1, hkv, slots, d, bits)
     q = torch.randn(b, hkv, g, d, generator=gen)
     idx = torch.randint(0, slots, (b, t), generator=gen)
-    for at, qq, c, m, n in [(idx, q, codes, meta, t), (slice(11, 11 + t), q[:1], codes, meta, t)]:
+    pairs = torch.randint(0, slots, (b, hkv, t), generator=gen)
+    own, own_meta, _ = codes_of(gen, b, hkv, slots, d, bits)
+    for at, qq, c, m, n in [(idx, q, codes, meta, t), (slice(11, 11 + t), q[:1], codes, meta, t),
+                            (pairs, q, codes, meta, t), (pairs, q, own, own_meta, t)]:  # fmt: skip
         want = quant.scores(qq, c, m, at, group, bits)  # the torch path (CPU tensors)
         got = quant._scores_kernel(on(qq), on(c), on(m), on(at), n, group, bits).cpu()
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * d)
-    own, own_meta, _ = codes_of(gen, b, hkv, slots, d, bits)
+        if isinstance(at, torch.Tensor) and at.dim() == 3:  # against each pair's rows of the dequantized keys
+            k = quant.dequantize(c, m[..., 0, :], m[..., 1, :], group, torch.float32, bits)
+            rows = k.expand(b, -1, -1, -1).gather(2, at[..., None].expand(-1, -1, -1, d))
+            torch.testing.assert_close(got, qq @ rows.transpose(-1, -2), rtol=1e-4, atol=1e-3 * d)
     want = quant.scores(q, own, own_meta, t, group, bits)
     got = quant._scores_kernel(on(q), on(own), on(own_meta), t, t, group, bits).cpu()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * d)
