@@ -14,7 +14,8 @@ from pathlib import Path
 
 from infinigen_rt.measure.perplexity import label
 
-KEY = ("policy", "budget", "alpha", "spec_keys", "correct")  # a row's speculation options: absent in older files
+KEY = ("policy", "budget", "alpha", "spec_keys", "correct", "shortlist")  # a row's speculation options (absent in
+# older files)
 
 
 def key(row: dict) -> tuple:
@@ -22,7 +23,8 @@ def key(row: dict) -> tuple:
 
 
 def name(row: dict) -> str:
-    return label(row["policy"], row.get("spec_keys"), row.get("correct"), row.get("alpha"))
+    return label(row["policy"], row.get("spec_keys"), row.get("correct"), row.get("alpha"),
+                 shortlist=row.get("shortlist"))
 
 
 def load(path: str) -> dict:

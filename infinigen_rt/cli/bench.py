@@ -72,6 +72,8 @@ def _list_help(name: str, what: str) -> str:
 SpecKeys = Annotated[Optional[str], kv_option("spec_keys", help=_list_help(
     "spec_keys", "several time one point each, side by side with --interleave"))]  # fmt: skip
 Correct = Annotated[Optional[str], kv_option("correct", help=_list_help("correct", "every key choice runs with each"))]
+Shortlist = Annotated[Optional[str], kv_option("shortlist", help=_list_help(
+    "shortlist", "every correction share runs with each"))]  # fmt: skip
 MaxKv = Annotated[Optional[int], kv_option("max_kv")]
 Reuse = Annotated[bool, kv_option("reuse")]
 Alpha = Annotated[Optional[float], kv_option("alpha")]
@@ -124,6 +126,7 @@ def bench_cmd(
     alpha: Alpha = None,
     spec_keys: SpecKeys = None,
     correct: Correct = None,
+    shortlist: Shortlist = None,
     reuse: Reuse = False,
     text: Text = None,
     prefill_chunk: PrefillChunk = None,
@@ -155,7 +158,7 @@ def bench_cmd(
     names, batches, contexts = _check(bundle, synthetic, policies, batch, context, gen, warmup, probe, text, tp)
     for name, value in (("budget", budget), ("max_kv", max_kv), ("alpha", alpha), ("prefill_chunk", prefill_chunk)):
         check_value(name, value)
-    variants = _variants(names, spec_keys, correct, reuse)
+    variants = _variants(names, spec_keys, correct, reuse, shortlist)
     check_outputs(out, plot_path)
     if rehearse:
         from infinigen_rt.errors import InfinigenError
@@ -284,9 +287,10 @@ def _check(bundle, synthetic, policies: str, batch: str, context: str, gen: int,
     return names, batches, contexts
 
 
-def _variants(names: list[str], spec_keys: str | None, correct: str | None, reuse: bool = False) -> list:
-    """The points' policies: a speculating policy once per key choice and correction share given, with `reuse` if
-    asked (the others once each)."""
+def _variants(names: list[str], spec_keys: str | None, correct: str | None, reuse: bool = False,
+              shortlist: str | None = None) -> list:  # fmt: skip
+    """The points' policies: a speculating policy once per key choice, correction share and shortlist given, with
+    `reuse` if asked (the others once each)."""
     from infinigen_rt.cli.options import floats
     from infinigen_rt.errors import InfinigenError
     from infinigen_rt.measure.bench import Variant
@@ -294,7 +298,9 @@ def _variants(names: list[str], spec_keys: str | None, correct: str | None, reus
 
     keys = [k.strip() for k in spec_keys.split(",") if k.strip()] if spec_keys is not None else [None]
     shares = [None] if correct is None else floats(correct, "--correct")
-    for name, given, values in (("spec_keys", spec_keys, keys), ("correct", correct, shares)):
+    lists = [None] if shortlist is None else floats(shortlist, "--shortlist")
+    for name, given, values in (("spec_keys", spec_keys, keys), ("correct", correct, shares),
+                                ("shortlist", shortlist, lists)):  # fmt: skip
         if not values:
             raise InfinigenError(f"{flag(name)} takes values separated by commas, got {given!r}")
         for v in values:
@@ -302,7 +308,8 @@ def _variants(names: list[str], spec_keys: str | None, correct: str | None, reus
     out = []
     for n in names:
         spec = "spec_keys" in POLICIES[n].knobs
-        out += [Variant(n, k, c, reuse or None) for k in keys for c in shares] if spec else [Variant(n)]
+        out += [Variant(n, k, c, reuse or None, s) for k in keys for c in shares for s in lists] if spec else [
+            Variant(n)]
     return out
 
 

@@ -34,6 +34,9 @@ def eval_cmd(
         help=f"infinigen's speculation keys: {', '.join(SPEC_KEYS)} \\[its default].")] = None,  # fmt: skip
     correct: Annotated[Optional[float], typer.Option(
         help="infinigen's correction step: the share of the budget it fetches \\[its default].")] = None,  # fmt: skip
+    shortlist: Annotated[Optional[float], typer.Option(
+        help="infinigen's correction: the candidates it scores, a multiple of its count (0 = every held slot) "
+        "\\[its default].")] = None,  # fmt: skip
     seq_len: Annotated[int, typer.Option(help="Tokens of the text used.")] = 2048,
     score_from: Annotated[int, typer.Option(help="Tokens before this are the prompt; the rest are scored.")] = 1024,
     out: Annotated[Optional[Path], typer.Option(help="Write results JSON here (after every row).")] = None,
@@ -83,7 +86,8 @@ def eval_cmd(
         raise InfinigenError("--resume reads the rows already in --out: pass --out FILE")
     if task not in ("perplexity", "needle"):
         raise InfinigenError(f"--task must be perplexity or needle, got {task!r}")
-    spec = {k: v for k, v in (("spec_keys", spec_keys), ("correct", correct)) if v is not None}
+    spec = {k: v for k, v in (("spec_keys", spec_keys), ("correct", correct), ("shortlist", shortlist))
+            if v is not None}  # fmt: skip
     KVOptions(**spec).check()
     check_outputs(out, plot_path)
     path = resolve_bundle(bundle)

@@ -41,10 +41,11 @@ class Variant:
     spec_keys: str | None = None
     correct: float | None = None
     reuse: bool | None = None
+    shortlist: float | None = None
 
     def changes(self) -> dict:
-        return {k: v for k, v in (("spec_keys", self.spec_keys), ("correct", self.correct), ("reuse", self.reuse))
-                if v is not None}  # fmt: skip
+        return {k: v for k, v in (("spec_keys", self.spec_keys), ("correct", self.correct), ("reuse", self.reuse),
+                                  ("shortlist", self.shortlist)) if v is not None}  # fmt: skip
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Point:
     gen: int
     spec_keys: str | None = None  # a speculating policy's keys and correction share (None for the others)
     correct: float | None = None
+    shortlist: float | None = None  # and the correction's shortlist, where it has one (KVOptions.shortlist)
     status: str = "ok"  # ok, oom-device, oom-host
     predicted: bool | None = None  # an OOM row: predicted before allocating (True) or caught (False)
     prefill_s: float | None = None
@@ -183,7 +185,8 @@ def run_points(
     for v, pol in zip(variants, configured, strict=True):
         spec = "spec_keys" in pol.cls.knobs
         points.append(Point(model_name, str(dev), str(engine.dtype).removeprefix("torch."), v.policy, batch, context,
-                            gen, pol.opts.spec_keys if spec else None, pol.opts.correct if spec else None))  # fmt: skip
+                            gen, pol.opts.spec_keys if spec else None, pol.opts.correct if spec else None,
+                            (pol.opts.shortlist or None) if spec and pol.opts.correct else None))  # fmt: skip
     _predict_oom(engine, points, [memory_needs(engine, p, batch, context, gen, chunk) for p in configured])
     if all(pt.status != "ok" for pt in points):
         return points
@@ -331,7 +334,7 @@ def _free(dev: torch.device) -> None:
 
 def point_label(p: dict) -> str:
     """A point's policy in tables and plots ("infinigen int4 c0.25"; files from before the keys had no field)."""
-    return label(p["policy"], p.get("spec_keys"), p.get("correct"), short=True)
+    return label(p["policy"], p.get("spec_keys"), p.get("correct"), short=True, shortlist=p.get("shortlist"))
 
 
 def plot(points: list[dict], path, title: str) -> None:

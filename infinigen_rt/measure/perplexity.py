@@ -38,24 +38,27 @@ class Row:
     spec_keys: str | None = None  # a speculating policy's keys and correction share (see KVOptions)
     correct: float | None = None
     kv_corrected_share: float | None = None
+    shortlist: float | None = None  # the correction's candidates (KVOptions.shortlist; absent in older files)
 
     def key(self) -> tuple:
-        return (self.policy, self.budget, self.alpha, self.spec_keys, self.correct)
+        return (self.policy, self.budget, self.alpha, self.spec_keys, self.correct, self.shortlist)
 
     def label(self) -> str:
-        return label(self.policy, self.spec_keys, self.correct, self.alpha)
+        return label(self.policy, self.spec_keys, self.correct, self.alpha, shortlist=self.shortlist)
 
 
 def label(policy: str, spec_keys: str | None, correct: float | None, alpha: float | None = None,
-          short: bool = False) -> str:  # fmt: skip
+          short: bool = False, shortlist: float | None = None) -> str:  # fmt: skip
     """A policy's name in tables and plots; one that speculates with its keys, its margin when it has one (the
-    budget alone decides otherwise) and its correction share when on. `short`: for a table at 80 columns with a
-    margin column, the keys and the correction share where they differ from the defaults ("infinigen partial c0":
-    the paper's keys without a correction; plain "infinigen": the defaults)."""
+    budget alone decides otherwise) and its correction share when on, with its shortlist where one was recorded.
+    `short`: for a table at 80 columns with a margin column, the keys, the correction share and the shortlist where
+    they differ from the defaults ("infinigen partial c0": the paper's keys without a correction; plain
+    "infinigen": the defaults)."""
     if short:
         keys = [spec_keys] if spec_keys not in (None, KVOptions.spec_keys) else []
         corr = [f"c{correct:g}"] if correct is not None and correct != KVOptions.correct else []
-        return " ".join([policy, *keys, *corr])
+        listed = [f"s{shortlist:g}"] if correct and shortlist is not None and shortlist != KVOptions.shortlist else []
+        return " ".join([policy, *keys, *corr, *listed])
     if spec_keys is None:
         return policy
     parts = [f"{spec_keys} keys"]
@@ -63,6 +66,8 @@ def label(policy: str, spec_keys: str | None, correct: float | None, alpha: floa
         parts.append(f"alpha {alpha:g}")
     if correct:
         parts.append(f"correct {correct:g}")
+        if shortlist:
+            parts.append(f"shortlist {shortlist:g}")
     return f"{policy} ({', '.join(parts)})"
 
 
@@ -149,7 +154,9 @@ def run_sweep(engine: Engine, ids, score_from, todo, done: list[Row], recall=Tru
         traced = recall and "trace_recall" in POLICIES[policy].knobs
         kv = KVOptions(alpha=alpha, budget=budget or 1.0, trace_recall=traced, **speculation_options(policy, spec))
         keys, correct = (kv.spec_keys, kv.correct) if POLICIES[policy].speculative else (None, None)
-        if (policy, budget, alpha, keys, correct) in have:
+        # the correction's shortlist where it has one (None for every held slot: the rows of older files)
+        shortlist = (kv.shortlist or None) if POLICIES[policy].speculative and kv.correct else None
+        if (policy, budget, alpha, keys, correct, shortlist) in have:
             continue
         run = configure(engine, policy, kv)
         t0 = time.perf_counter()
@@ -168,7 +175,7 @@ def run_sweep(engine: Engine, ids, score_from, todo, done: list[Row], recall=Tru
             kv_fetched_share=share, kv_attended_share=attended,
             recall=report.attention_recall, bytes_per_token=round(h2d / steps, 1) if h2d else None,
             seconds=round(time.perf_counter() - t0, 2), spec_keys=keys, correct=correct,
-            kv_corrected_share=report.kv_corrected_share,
+            kv_corrected_share=report.kv_corrected_share, shortlist=shortlist,
         ))  # fmt: skip
         if on_row:
             on_row(rows)

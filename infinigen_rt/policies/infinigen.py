@@ -33,6 +33,7 @@ from infinigen_rt.kv.store import BLOCK, Evicting, Selector
 from infinigen_rt.policies.offload import POOL_KNOBS, OffloadCache, device_pairs
 from infinigen_rt.policies.options import KVOptions
 from infinigen_rt.policies.speculation import (
+    BUCKET,
     Selection,
     Speculator,
     correction_counts,
@@ -40,12 +41,11 @@ from infinigen_rt.policies.speculation import (
     fetch_width,
     joined,
     select,
+    shortlist_size,
     spec_key_bytes,
     spec_keys,
     speculated_share,
 )
-
-BUCKET = 64  # the fetch size of a sync-free step is a multiple of this (fewer distinct shapes)
 
 
 def layer_options(
@@ -104,7 +104,7 @@ class InfinigenCache(OffloadCache):
     sweep = ("budget", "alpha")
     knobs = POOL_KNOBS | {
         "alpha", "budget", "max_kv", "dense_layers", "trace_recall", "sinks", "recent", "renorm", "per_head",
-        "group_agg", "layer_budget", "layer_alpha", "spec_keys", "correct", "reuse",
+        "group_agg", "layer_budget", "layer_alpha", "spec_keys", "correct", "shortlist", "reuse",
     }  # fmt: skip
 
     @classmethod
@@ -203,8 +203,13 @@ class InfinigenCache(OffloadCache):
             pos = pool.pos[..., :t]
             held = pos >= 0
         opts = self.spec_opts[j]
-        width = fetch_width(int(pool.n_held.max()), t, opts, BUCKET) if self.sync_free else None
-        return j, select(self.keys.scores(j, q, t), self.alphas[j], opts, held, pos, width, self.tp)
+        held_max = int(pool.n_held.max())
+        width = fetch_width(held_max, t, opts, BUCKET) if self.sync_free else None
+        k = 0  # the correction's candidates: every held slot, or a shortlist
+        if self.opts.correct and self.opts.shortlist:
+            counts = correction_counts(pool.n_held.max(1).tolist(), self.layer_opts[j], opts)
+            k = shortlist_size(held_max, t, opts, counts, self.opts.shortlist)
+        return j, select(self.keys.scores(j, q, t), self.alphas[j], opts, held, pos, width, self.tp, k)
 
     @torch.inference_mode()
     def copy_selected(self, chosen: tuple[int, Selection]) -> tuple:
@@ -239,7 +244,8 @@ class InfinigenCache(OffloadCache):
         if max(per_row) <= 0:
             return sel, k, v
         t, (b, hkv) = pool.fill, pool.n_held.shape
-        s = self.keys.scores(layer, self.spec.keys_side(layer, q.reshape(b, hkv, -1, q.shape[-1]), self.keys.full), t)
+        qk = self.spec.keys_side(layer, q.reshape(b, hkv, -1, q.shape[-1]), self.keys.full)
+        s = self.keys.scores(layer, qk, t) if sel.cand is None else self.keys.scores_at(layer, qk, sel.cand)
         held = None if self.every_slot_held(layer) else pool.pos[..., :t] >= 0
         slots, ok = correction_rows(s, sel, held, per_row, self.opts.group_agg)
         kc, vc = pool.gather(slots, ok)
@@ -435,9 +441,14 @@ class InfinigenSelector(Selector):
         q = self.spec.query(j, x, step.cos_sin, self.opts.renorm, self.keys.full)  # [B, Hkv, G, d' or D], scaled
         t = step.held[0]
         opts = self.spec_opts[j]
-        width = fetch_width(int(self.kept(step).max()), t, opts, BUCKET) if self.sync_free else None
+        kept = self.kept(step)
+        width = fetch_width(int(kept.max()), t, opts, BUCKET) if self.sync_free else None
         s = self.keys.scores_at(j, q, step.span or step.idx)
-        return step, j, select(s, self.alphas[j], opts, *self.held(step, j), width, self.tp)
+        k = 0  # the correction's candidates: every held slot, or a shortlist
+        if self.opts.correct and self.opts.shortlist:
+            counts = correction_counts(kept.tolist(), self.layer_opts[j], opts)
+            k = shortlist_size(int(kept.max()), t, opts, counts, self.opts.shortlist)
+        return step, j, select(s, self.alphas[j], opts, *self.held(step, j), width, self.tp, k)
 
     @torch.inference_mode()
     def copy(self, chosen) -> tuple:
@@ -483,8 +494,9 @@ class InfinigenSelector(Selector):
         if max(per_row) <= 0:
             return sel, k, v
         b, hkv = sel.slots.shape[:2]
+        at = step.span or step.idx if sel.cand is None else step.physical(sel.cand)  # every held slot, or a shortlist
         s = self.keys.scores_at(layer, self.spec.keys_side(layer, q.reshape(b, hkv, -1, q.shape[-1]), self.keys.full),
-                                step.span or step.idx)  # fmt: skip
+                                at)  # fmt: skip
         slots, ok = correction_rows(s, sel, self.held(step, layer)[0], per_row, self.opts.group_agg)
         counted = ok.sum((1, 2))
         kc, vc = self.gather(step, layer, slots, ok, 0, counted=counted, phys=step.physical(slots))

@@ -129,6 +129,11 @@ class KVOptions:
     correct: float = opt(
         0.25, "infinigen: share of the budget a correction step fetches with the layer's true query (0 = off).",
         cli=True, request=True, ge=0, lt=1, why="the share of the budget the correction fetches")  # fmt: skip
+    # the correction's candidates: every held slot (0), or a shortlist of the slots speculation ranked best, its own
+    # and this many times the correction's count after them (its scoring and selection then read those only)
+    shortlist: float = opt(
+        0.0, "infinigen: the correction scores speculation's next-ranked slots only, this many times its count "
+        "(0 = every held slot).", cli=True, request=True, ge=0, why="a multiple of the correction's count")  # fmt: skip
 
     def check(self) -> None:
         for f in fields(self):

@@ -153,9 +153,13 @@ class PartialKeys:
 
     def scores_at(self, j: int, q: torch.Tensor, idx: torch.Tensor | slice) -> torch.Tensor:
         """A store's keys (batch 1, its flat slots): q [B, Hkv, G, d'] against row b's slots idx[b] ([B, T]):
-        [B, Hkv, G, T] in float32. `idx` a slice: one row whose slots are one run (read in place)."""
+        [B, Hkv, G, T] in float32. `idx` a slice: one row whose slots are one run (read in place); [B, Hkv, T]:
+        each (sequence, KV head) its own slots (of its own row where the keys have a row per sequence)."""
         if isinstance(idx, slice):
             return (q @ self.pk[j][..., idx]).float()
+        if idx.dim() == 3:
+            pk = self.pk[j].expand(q.shape[0], -1, -1, -1)
+            return (q @ pk.gather(3, idx[:, :, None, :].expand(-1, -1, pk.shape[2], -1))).float()
         return (q @ self.pk[j][0][:, :, idx].permute(2, 0, 1, 3)).float()
 
 
@@ -192,7 +196,8 @@ class QuantKeys:
 
     def scores_at(self, j: int, q: torch.Tensor, idx: torch.Tensor | slice) -> torch.Tensor:
         """A store's keys (batch 1, its flat slots): q [B, Hkv, G, D] against row b's slots idx[b] ([B, T]):
-        [B, Hkv, G, T] in float32. `idx` a slice: one row whose slots are one run (read in place)."""
+        [B, Hkv, G, T] in float32. `idx` a slice: one row whose slots are one run (read in place); [B, Hkv, T]:
+        each (sequence, KV head) its own slots (of its own row where the keys have a row per sequence)."""
         return quant.scores(q, self.codes[j], self.meta[j], idx, self.group, self.bits)
 
 
@@ -220,13 +225,19 @@ def spec_keys(name: str, spec: Speculator, layers, batch: int, max_len: int, dev
 class Selection:
     """The rows a speculated layer fetches: pool slots [B, Hkv, n] and which of them count (ok [B, Hkv, n]: False
     pads n out for rows fetching fewer, or marks a free slot), both on the compute device. `every`: all of them
-    count (known on the host); `per_row`: each sequence's mean fetch count per KV head ([B], for the statistics)."""
+    count (known on the host); `per_row`: each sequence's mean fetch count per KV head ([B], for the statistics).
+    `cand` [B, Hkv, n + m]: where the correction scores a shortlist, speculation's best slots in order, its own n
+    first (those of them `ok` are the ones it fetched), then the m it ranked next."""
 
     slots: torch.Tensor
     ok: torch.Tensor
     every: bool
     per_row: torch.Tensor
     counted: torch.Tensor | None = None  # ok's count per sequence, where a step counted it (the batch's store)
+    cand: torch.Tensor | None = None
+
+
+BUCKET = 64  # the fetch size of a sync-free step is a multiple of this (fewer distinct shapes)
 
 
 def fetch_count(held: int, opts: KVOptions) -> int:
@@ -242,7 +253,7 @@ def fetch_width(held_max: int, t: int, opts: KVOptions, bucket: int) -> int:
 
 def select(
     s: torch.Tensor, alpha: float, opts: KVOptions, held: torch.Tensor | None = None, pos: torch.Tensor | None = None,
-    width: int | None = None, tp=None,
+    width: int | None = None, tp=None, shortlist: int = 0,
 ) -> Selection:  # fmt: skip
     """Choose the rows to fetch from the speculative scores s [B, Hkv, G, t] (float32) over the t slots taken.
 
@@ -255,7 +266,10 @@ def select(
 
     `tp` (tp.TP): s holds one rank's heads; the per-sequence count is the mean over every rank's query
     heads (one all-reduce of [B]). Without eviction or with it, every KV head holds as many tokens (eviction keeps
-    the same count per head), so the budget's cap needs nothing from the other ranks."""
+    the same count per head), so the budget's cap needs nothing from the other ranks.
+
+    `shortlist` > 0: the best `shortlist` slots (at least the chosen ones) are kept too, in order (Selection.cand:
+    the correction's candidates, see shortlist_size)."""
     inf = float("inf")
     t = s.shape[-1]
     prefix = held is None
@@ -305,15 +319,17 @@ def select(
         if width is None:  # the one host sync of a speculation on a CPU: the fetch size
             n_min, n_max = (int(x) for x in torch.stack([n.min(), n.max()]).tolist())
     if width is not None:  # sorted: the first n of each row are its best
-        top = agg.topk(width, dim=-1, sorted=True).indices  # [B, Hkv, width]
+        cand = agg.topk(max(width, min(t, shortlist)), dim=-1, sorted=True).indices  # [B, Hkv, width or more]
+        top = cand[..., :width]
         limit = n[..., None] if isinstance(n, torch.Tensor) else n
         ok = (torch.arange(width, device=top.device) < limit).expand(top.shape)
         if not prefix:
             ok = ok & torch.gather(held, 2, top)
-        return Selection(top, ok, False, per_row)
+        return Selection(top, ok, False, per_row, cand=cand if shortlist else None)
     # every row fetching the same count needs no order among the chosen (an unsorted top-k is several times
     # cheaper on a CPU once k is a sizeable share); rows fetching fewer take the first n of a sorted top-k
-    top = top_k(agg, n_max, n_min != n_max)[1]  # [B, Hkv, n]
+    cand = top_k(agg, max(n_max, min(t, shortlist)), True)[1] if shortlist else None  # the first n_max: as below
+    top = top_k(agg, n_max, n_min != n_max)[1] if cand is None else cand[..., :n_max]  # [B, Hkv, n]
     if prefix:  # every chosen slot holds a token (rows fetching fewer drop their tail)
         ok = torch.ones(top.shape, dtype=torch.bool, device=top.device)
         if n_min != n_max:
@@ -322,7 +338,7 @@ def select(
         ok = torch.gather(held, 2, top)
         if n_min != n_max:
             ok &= torch.arange(n_max, device=top.device) < n[..., None]
-    return Selection(top, ok, prefix and n_min == n_max, per_row)
+    return Selection(top, ok, prefix and n_min == n_max, per_row, cand=cand)
 
 
 def group_softmax(s: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -353,6 +369,15 @@ def speculated_share(layer_opts: dict, correct: float) -> dict:
             for j, o in layer_opts.items()}  # fmt: skip
 
 
+def shortlist_size(held_max: int, t: int, spec_opts: KVOptions, counts: list[int], shortlist: float) -> int:
+    """The correction's candidates (0: every held slot): speculation's best slots up to its widest fetch (fetch_width:
+    the same on a CPU and a GPU, whatever each row's own count) and `shortlist` times the correction's largest count
+    `counts` after them, at most the t slots."""
+    if not shortlist or max(counts, default=0) <= 0:
+        return 0
+    return min(t, fetch_width(held_max, t, spec_opts, BUCKET) + math.ceil(shortlist * max(counts)))
+
+
 def correction_counts(held: list[int], opts: KVOptions, spec_opts: KVOptions) -> list[int]:
     """What the correction fetches per sequence holding `held` tokens: the budget's count less speculation's."""
     return [fetch_count(h, opts) - fetch_count(h, spec_opts) for h in held]
@@ -362,11 +387,17 @@ def correction_rows(s: torch.Tensor, sel: Selection, held: torch.Tensor | None, 
                     group_agg: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The correction's choice from the true query's scores s [B, Hkv, G, t]: each sequence's best `per_row` slots
     that speculation (`sel`) did not take, among the held ones (`held` [B, Hkv, t], None: all). (slots, ok)
-    [B, Hkv, max(per_row)]; sorted where the counts differ, so a sequence with a smaller count keeps the first."""
+    [B, Hkv, max(per_row)]; sorted where the counts differ, so a sequence with a smaller count keeps the first.
+    With a shortlist (sel.cand), s [B, Hkv, G, n + m] scores the candidates only (a group's softmax over them)."""
     b, hkv, _, t = s.shape
     n = max(per_row)
-    taken = torch.zeros(b, hkv, t, dtype=torch.bool, device=s.device)
-    taken.scatter_(2, sel.slots, sel.ok)  # what speculation fetched
+    cand = sel.cand
+    if cand is None:
+        taken = torch.zeros(b, hkv, t, dtype=torch.bool, device=s.device)
+        taken.scatter_(2, sel.slots, sel.ok)  # what speculation fetched
+    else:  # speculation's own first, then the next-ranked
+        taken = torch.cat([sel.ok.expand(sel.slots.shape), sel.ok.new_zeros(b, hkv, t - sel.slots.shape[-1])], -1)
+        held = None if held is None else torch.gather(held, 2, cand)
     if held is not None:
         s = s.masked_fill(~held[:, :, None], float("-inf"))
         taken |= ~held
@@ -374,6 +405,8 @@ def correction_rows(s: torch.Tensor, sel: Selection, held: torch.Tensor | None, 
     # in order only where sequences take different counts (an unsorted top-k is several times cheaper on a CPU)
     values, slots = top_k(agg.masked_fill(taken, float("-inf")), min(n, t), min(per_row) < n)
     ok = values > float("-inf")
+    if cand is not None:
+        slots = torch.gather(cand, 2, slots)
     if min(per_row) < n:  # sequences of other lengths: each its own count (a host-made mask)
         limit = to_device(torch.tensor(per_row), ok.device)
         ok &= torch.arange(slots.shape[-1], device=ok.device) < limit[:, None, None]

@@ -455,8 +455,8 @@ def test_the_kv_options_are_declared_once(tmp_path):
     cli = [n for n, o in OPTS.items() if o.cli]
     # the flags users have (dropping one, or adding one by mistake, is a change of the command line)
     assert cli == ["alpha", "budget", "max_kv", "capacity", "eviction", "window", "dense_layers", "spec_keys",
-                   "reuse", "correct"]  # fmt: skip
-    assert KV_REQUEST == ("alpha", "budget", "spec_keys", "correct")
+                   "reuse", "correct", "shortlist"]  # fmt: skip
+    assert KV_REQUEST == ("alpha", "budget", "spec_keys", "correct", "shortlist")
     commands = typer.main.get_command(app).commands
     for cmd in ("generate", "serve"):
         params = {p.name: p for p in commands[cmd].params}

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from infinigen_rt.kv.quant import code_bytes, dequantize, quantize
-from infinigen_rt.policies import KVOptions
+from infinigen_rt.policies import KVOptions, configure
+from infinigen_rt.policies.speculation import correction_rows, select
+from infinigen_rt.runner import Request, Runner
 from infinigen_rt.step import pad_batch
 from tests.conftest import run_cli
 from tests.rt.test_policies import PROMPTS, engines, gpu_step, greedy_logits, needs_triton
@@ -101,13 +103,59 @@ def test_the_oracle_keeps_infinigens_count_and_the_per_head_oracle_more(bundles)
         assert cache.report().kv_fetched_share == 1.0
 
 
-@needs_triton
-@pytest.mark.parametrize("keys, correct", VARIANTS[1:])
-def test_the_gpu_step_chooses_what_the_cpu_step_does_with_every_key_choice(keys, correct, bundles):
-    """The GPU path (fetch sizes from host counts, the kernel's rows, the correction's gather on the critical path)
-    gives the CPU path's tokens, hits and shares, with padding and an evicting capacity (the masked path); only rows
-    that count cross."""
-    kv = KVOptions(alpha=1.0, budget=0.3, capacity=0.6, spec_keys=keys, correct=correct)
+def test_the_correction_with_a_shortlist_takes_the_true_querys_best_among_speculations_next():
+    """select(extra=m) keeps speculation's own rows (the same set as without) and the m it ranked next, in order;
+    the correction then takes the true query's best of those m by the group's softmax over the candidates."""
+    g = torch.Generator().manual_seed(3)
+    b, hkv, gq, t = 2, 3, 3, 200
+    spec, true = torch.randn(2, b, hkv, gq, t, generator=g)
+    opts = KVOptions(alpha=math.inf, budget=0.1)
+    plain = select(spec, math.inf, opts)
+    sel = select(spec, math.inf, opts, shortlist=plain.slots.shape[-1] + 30)
+    n = plain.slots.shape[-1]
+    assert sel.cand.shape == (b, hkv, n + 30) and torch.equal(sel.slots, sel.cand[..., :n])
+    assert torch.equal(sel.slots.sort(-1).values, plain.slots.sort(-1).values)
+    ranked = spec.softmax(-1).sum(2)
+    rest = ranked.gather(2, sel.cand[..., n:])
+    assert (rest[..., :-1] >= rest[..., 1:]).all()  # the next-ranked, in order
+    others = torch.ones(b, hkv, t, dtype=torch.bool).scatter_(2, sel.cand, False)
+    assert (ranked[others].view(b, hkv, -1).amax(-1) <= rest.amin(-1)).all()  # none better left out
+    s = true.gather(3, sel.cand[:, :, None].expand(-1, -1, gq, -1))
+    slots, ok = correction_rows(s, sel, None, [7, 7], "sum")
+    agg = s.softmax(-1).sum(2)
+    agg[..., :n] = -math.inf
+    want = sel.cand.gather(2, agg.topk(7).indices)
+    assert ok.all() and torch.equal(slots.sort(-1).values, want.sort(-1).values)
+
+
+def test_a_shortlist_of_every_slot_is_the_plain_correction_and_a_short_one_changes_only_the_corrected_rows(bundles):
+    """In the batch's store and in a request's own cache: a shortlist covering every slot gives the correction's own
+    tokens and logits; a short one fetches as many rows (the same budget), the correction's among them."""
+    e = engines(bundles["llama31_gqa"])["full"][0]
+    prompts = [list(range(5, 62)), list(range(70, 101)), list(range(110, 153))]
+    outs, shares = {}, {}
+    for shortlist in (0.0, 1e6, 1.0):
+        kv = KVOptions(alpha=math.inf, budget=0.3, correct=0.5, shortlist=shortlist)
+        pol = configure(e, "infinigen", kv)
+        run = Runner(e, pol, max_batch=3, prefill_chunk=16, kv_tokens=1024)
+        ids = [run.add(Request(p, 8)) for p in prompts]
+        done = {}
+        while run.has_work:
+            done.update({o.id: o for o in run.step() if o.finished})
+        outs[shortlist] = [done[i].generation.token_ids for i in ids]
+        reps = [done[i].report for i in ids]
+        shares[shortlist] = [(r.kv_fetched_share, r.kv_corrected_share) for r in reps]
+        logits = greedy_logits(e, pol, prompts[:2], 6)
+        if shortlist == 0.0:
+            ref = logits
+        elif shortlist == 1e6:
+            assert torch.equal(logits[1], ref[1]) and (logits[0] - ref[0]).abs().max().item() <= 1e-4
+    assert outs[1e6] == outs[0.0] and shares[1e6] == shares[0.0]
+    assert [f for f, _ in shares[1.0]] == [f for f, _ in shares[0.0]]  # as many rows
+    assert all(c > 0 for _, c in shares[1.0])
+
+
+def _gpu_step_chooses_what_the_cpu_step_does(kv, bundles):
     e, pol = engines(bundles["llama31_gqa"], ig=("infinigen", kv))["ig"]
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(4, e.cfg.vocab_size, (n,), generator=g).tolist() for n in (50, 37)]
@@ -124,10 +172,29 @@ def test_the_gpu_step_chooses_what_the_cpu_step_does_with_every_key_choice(keys,
     assert r.evictions > 0
 
 
+@needs_triton
+@pytest.mark.parametrize("keys, correct", VARIANTS[1:])
+def test_the_gpu_step_chooses_what_the_cpu_step_does_with_every_key_choice(keys, correct, bundles):
+    """The GPU path (fetch sizes from host counts, the kernel's rows, the correction's gather on the critical path)
+    gives the CPU path's tokens, hits and shares, with padding and an evicting capacity (the masked path); only rows
+    that count cross."""
+    _gpu_step_chooses_what_the_cpu_step_does(
+        KVOptions(alpha=1.0, budget=0.3, capacity=0.6, spec_keys=keys, correct=correct), bundles)
+
+
+@needs_triton
+@pytest.mark.parametrize("keys", ["partial", "int4"])
+def test_the_gpu_step_chooses_what_the_cpu_step_does_with_a_shortlist(keys, bundles):
+    """The same with the correction scoring a shortlist (each row's candidates through the kernel's slots)."""
+    _gpu_step_chooses_what_the_cpu_step_does(
+        KVOptions(alpha=1.0, budget=0.3, capacity=0.6, spec_keys=keys, correct=0.5, shortlist=1.5), bundles)
+
+
 def test_bad_speculation_options(bundles):
     b = bundles["tied_hd64"]
     one_line_error(run_cli("rt", "generate", b, "hi", "--policy", "infinigen", "--spec-keys", "int3"), "spec-keys")
     one_line_error(run_cli("rt", "generate", b, "hi", "--policy", "infinigen", "--correct", "1"), "correct")
+    one_line_error(run_cli("rt", "generate", b, "hi", "--policy", "infinigen", "--shortlist", "-1"), "shortlist")
     one_line_error(run_cli("rt", "eval", b, "--text", "x.txt", "--spec-keys", "fp8"), "spec-keys")
 
 
