@@ -47,6 +47,9 @@ LEVERS = {  # each relative to KVOptions' defaults (every winning lever on)
     "int4_correct50_budget": {"spec_keys": "int4", "correct": 0.5, "alpha": INF},
     "int2_correct25_budget": {"spec_keys": "int2", "correct": 0.25, "alpha": INF},
     "int4_correct25": {"spec_keys": "int4", "correct": 0.25},
+    # the paper's keys (the partial skewed columns), without and with the correction
+    "partial": {"spec_keys": "partial", "correct": 0.0},
+    "partial_correct25": {"spec_keys": "partial", "correct": 0.25},
     # the correction's shortlist: it scores speculation's next-ranked slots only, this many times its count
     "shortlist2": {"shortlist": 2.0},
     "shortlist4": {"shortlist": 4.0},

@@ -51,9 +51,8 @@ def save(path: Path, obj: dict) -> None:
 Bundle = Annotated[Optional[str], typer.Argument(help="Bundle folder or Hub repo id (or use --synthetic).")]
 Synthetic = Annotated[
     Optional[str],
-    typer.Option(
-        help="Random weights of real shapes: llama-2-7b, llama-3.1-8b, opt-13b, smollm2-135m, gemma-3-270m, gemma-3-4b."
-    ),
+    typer.Option(help="Random weights of real shapes: llama-2-7b, llama-3.1-8b, opt-13b, smollm2-135m, "
+                 "qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, gemma-3-270m, gemma-3-4b."),
 ]
 Batch = Annotated[str, typer.Option(help="Batch sizes, comma-separated.")]
 Context = Annotated[str, typer.Option(help="Context lengths (prompt tokens), comma-separated.")]

@@ -38,6 +38,17 @@ PRESETS: dict[str, dict] = {
         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
         rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
     ),
+    # Qwen2.5-Coder-Instruct (q/k/v biases; GQA 7:1 and 6:1): the shapes of the real models `just qwen` converts
+    "qwen2.5-coder-0.5b": dict(
+        model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
+    ),
+    "qwen2.5-coder-1.5b": dict(
+        model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
+    ),
     # Gemma 3: one global layer in six, the others slide over 512 (270M) or 1024 (4B) tokens on the device
     "gemma-3-270m": dict(
         model_type="gemma3_text", vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
