@@ -54,6 +54,9 @@ def convert(
         str, typer.Option(help="Partial columns by qk (query x key energy), query, or auto (measure, keep the better).")
     ] = "auto",
     skew: Annotated[bool, typer.Option(help="SVD skewing; --no-skew writes identity skews (the ablation).")] = True,
+    spec_keys: Annotated[str, typer.Option(
+        help="The bundle's default speculation keys: auto (int4 unless partial's perplexity past the calibration "
+        "text is 2 % lower), partial, int4, int2.")] = "auto",  # fmt: skip
     infinigen: Annotated[
         bool, typer.Option(help="Add the InfiniGen tensors; --no-infinigen converts dense-only (no calibration).")
     ] = True,
@@ -76,7 +79,7 @@ def convert(
     bar, progress = _stage_bars(source, disable=json_out)
     t0 = time.perf_counter()
     with bar:
-        prep = PrepOptions(calib_text, calib_tokens, partial_ratio, skew, partial_select, device)
+        prep = PrepOptions(calib_text, calib_tokens, partial_ratio, skew, partial_select, device, spec_keys)
         path = do_convert(
             source,
             out,
@@ -151,6 +154,8 @@ def bundle_summary(path: Path, seconds: float) -> dict:
             selection_recall=ig.selection_recall,
             energy_share_top=ig.energy_share_top,
             calibration=ig.calibration,
+            spec_keys=ig.defaults.spec_keys,
+            spec_keys_choice=ig.spec_keys_choice,
         )
     return summary
 

@@ -28,6 +28,7 @@ from infinigen_prep.skew import (
 )
 from infinigen_rt.bundle import (
     INFINIGEN_FILE,
+    SPEC_KEYS,
     InfinigenDefaults,
     InfinigenMeta,
     dense_layers_for,
@@ -48,6 +49,16 @@ EVAL_TOKENS = 1024
 # the mean true attention mass the calibrated per-layer margins keep (defaults.layer_alpha); on SmolLM2 (Macbeth)
 # they average 8.6 over the speculated layers, near the 8 chosen by hand on Hamlet
 ALPHA_RECALL = 0.99
+# the speculation keys a bundle defaults to (InfinigenDefaults.spec_keys) are chosen here, by perplexity on the
+# calibration text's next tokens (those the second pass reads: EVAL_TOKENS, the second half scored) at a 10 %
+# budget with the default correction: the 4-bit keys, chosen on SmolLM2's six tuning texts, unless the partial
+# columns' perplexity is lower by more than KEYS_MARGIN (int4's over partial's, less 1). The margin is the tuning
+# texts': on SmolLM2 the partial columns win on single texts by up to 1.6 % (Macbeth's continuation; Areopagitica
+# 1.5 %) though they lose the six-text mean; on Qwen2.5-Coder 0.5B they win on all four by 1.5 % (Britannica, where
+# the margin keeps int4) to 8.3 % (docs/accuracy.md, "The speculation keys, chosen at convert time")
+KEYS_BUDGET = 0.1
+KEYS_MARGIN = 0.02
+KEYS_CHOICES = ("int4", "partial")  # the first is the default the second must beat
 
 
 @dataclass
@@ -58,6 +69,7 @@ class PrepOptions:
     skew: bool = True
     partial_select: str = "auto"  # "auto" (measure qk vs query, keep the better), "qk", "query"
     device: str = "auto"
+    spec_keys: str = "auto"  # the bundle's default speculation keys: "auto" (measured, KEYS_MARGIN) or a store
 
     def check(self) -> None:
         if not 0 < self.partial_ratio <= 1:
@@ -66,6 +78,8 @@ class PrepOptions:
             raise InfinigenError(f"--calib-tokens must be at least 64, got {self.calib_tokens}")
         if self.partial_select not in ("auto", *SELECTIONS):
             raise InfinigenError(f"--partial-select must be auto, qk or query, got {self.partial_select!r}")
+        if self.spec_keys not in ("auto", *SPEC_KEYS):
+            raise InfinigenError(f"--spec-keys must be auto or one of {', '.join(SPEC_KEYS)}, got {self.spec_keys!r}")
 
 
 def calib_dtype(bundle, device: torch.device) -> torch.dtype:
@@ -103,11 +117,28 @@ def add_infinigen(folder: Path, text: CalibText, opts: PrepOptions, progress=Non
     n_layers, d = cfg.num_hidden_layers, cfg.head_dim
     d_prime = partial_dim(d, opts.partial_ratio)
     skews, candidates = skew_layers(grams, n_layers, d_prime, opts.skew, step)
-    choice, recall, layer_alpha, eval_tokens = choose_selection(
+    choice, recall, layer_alpha, eval_ids = choose_selection(
         model, cfg, all_ids, ids, skews, candidates, opts.partial_select, progress
     )
     del model
     write_infinigen_file(folder, bundle, skews, candidates[choice])
+    defaults = InfinigenDefaults(
+        alpha=DEFAULT_ALPHA[cfg.arch],
+        dense_layers=dense_layers_for(n_layers),
+        # per layer, the mean share of the keys a query needs for MASS of its attention on the calibration
+        # text: how spread the layer's attention is (KVOptions.layer_budget scales budgets by it)
+        layer_key_share=grams.mass_share,
+        # per layer, the smallest margin at which the speculated set holds ALPHA_RECALL of the true attention
+        # mass (skew.calibrated_alpha, on the second pass's tokens): KVOptions.layer_alpha uses it
+        layer_alpha=layer_alpha,
+        layer_alpha_recall=ALPHA_RECALL,
+        layer_alpha_tokens=len(eval_ids),
+    )
+    keys_choice = None
+    if opts.spec_keys == "auto":
+        defaults.spec_keys, keys_choice = choose_keys(folder, device, defaults, eval_ids, progress)
+    else:
+        defaults.spec_keys = opts.spec_keys
 
     return InfinigenMeta(
         file=INFINIGEN_FILE,
@@ -124,19 +155,40 @@ def add_infinigen(folder: Path, text: CalibText, opts: PrepOptions, progress=Non
             "unskewed": round(energy_share(grams, [skew_matrix(g, False) for g in grams.q], opts.partial_ratio), 6),
         },
         calibration={"name": text.name, "sha256": text.sha256, "tokens": len(ids)},  # a file name, never a path
-        defaults=InfinigenDefaults(
-            alpha=DEFAULT_ALPHA[cfg.arch],
-            dense_layers=dense_layers_for(n_layers),
-            # per layer, the mean share of the keys a query needs for MASS of its attention on the calibration
-            # text: how spread the layer's attention is (KVOptions.layer_budget scales budgets by it)
-            layer_key_share=grams.mass_share,
-            # per layer, the smallest margin at which the speculated set holds ALPHA_RECALL of the true attention
-            # mass (skew.calibrated_alpha, on the second pass's tokens): KVOptions.layer_alpha uses it
-            layer_alpha=layer_alpha,
-            layer_alpha_recall=ALPHA_RECALL,
-            layer_alpha_tokens=eval_tokens,
-        ),
+        defaults=defaults,
+        spec_keys_choice=keys_choice,
     )
+
+
+def choose_keys(folder: Path, device, defaults: InfinigenDefaults, ids: list[int], progress=None) -> tuple:
+    """The bundle's default speculation keys, and what chose them: each of KEYS_CHOICES run by the runtime on the
+    model as written in `folder` (OPT's folded weights included) and its InfiniGen tensors, teacher-forced over
+    ids[len // 2:] at KEYS_BUDGET with the default correction; the first kept unless another beats it by more
+    than KEYS_MARGIN of perplexity."""
+    from safetensors.torch import load_file
+
+    from infinigen_rt.engine import Engine, Speculation
+    from infinigen_rt.measure.perplexity import perplexity
+    from infinigen_rt.policies import configure
+    from infinigen_rt.policies.options import KVOptions
+
+    bundle = read_bundle(folder, verify=False, partial=True)
+    dtype = calib_dtype(bundle, device)
+    tensors = load_file(folder / INFINIGEN_FILE, device=str(device))
+    engine = Engine.from_model(bundle.config, load_model(bundle, device, dtype), device, dtype,
+                               Speculation(tensors, defaults))  # fmt: skip
+    score_from = len(ids) // 2
+    ppl = {}
+    for n, keys in enumerate(KEYS_CHOICES):
+        stage = f"choosing keys ({n + 1}/{len(KEYS_CHOICES)}: {keys})"
+        tick = (lambda d, t, s=stage: progress(s, d, t, f"token {d}/{t}")) if progress else None
+        run = configure(engine, "infinigen", KVOptions(budget=KEYS_BUDGET, spec_keys=keys))
+        ppl[keys] = round(perplexity(engine, run, ids, score_from, tick)[0], 4)
+    first = KEYS_CHOICES[0]
+    best = min(KEYS_CHOICES, key=lambda k: ppl[k])
+    choice = best if ppl[best] * (1 + KEYS_MARGIN) < ppl[first] else first
+    return choice, {"budget": KEYS_BUDGET, "correct": KVOptions.correct, "tokens": len(ids),
+                    "scored": len(ids) - score_from, "margin": KEYS_MARGIN, "perplexity": ppl}  # fmt: skip
 
 
 def skew_layers(grams, n_layers: int, d_prime: int, skew: bool, step) -> tuple[list[torch.Tensor], dict]:
@@ -155,7 +207,7 @@ def skew_layers(grams, n_layers: int, d_prime: int, skew: bool, step) -> tuple[l
 
 def choose_selection(model, cfg, all_ids, ids, skews, candidates, partial_select: str, progress=None) -> tuple:
     """The column selection kept, its recall comparison (None unless "auto"), its calibrated alpha per layer, and
-    the number of tokens they were measured on."""
+    the tokens they were measured on."""
     # a second pass over tokens calibration did not fit (the text's next EVAL_TOKENS, else its first): each column
     # selection's recall ("auto" keeps the better) and the margin alpha per layer for the selection kept
     held_out = all_ids[len(ids) : len(ids) + EVAL_TOKENS]
@@ -167,7 +219,7 @@ def choose_selection(model, cfg, all_ids, ids, skews, candidates, partial_select
     choice = max(SELECTIONS, key=lambda how: recall[how]) if compare else partial_select  # ties keep "qk"
     if recall is not None:
         recall.update(keep=RECALL_KEEP, tokens=len(eval_ids), held_out=not in_sample)
-    return choice, recall, alphas[choice], len(eval_ids)
+    return choice, recall, alphas[choice], eval_ids
 
 
 def write_infinigen_file(folder: Path, bundle, skews, idx) -> None:

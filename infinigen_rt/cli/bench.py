@@ -65,7 +65,10 @@ Budget = Annotated[float, kv_option("budget")]
 
 
 def _list_help(name: str, what: str) -> str:
-    return f"{OPTS[name].help.rstrip('.')}, comma-separated; {what} [default: {DEFAULTS[name]}]."
+    help = OPTS[name].help.rstrip(".")
+    if DEFAULTS[name] is None:  # "[bundle default]" already closes the help
+        return f"{help.removesuffix(' [bundle default]')}, comma-separated; {what} [default: the bundle's]."
+    return f"{help}, comma-separated; {what} [default: {DEFAULTS[name]}]."
 
 
 SpecKeys = Annotated[Optional[str], kv_option("spec_keys", help=_list_help(

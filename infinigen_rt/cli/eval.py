@@ -197,7 +197,8 @@ def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depth
         raise InfinigenError(f"--text {text} does not exist")
     hay, sha = read_utf8(text, f"--text {text}")
     cases = needle.build_cases(engine.tokenizer, hay, task_list, context_list, depth_list, per_cell, seed)
-    todo = needle.configs(names, budgets or [0.1], alpha, spec)
+    keys = engine.speculation.defaults.spec_keys if engine.speculation else None  # the bundle's default keys
+    todo = needle.configs(names, budgets or [0.1], alpha, spec, keys)
     meta = {"task": "needle", "bundle": str(path), "text": text.name, "text_sha256": sha, "seed": seed,
             "tasks": task_list, "contexts": context_list, "depths": depth_list, "needles": per_cell,
             "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}  # fmt: skip

@@ -164,9 +164,11 @@ def score(case: Case, answer: str) -> float:
     return float(bool(numbers) and numbers[0] == case.values[0])
 
 
-def configs(policies: list[str], budgets: list[float], alpha: float | None, spec: dict | None = None) -> list[tuple]:
+def configs(policies: list[str], budgets: list[float], alpha: float | None, spec: dict | None = None,
+            default_keys: str | None = None) -> list[tuple]:  # fmt: skip
     """(policy, budget, alpha, spec_keys, correct) to compare: the baseline first, then each policy at each budget
-    it sweeps; a speculating one with `spec` (spec_keys, correct; None: the defaults)."""
+    it sweeps; a speculating one with `spec` (spec_keys, correct; None: the defaults, the keys `default_keys`: the
+    bundle's)."""
     out = [(BASELINE, None, None, None, None)]
     for p in policies:
         if p == BASELINE:
@@ -175,7 +177,7 @@ def configs(policies: list[str], budgets: list[float], alpha: float | None, spec
         keys = correct = None
         if cls.speculative:
             kv = KVOptions(**(spec or {}))
-            keys, correct = kv.spec_keys, kv.correct
+            keys, correct = kv.spec_keys or default_keys, kv.correct
         if "budget" in cls.sweep or "alpha" in cls.sweep:
             out += [(p, b, alpha if "alpha" in cls.sweep else None, keys, correct) for b in budgets]
         else:
@@ -186,7 +188,7 @@ def configs(policies: list[str], budgets: list[float], alpha: float | None, spec
 def options(config: tuple) -> KVOptions:
     """The KV options of a config (see `configs`)."""
     _, budget, alpha, keys, correct = config
-    spec = {} if keys is None else {"spec_keys": keys, "correct": correct}
+    spec = {k: v for k, v in (("spec_keys", keys), ("correct", correct)) if v is not None}
     return KVOptions(alpha=alpha, budget=budget or 1.0, **spec)
 
 

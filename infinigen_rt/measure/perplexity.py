@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from infinigen_rt.bundle import FALLBACK_SPEC_KEYS
 from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.files import pyplot, read_utf8, save_figure, write_atomic
@@ -51,11 +52,12 @@ def label(policy: str, spec_keys: str | None, correct: float | None, alpha: floa
           short: bool = False, shortlist: float | None = None) -> str:  # fmt: skip
     """A policy's name in tables and plots; one that speculates with its keys, its margin when it has one (the
     budget alone decides otherwise) and its correction share when on, with its shortlist where one was recorded.
-    `short`: for a table at 80 columns with a margin column, the keys, the correction share and the shortlist where
-    they differ from the defaults ("infinigen partial c0": the paper's keys without a correction; plain
-    "infinigen": the defaults)."""
+    `short`: for a table at 80 columns with a margin column, the keys where not int4 (the keys of every bundle
+    converted before convert chose them; a Qwen bundle's default rows read "infinigen partial"), the correction
+    share and the shortlist where they differ from the defaults ("infinigen partial c0": the paper's keys without a
+    correction; plain "infinigen": the int4 keys with the default correction)."""
     if short:
-        keys = [spec_keys] if spec_keys not in (None, KVOptions.spec_keys) else []
+        keys = [spec_keys] if spec_keys not in (None, FALLBACK_SPEC_KEYS) else []
         corr = [f"c{correct:g}"] if correct is not None and correct != KVOptions.correct else []
         listed = [f"s{shortlist:g}"] if correct and shortlist is not None and shortlist != KVOptions.shortlist else []
         return " ".join([policy, *keys, *corr, *listed])
@@ -153,12 +155,13 @@ def run_sweep(engine: Engine, ids, score_from, todo, done: list[Row], recall=Tru
     for n, (policy, budget, alpha) in enumerate(todo):
         traced = recall and "trace_recall" in POLICIES[policy].knobs
         kv = KVOptions(alpha=alpha, budget=budget or 1.0, trace_recall=traced, **speculation_options(policy, spec))
+        run = configure(engine, policy, kv)  # the keys resolved: the option, else the bundle's
+        kv = run.opts
         keys, correct = (kv.spec_keys, kv.correct) if POLICIES[policy].speculative else (None, None)
         # the correction's shortlist where it has one (None for every held slot: the rows of older files)
         shortlist = (kv.shortlist or None) if POLICIES[policy].speculative and kv.correct else None
         if (policy, budget, alpha, keys, correct, shortlist) in have:
             continue
-        run = configure(engine, policy, kv)
         t0 = time.perf_counter()
         label = f"({n + 1}/{len(todo)}) {policy}" + (f" budget {budget}" if budget else "") + (
             f" alpha {alpha}" if alpha is not None else "")  # fmt: skip

@@ -12,10 +12,9 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from infinigen_rt.bundle import SPEC_KEYS
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.kv.pool import EVICTIONS
-
-SPEC_KEYS = ("partial", "int4", "int2")  # what --spec-keys takes (policies/speculation.py's key stores)
 
 
 @dataclass(frozen=True)
@@ -111,11 +110,13 @@ class KVOptions:
     # at which speculation fetches as many keys as 90 % of the true attention needs); an explicit alpha wins
     layer_alpha: bool = opt(False, "Per-layer margins: each layer's alpha as convert calibrated it.")
     # what speculation scores against, on the device: "partial" (the paper's d' skewed columns in the model's dtype)
-    # or every column at 4 or 2 bits ("int4", "int2": about the device bytes of r = 0.3 and half of them). int4 was
-    # chosen on six tuning texts (docs/accuracy.md, the second round)
-    spec_keys: str = opt(
-        "int4",
-        "infinigen: what speculation scores on the device: partial (skewed columns), int4, int2 (every column).",
+    # or every column at 4 or 2 bits ("int4", "int2": about the device bytes of r = 0.3 and half of them). None =
+    # the bundle's, chosen at convert time by each store's perplexity on the text past calibration (SmolLM2: int4,
+    # as six tuning texts chose, docs/accuracy.md; Qwen2.5-Coder: partial); resolved in InfinigenCache.configure
+    spec_keys: str | None = opt(
+        None,
+        "infinigen: what speculation scores on the device: partial (skewed columns), int4, int2 (every column) "
+        "[bundle default].",
         cli=True, request=True, choices=SPEC_KEYS)  # fmt: skip
     # consecutive steps select mostly the same rows (docs/performance.md: 55-75 % of speculation's on SmolLM2 and
     # Gemma 3): with reuse, what a layer fetched the step before stays on the device and only the rest crosses PCIe
