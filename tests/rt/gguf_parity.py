@@ -1,0 +1,37 @@
+"""What the tests of real GGUF models (test_gemma3.py, test_qwen.py) share: greedy decoding under a policy, and the
+check of a full prefill's logits against a committed transformers reference (tests/fixtures/gguf_reference.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from infinigen_rt.policies import configure
+from infinigen_rt.step import decode_step, prefill
+
+
+@torch.inference_mode()
+def greedy(engine, policy, prompt: list[int], steps: int) -> tuple[list[int], object]:
+    """`steps` greedy tokens after `prompt` under `policy`, and the cache they ran in."""
+    cache = policy.build(engine, 1, len(prompt) + steps)
+    ids = torch.tensor([prompt])
+    logits = prefill(engine, cache, ids, torch.arange(len(prompt))[None])
+    out = []
+    for i in range(steps):
+        out.append(int(logits[0].argmax()))
+        if i + 1 < steps:
+            logits = decode_step(engine, cache, torch.tensor([[out[-1]]]), torch.tensor([[len(prompt) + i]]))
+    return out, cache
+
+
+@torch.inference_mode()
+def assert_logits_match(engine, ref: dict, tol: float = 1e-3) -> None:
+    """`full`'s logits over ref["ids"] at ref["positions"]: the same argmax, the reference's top logits and
+    log-normaliser within `tol`."""
+    ids = torch.tensor([ref["ids"]])
+    cache = configure(engine).build(engine, 1, ids.shape[1])
+    logits = engine.model(ids, torch.arange(ids.shape[1])[None], cache, None)[0, ref["positions"]].float()
+    for i, pos in enumerate(ref["positions"]):
+        top = torch.tensor(ref["top_ids"][i])
+        assert logits[i].argmax().item() == top[0].item(), pos
+        assert (logits[i, top] - torch.tensor(ref["top_values"][i])).abs().max().item() < tol, pos
+        assert abs(logits[i].logsumexp(-1).item() - ref["logsumexp"][i]) < tol, pos
