@@ -139,6 +139,25 @@ gemma3-long: (setup "gguf,plot") texts gemma3
     o="--text artifacts/cache/texts/alice.txt --seq-len 32768 --score-from 32256 --device cpu --no-recall --resume"
     infinigen-rt eval $b $o --out $r/accuracy-gemma3-alice-32768.json --policies full,infinigen,oracle --budgets 0.1,0.2
 
+# Qwen2.5-Coder 0.5B on this CPU: held-out perplexity (the bundle's keys, oracle, int4) and needles at 4k-16k
+qwen-eval: (setup "gguf,plot") texts (qwen "0.5b")
+    #!/usr/bin/env bash
+    set -euo pipefail
+    mkdir -p artifacts/results
+    b=artifacts/bundles/qwen2.5-coder-0.5b
+    r=artifacts/results
+    for t in rst-spec pytest-fixtures psf-license; do
+      o="--text artifacts/cache/texts/$t.txt --seq-len 1536 --score-from 768 --device cpu --no-recall --resume"
+      o="$o --out $r/accuracy-qwen2.5-coder-0.5b-$t.json --budgets 0.1,0.2"
+      infinigen-rt eval $b $o --policies full,infinigen,oracle
+      infinigen-rt eval $b $o --policies full,infinigen --spec-keys int4
+    done
+    {{python}} benchmarks/heldout.py $r/accuracy-qwen2.5-coder-0.5b-{rst-spec,pytest-fixtures,psf-license}.json \
+      --out $r/accuracy-heldout-qwen2.5-coder-0.5b.json --markdown
+    infinigen-rt eval $b --task needle --text artifacts/cache/texts/alice.txt --contexts 4096,8192,16384 \
+      --depths 0.25,0.75 --needles 1 --needle-tasks single --policies full,infinigen,oracle --budgets 0.1 \
+      --device cpu --resume --out $r/needle-qwen2.5-coder-0.5b.json
+
 # decode speed on this CPU: every policy on SmolLM2 (Hamlet as the prompt), and full vs transformers' generate
 bench-cpu: (setup "gguf,plot,test") smollm2
     #!/usr/bin/env bash

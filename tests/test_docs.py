@@ -322,6 +322,12 @@ def test_published_numbers_are_the_results_json():
     assert mean == json.loads((RESULTS / "accuracy-heldout-smollm2.json").read_text())["mean"]
     table = heldout.markdown(held, [heldout.load(str(RESULTS / "accuracy-smollm2-hamlet.json"))], mean)
     assert table in accuracy, "docs/accuracy.md: the held-out table is not heldout.py's rendering of the JSON"
+    qwen = [heldout.load(str(RESULTS / f"accuracy-qwen2.5-coder-0.5b-{t}.json"))
+            for t in ("rst-spec", "pytest-fixtures", "psf-license")]  # fmt: skip
+    qwen_mean = heldout.mean_rows(qwen)
+    assert qwen_mean == json.loads((RESULTS / "accuracy-heldout-qwen2.5-coder-0.5b.json").read_text())["mean"]
+    assert heldout.markdown(qwen, [], qwen_mean) in accuracy, "docs/accuracy.md: Qwen's held-out table"
+    assert tables.needle(json.loads((RESULTS / "needle-qwen2.5-coder-0.5b.json").read_text())) in accuracy, "Qwen's"
     first = held[:3]  # the first round's texts, with every policy run on them
     hamlet = [heldout.load(str(RESULTS / "accuracy-smollm2-hamlet.json"))]
     assert heldout.markdown(first, hamlet, heldout.mean_rows(first)) in accuracy, "docs/accuracy.md: first round"
