@@ -471,13 +471,15 @@ def test_the_gather_rate_is_measured_on_256_byte_rows():
 def test_convert_calibrates_on_a_gpu(name, checkpoints, calib_file, tmp_path, bundles):
     """Defect 1: calibration made masks and index tensors on the CPU and mixed them with CUDA tensors (the identity
     skew, the recall and alpha statistics, partial rows, OPT's fold of a CPU shard with a CUDA skew). On a (fake)
-    GPU the bundle's InfiniGen tensors equal the CPU's."""
+    GPU the bundle's InfiniGen tensors equal the CPU's. The keys' choice (two teacher-forced runs of the runtime on
+    the device) runs for one model: a minute under the fake device."""
     from safetensors.torch import load_file
 
     from infinigen_prep.convert import convert
     from infinigen_prep.prepare import PrepOptions
 
-    prep = PrepOptions(calib_text=str(calib_file), calib_tokens=256, device="cuda")
+    keys = "auto" if name == "llama31_gqa" else "int4"
+    prep = PrepOptions(calib_text=str(calib_file), calib_tokens=256, device="cuda", spec_keys=keys)
     with FakeCuda() as gpu:
         out = convert(str(checkpoints[name]), tmp_path / name, dtype="float32", prep=prep)
     assert gpu.races == []
@@ -487,6 +489,9 @@ def test_convert_calibrates_on_a_gpu(name, checkpoints, calib_file, tmp_path, bu
         assert torch.allclose(got[k].float(), want[k].float(), atol=1e-5), k
     meta, ref = read_bundle(out).meta["infinigen"], read_bundle(bundles[name]).meta["infinigen"]
     assert meta["defaults"]["layer_alpha"] == ref["defaults"]["layer_alpha"]
+    if keys == "auto":  # measured on the device, recorded, and one of the two
+        assert set(meta["spec_keys_choice"]["perplexity"]) == {"int4", "partial"}
+        assert meta["defaults"]["spec_keys"] in ("int4", "partial")
 
 
 # ------------------------------------------------------------------------------ real shapes, shapes only
