@@ -15,7 +15,7 @@
 #
 # REHEARSAL=1 runs a part here, on the CPU: the same commands, files and time-outs, through fake CUDA
 # (infinigen_rt/measure/fakecuda.py: every `--device cuda` command runs the GPU code path on CPU tensors) at tiny shapes (the
-# smollm2-135m preset, batch <= 2, 64 tokens of context, 1 warm-up and 2 timed steps). tests/test_gpu_sh.py rehearses every part and
+# smollm2-4l preset, batch <= 2, 64 tokens of context, 1 warm-up and 2 timed steps). tests/test_gpu_sh.py rehearses every part and
 # checks that each part's work fits its time-out at the real shapes (a plan from bytes and assumed rates).
 set -uo pipefail
 PART=${1:-tests}
@@ -37,7 +37,7 @@ tiny() {  # tiny ARGS...: a rehearsal's shapes for bench's arguments (the real o
   local prev=""
   for a in "$@"; do
     if [ -z "$REHEARSAL" ]; then printf '%s\n' "$a"
-    elif [ "$prev" = --synthetic ]; then printf '%s\n' smollm2-135m
+    elif [ "$prev" = --synthetic ]; then printf '%s\n' smollm2-4l
     elif [ "$prev" = --batch ]; then printf '%s\n' "$(tr ',' '\n' <<<"$a" | awk '{print ($1 > 2 ? 2 : $1)}' | sort -un | paste -sd,)"
     elif [ "$prev" = --context ]; then printf '%s\n' 64
     else printf '%s\n' "$a"; fi
@@ -54,7 +54,7 @@ bench() {  # bench SECONDS NAME ARGS...: one JSON, row by row
 peer() {  # peer SECONDS NAME PRESET BATCH CONTEXT STEPS: transformers' offloaded cache on the same shapes, STEPS
   # timed steps: each moves the whole KV between host and device (Llama-2-7B at 8 x 8k: 32 GiB each way)
   local preset=$3 batch=$4 context=$5 steps=$6
-  if [ -n "$REHEARSAL" ]; then preset=smollm2-135m; batch=$((batch > 2 ? 2 : batch)); context=64; steps=$GEN; fi
+  if [ -n "$REHEARSAL" ]; then preset=smollm2-4l; batch=$((batch > 2 ? 2 : batch)); context=64; steps=$GEN; fi
   timeout "$1" $PY benchmarks/peer_transformers.py synthetic "$preset" --batch "$batch" --context "$context" \
     --gen "$steps" --out "$OUT/peer-$2.json" 2>>"$OUT/log-$PART.txt" | tail -5
 }

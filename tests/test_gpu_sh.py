@@ -102,7 +102,7 @@ def test_the_plan_would_have_refused_the_old_peer_step_count():
 
 @pytest.mark.slow
 @pytest.mark.skipif(available() is not None, reason=f"fake CUDA: {available()}")
-# a rehearsal runs tiny shapes (the smollm2-135m preset, batch <= 2), where the bench parts differ only in their
+# a rehearsal runs tiny shapes (the smollm2-4l preset, batch <= 2), where the bench parts differ only in their
 # policies' order and batch lists: llama2-8k runs bench (full, offload, infinigen) and the peer, which the other
 # parts run at other shapes; one keeps the suite under its 30 minutes (the plan above checks every part's time-out)
 @pytest.mark.parametrize("part", ["tests", "llama2-8k"])

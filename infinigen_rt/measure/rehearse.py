@@ -68,9 +68,7 @@ def rehearse(preset: str, dtype: torch.dtype, variants: list, batch: int, contex
         engine = synthetic_engine(preset, torch.device("cuda"), dtype, seed)
         cfg = engine.cfg
         cfg.max_position_embeddings = max(cfg.max_position_embeddings, context + NEW_TOKENS)
-        # prompts in chunks of PREFILL_CHUNK (the decode step is the same; h2o's score matrix of a whole 32k prompt
-        # would not fit)
-        opts = KVOptions(alpha=alpha, budget=budget, max_kv=max_kv, prefill_chunk=min(context, PREFILL_CHUNK))
+        opts = KVOptions(alpha=alpha, budget=budget, max_kv=max_kv)
         for v in variants:
             policy = configure(engine, v.policy, replace(opts, **v.changes()))
             spec = "spec_keys" in policy.cls.knobs
@@ -82,16 +80,24 @@ def rehearse(preset: str, dtype: torch.dtype, variants: list, batch: int, contex
             gpu.reused = point.reused
             out.append(point)
             prompts = [[3 + i] * context for i in range(batch)]
-            try:
-                runner, _ = start_runner(engine, policy, prompts, NEW_TOKENS, warmup=3)
+            # each prompt prefilled whole (one pass of ops under meta tensors, whatever its length); where that does
+            # not fit (h2o's score matrix of a whole 32k prompt), in chunks of PREFILL_CHUNK: the decode step
+            # recorded is the same either way
+            for chunk in dict.fromkeys([context, min(context, PREFILL_CHUNK)]):
                 try:
-                    with gpu.recording() as ops:
-                        runner.step()
-                finally:
-                    runner.close()
-                    del runner
-            except torch.OutOfMemoryError as e:
-                point.status, point.error = "oom-device", str(e).split(". ")[0]
+                    runner, _ = start_runner(engine, replace(policy, opts=replace(policy.opts, prefill_chunk=chunk)),
+                                             prompts, NEW_TOKENS, warmup=3)  # fmt: skip
+                    try:
+                        with gpu.recording() as ops:
+                            runner.step()
+                    finally:
+                        runner.close()
+                        del runner
+                    point.status, point.error = "ok", None
+                    break
+                except torch.OutOfMemoryError as e:
+                    point.status, point.error = "oom-device", str(e).split(". ")[0]
+            if point.status != "ok":
                 continue
             p = project(ops, hw)
             floor = floor_seconds(engine, policy, batch, context, p.pcie_bytes, bw)

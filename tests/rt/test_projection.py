@@ -91,18 +91,25 @@ STEP_LIMITS = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(available() is not None, reason=f"fake CUDA: {available()}")
-@pytest.mark.parametrize("variant", list(STEP_LIMITS), ids=lambda v: "-".join(str(x) for x in v if x is not None))
-def test_the_projected_decode_step_at_llama31_8b_32k(variant):
-    """bench --rehearse's points: launches per step, and the projected step over its floor, at batch 1 and 8."""
+@pytest.fixture(scope="module")
+def projected_steps():
+    """Every variant's projected step at batch 1 and 8 (one engine a batch, as `bench --rehearse` runs them)."""
     from infinigen_rt.measure.bench import Variant
     from infinigen_rt.measure.rehearse import rehearse
 
+    variants = [Variant(*v) for v in STEP_LIMITS]
+    by_batch = {b: rehearse("llama-3.1-8b", torch.bfloat16, variants, b, 32768) for b in (1, 8)}
+    return {v: (by_batch[1][i], by_batch[8][i]) for i, v in enumerate(STEP_LIMITS)}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(available() is not None, reason=f"fake CUDA: {available()}")
+@pytest.mark.parametrize("variant", list(STEP_LIMITS), ids=lambda v: "-".join(str(x) for x in v if x is not None))
+def test_the_projected_decode_step_at_llama31_8b_32k(variant, projected_steps):
+    """bench --rehearse's points: launches per step, and the projected step over its floor, at batch 1 and 8."""
     limit_b1, growth, over_b1, over_b8 = STEP_LIMITS[variant]
-    v = Variant(variant[0], variant[1], variant[2])
-    (one,) = rehearse("llama-3.1-8b", torch.bfloat16, [v], 1, 32768)
-    (eight,) = rehearse("llama-3.1-8b", torch.bfloat16, [v], 8, 32768)
+    one, eight = projected_steps[variant]
+    assert (one.policy, one.spec_keys, one.correct) == variant and one.status == eight.status == "ok"
     assert one.hardware == H100.name and one.syncs == 1 and eight.syncs == 1
     assert one.launches <= limit_b1, one
     assert eight.launches <= growth * one.launches, (one.launches, eight.launches)
