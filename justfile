@@ -139,7 +139,7 @@ gemma3-long: (setup "gguf,plot") texts gemma3
     o="--text artifacts/cache/texts/alice.txt --seq-len 32768 --score-from 32256 --device cpu --no-recall --resume"
     infinigen-rt eval $b $o --out $r/accuracy-gemma3-alice-32768.json --policies full,infinigen,oracle --budgets 0.1,0.2
 
-# Qwen2.5-Coder 0.5B on this CPU: held-out perplexity (the bundle's keys, oracle, int4) and needles at 4k-16k
+# Qwen2.5-Coder 0.5B on this CPU: held-out perplexity (the bundle's keys, oracle, int4) and needles at 4k-32k
 qwen-eval: (setup "gguf,plot") texts (qwen "0.5b")
     #!/usr/bin/env bash
     set -euo pipefail
@@ -154,9 +154,16 @@ qwen-eval: (setup "gguf,plot") texts (qwen "0.5b")
     done
     {{python}} benchmarks/heldout.py $r/accuracy-qwen2.5-coder-0.5b-{rst-spec,pytest-fixtures,psf-license}.json \
       --out $r/accuracy-heldout-qwen2.5-coder-0.5b.json --markdown
-    infinigen-rt eval $b --task needle --text artifacts/cache/texts/alice.txt --contexts 4096,8192,16384 \
+    infinigen-rt eval $b --task needle --text artifacts/cache/texts/alice.txt --contexts 4096,8192,16384,32000 \
       --depths 0.25,0.75 --needles 1 --needle-tasks single --policies full,infinigen,oracle --budgets 0.1 \
       --device cpu --resume --out $r/needle-qwen2.5-coder-0.5b.json
+
+# Qwen2.5-Coder 0.5B's decode speed against context on this CPU, full and infinigen interleaved
+qwen-bench: (setup "gguf,plot") texts (qwen "0.5b")
+    infinigen-rt bench artifacts/bundles/qwen2.5-coder-0.5b --device cpu --batch 1 \
+      --context 2048,4096,8192,16384,32000 --gen 16 --policies full,infinigen --interleave \
+      --text artifacts/cache/texts/britannica.txt --out artifacts/results/bench-cpu-context-qwen2.5-coder-0.5b.json \
+      --plot artifacts/results/bench-cpu-context-qwen2.5-coder-0.5b.png
 
 # decode speed on this CPU: every policy on SmolLM2 (Hamlet as the prompt), and full vs transformers' generate
 bench-cpu: (setup "gguf,plot,test") smollm2

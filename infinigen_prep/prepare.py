@@ -184,11 +184,15 @@ def choose_keys(folder: Path, device, defaults: InfinigenDefaults, ids: list[int
         tick = (lambda d, t, s=stage: progress(s, d, t, f"token {d}/{t}")) if progress else None
         run = configure(engine, "infinigen", KVOptions(budget=KEYS_BUDGET, spec_keys=keys))
         ppl[keys] = round(perplexity(engine, run, ids, score_from, tick)[0], 4)
-    first = KEYS_CHOICES[0]
-    best = min(KEYS_CHOICES, key=lambda k: ppl[k])
-    choice = best if ppl[best] * (1 + KEYS_MARGIN) < ppl[first] else first
-    return choice, {"budget": KEYS_BUDGET, "correct": KVOptions.correct, "tokens": len(ids),
+    return keys_rule(ppl), {"budget": KEYS_BUDGET, "correct": KVOptions.correct, "tokens": len(ids),
                     "scored": len(ids) - score_from, "margin": KEYS_MARGIN, "perplexity": ppl}  # fmt: skip
+
+
+def keys_rule(ppl: dict[str, float]) -> str:
+    """The keys kept from each store's perplexity: KEYS_CHOICES' first unless another beats it by KEYS_MARGIN."""
+    first = KEYS_CHOICES[0]
+    best = min(ppl, key=ppl.__getitem__)
+    return best if ppl[best] * (1 + KEYS_MARGIN) < ppl[first] else first
 
 
 def skew_layers(grams, n_layers: int, d_prime: int, skew: bool, step) -> tuple[list[torch.Tensor], dict]:
