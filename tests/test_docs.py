@@ -291,6 +291,8 @@ def test_published_numbers_are_the_results_json():
     assert tables.bench(keys) in performance, "docs/performance.md: the key choices' table is not tables.py's"
     gemma = json.loads((RESULTS / "bench-cpu-context-gemma3.json").read_text())
     assert tables.bench(gemma) in performance, "docs/performance.md: Gemma 3's context table is not tables.py's"
+    qwen = json.loads((RESULTS / "bench-cpu-context-qwen2.5-coder-0.5b.json").read_text())
+    assert tables.bench(qwen) in performance, "docs/performance.md: Qwen's context table is not tables.py's"
     for n in (2048, 16384, 32768):
         long = json.loads((RESULTS / f"accuracy-gemma3-alice-{n}.json").read_text())
         assert tables.accuracy(long) in accuracy, f"docs/accuracy.md: Gemma 3's {n}-token table is not tables.py's"

@@ -468,17 +468,21 @@ def test_the_gather_rate_is_measured_on_256_byte_rows():
 
 
 @pytest.mark.parametrize("name", ["llama31_gqa", "opt"])
-def test_convert_calibrates_on_a_gpu(name, checkpoints, calib_file, tmp_path, bundles):
+def test_convert_calibrates_on_a_gpu(name, checkpoints, calib_file, tmp_path, bundles, monkeypatch):
     """Defect 1: calibration made masks and index tensors on the CPU and mixed them with CUDA tensors (the identity
     skew, the recall and alpha statistics, partial rows, OPT's fold of a CPU shard with a CUDA skew). On a (fake)
     GPU the bundle's InfiniGen tensors equal the CPU's. The keys' choice (two teacher-forced runs of the runtime on
-    the device) runs for one model: a minute under the fake device."""
+    the device, every step's kernels in Triton's interpreter) runs for one model, on its first 128 tokens."""
     from safetensors.torch import load_file
 
+    from infinigen_prep import prepare
     from infinigen_prep.convert import convert
     from infinigen_prep.prepare import PrepOptions
 
     keys = "auto" if name == "llama31_gqa" else "int4"
+    choose = prepare.choose_keys
+    monkeypatch.setattr(prepare, "choose_keys", lambda folder, device, defaults, ids, progress=None: choose(
+        folder, device, defaults, ids[:128], progress))  # fmt: skip
     prep = PrepOptions(calib_text=str(calib_file), calib_tokens=256, device="cuda", spec_keys=keys)
     with FakeCuda() as gpu:
         out = convert(str(checkpoints[name]), tmp_path / name, dtype="float32", prep=prep)
@@ -491,6 +495,7 @@ def test_convert_calibrates_on_a_gpu(name, checkpoints, calib_file, tmp_path, bu
     assert meta["defaults"]["layer_alpha"] == ref["defaults"]["layer_alpha"]
     if keys == "auto":  # measured on the device, recorded, and one of the two
         assert set(meta["spec_keys_choice"]["perplexity"]) == {"int4", "partial"}
+        assert meta["spec_keys_choice"]["tokens"] == 128
         assert meta["defaults"]["spec_keys"] in ("int4", "partial")
 
 
