@@ -250,6 +250,31 @@ def test_every_speculation_key_choice_and_the_correction_on_the_gpu_path(keys, c
     assert_one_read(decode)
 
 
+@pytest.mark.parametrize("keys", ["partial", "int4"])
+def test_a_qwen25_15b_shaped_model_on_the_gpu_path(keys, tmp_path, calib_file, monkeypatch):
+    """Qwen2.5-Coder 1.5B's distinct shape at tiny size: q/k/v biases and head_dim 128 (two groups of 64 for the 4-bit
+    keys; 39 partial columns of 128 at the 1.5B's ratio, as its bundle has), 2 query heads on 1 KV head. Its bundle's
+    default keys (partial, as convert chose for the 1.5B) and int4, both with the correction, through the runner on
+    a (fake) GPU: the CPU's tokens, no race, one host sync per decode step."""
+    from tests.conftest import TINY_CONFIGS, make_checkpoint, tiny_convert
+
+    monkeypatch.setitem(TINY_CONFIGS, "qwen25_hd128", ("qwen2", dict(
+        hidden_size=256, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)))  # fmt: skip
+    src = make_checkpoint(tmp_path / "ckpt", "qwen25_hd128")
+    b = read_bundle(tiny_convert(src, tmp_path / "b", calib_file, dtype="float32", spec_keys="partial"))
+    assert (b.config.head_dim, b.config.num_key_value_heads, b.meta["infinigen"]["partial_dim"]) == (128, 1, 39)
+    kv = KVOptions(alpha=2.0, budget=0.5, capacity=0.4, window=4, spec_keys=None if keys == "partial" else keys)
+    want = cpu_tokens(b, "infinigen", kv, PROMPTS, 8)
+    with FakeCuda() as gpu:
+        engine = Engine(b, device="cuda", dtype="float32")
+        policy = configure(engine, "infinigen", kv)
+        assert policy.opts.spec_keys == keys and policy.opts.correct > 0
+        got, decode = steps(engine, policy, gpu, PROMPTS, 8)
+        del engine
+    assert got == want and gpu.races == []
+    assert_one_read(decode)
+
+
 def test_rows_reused_across_steps_give_the_same_tokens_and_cross_pcie_less(bundles):
     """`reuse`: the rows a layer fetched the step before are read from the device, the rest from the pool. Through
     the runner on a (fake) GPU, with a request waiting for a row and joining when one ends: the CPU's tokens, no
