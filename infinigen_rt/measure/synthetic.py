@@ -65,7 +65,7 @@ PRESETS: dict[str, dict] = {
         tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0,
     ),
 }  # fmt: skip
-# SmolLM2-135M's shapes in 4 layers (one dense, three speculated): benchmarks/gpu.sh's rehearsals on a CPU, where every
+# SmolLM2-135M's shapes in 4 layers (two dense, two speculated): benchmarks/gpu.sh's rehearsals on a CPU, where every
 # layer's kernels run in Triton's interpreter
 PRESETS["smollm2-4l"] = {**PRESETS["smollm2-135m"], "num_hidden_layers": 4}
 PARTIAL_RATIO = 0.3  # synthetic partial columns per head, as in converted bundles
