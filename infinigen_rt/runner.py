@@ -389,7 +389,8 @@ class Runner:
             cache = rows[0].cache if len(rows) == 1 else Rows([s.cache for s in rows])
         free = [i for i, s in enumerate(rows) if s.forced >= len(s.req.prompt_ids)]
         try:
-            logits = decode_step(self.engine, cache, ids, pos)
+            with self.prefetch.sharing():
+                logits = decode_step(self.engine, cache, ids, pos)
             if len(free) == len(rows):
                 toks = sample_rows(logits, [s.req.sampling for s in rows], [s.gen for s in rows])
             else:

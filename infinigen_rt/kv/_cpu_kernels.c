@@ -314,42 +314,46 @@ static inline float key_float(uint32_t k) {
 /* s [R, G, T] float32 (a KV head's query heads' scores, -inf where a slot does not count): agg [R, T] the sum over
    the G heads of each head's softmax over T, and, where alpha is finite, within [R, G] the slots whose score is
    within alpha of their head's largest. Rows lo .. hi of R. A head whose every score is -inf adds nothing. */
+/* One row of infinigen_group_softmax: s_row [G, T] into a [T] (e: room for T), within_row [G] where count. */
+static inline void softmax_row(const float *s_row, float *a, float *e, int64_t *within_row, int64_t G, int64_t T,
+                               float alpha, int count) {
+    for (int64_t g = 0; g < G; g++) {
+        const float *x = s_row + g * T;
+        uint32_t most = 0; /* the largest, as its order key (an integer maximum vectorises) */
+        for (int64_t t = 0; t < T; t++) {
+            const uint32_t k = order_key(x[t]);
+            most = k > most ? k : most;
+        }
+        const float top = key_float(most), edge = top - alpha;
+        float sum = 0.0f;
+        int64_t n = 0;
+        if (top == -__builtin_inff()) {
+            for (int64_t t = 0; t < T; t++) e[t] = 0.0f;
+        } else {
+            for (int64_t t = 0; t < T; t++) {
+                e[t] = exp_neg(x[t] - top);
+                sum += e[t];
+                n += x[t] > edge;
+            }
+            const float inv = 1.0f / sum;
+            for (int64_t t = 0; t < T; t++) e[t] *= inv;
+        }
+        if (count) within_row[g] = n;
+        if (g == 0)
+            for (int64_t t = 0; t < T; t++) a[t] = e[t];
+        else
+            for (int64_t t = 0; t < T; t++) a[t] += e[t];
+    }
+}
+
 int infinigen_group_softmax(const float *s, float *agg, int64_t *within, int64_t R, int64_t G, int64_t T,
                             float alpha, int64_t lo, int64_t hi) {
     if (G < 1 || T < 1 || lo < 0 || hi > R) return -1;
     float *e = malloc(sizeof(float) * (size_t)T);
     if (!e) return -3;
     const int count = alpha < __builtin_inff();
-    for (int64_t r = lo; r < hi; r++) {
-        float *a = agg + r * T;
-        for (int64_t g = 0; g < G; g++) {
-            const float *x = s + (r * G + g) * T;
-            uint32_t most = 0; /* the largest, as its order key (an integer maximum vectorises) */
-            for (int64_t t = 0; t < T; t++) {
-                const uint32_t k = order_key(x[t]);
-                most = k > most ? k : most;
-            }
-            const float top = key_float(most), edge = top - alpha;
-            float sum = 0.0f;
-            int64_t n = 0;
-            if (top == -__builtin_inff()) {
-                for (int64_t t = 0; t < T; t++) e[t] = 0.0f;
-            } else {
-                for (int64_t t = 0; t < T; t++) {
-                    e[t] = exp_neg(x[t] - top);
-                    sum += e[t];
-                    n += x[t] > edge;
-                }
-                const float inv = 1.0f / sum;
-                for (int64_t t = 0; t < T; t++) e[t] *= inv;
-            }
-            if (count) within[r * G + g] = n;
-            if (g == 0)
-                for (int64_t t = 0; t < T; t++) a[t] = e[t];
-            else
-                for (int64_t t = 0; t < T; t++) a[t] += e[t];
-        }
-    }
+    for (int64_t r = lo; r < hi; r++)
+        softmax_row(s + r * G * T, agg + r * T, e, count ? within + r * G : 0, G, T, alpha, count);
     free(e);
     return 0;
 }
@@ -402,6 +406,45 @@ static void sort_down(uint32_t *keys, int32_t *at, int64_t n, uint32_t *tk, int3
    slot order, or with `sorted` largest first (equal values: the lower slot first), and of equal values at the
    edge the lower slots. A sample of the row sets a bar that the k largest clear (checked: else every slot is a
    candidate), so the select passes over a few times k candidates rather than the row. Rows lo .. hi of R. */
+/* One row of infinigen_topk: v [T] into out, got [k] (keys, at: room for T each; sk, sa for k, where sorted). */
+static void topk_row(const float *v, int64_t *out, float *got, int64_t T, int64_t k, int sorted, uint32_t *keys,
+                     int32_t *at, uint32_t *sk, int32_t *sa) {
+    enum { SAMPLE = 256 };
+    int64_t n = T;
+    if (T >= 8 * SAMPLE && k * 4 < T) {
+        uint32_t sample[SAMPLE];
+        for (int64_t i = 0; i < SAMPLE; i++) sample[i] = order_key(v[i * (T / SAMPLE)]);
+        /* the rank in the sample of the k-th largest, with a margin of about four standard deviations */
+        const int64_t expect = (k * SAMPLE + T - 1) / T;
+        int64_t rank = expect + 4 * (int64_t)__builtin_sqrt((double)expect) + 8, above;
+        if (rank < SAMPLE) {
+            const uint32_t bar = kth_largest(sample, SAMPLE, rank, &above);
+            n = 0;
+            for (int64_t i = 0; i < T; i++) { /* branchless: every slot written, the count moves on a hit */
+                const uint32_t key = order_key(v[i]);
+                keys[n] = key, at[n] = (int32_t)i;
+                n += key >= bar;
+            }
+            if (n < k) n = T; /* the bar was too high: every slot */
+        }
+    }
+    if (n == T)
+        for (int64_t i = 0; i < T; i++) keys[i] = order_key(v[i]), at[i] = (int32_t)i;
+    int64_t above;
+    const uint32_t edge = kth_largest(keys, n, k, &above);
+    int64_t ties = k - above, m = 0;
+    if (!sorted) {
+        for (int64_t i = 0; i < n && m < k; i++)
+            if (keys[i] > edge || (keys[i] == edge && ties-- > 0)) out[m] = at[i], got[m++] = key_float(keys[i]);
+        return;
+    }
+    for (int64_t i = 0; i < n && m < k; i++) /* the chosen, in slot order, to the front of keys and at */
+        if (keys[i] > edge || (keys[i] == edge && ties-- > 0)) keys[m] = keys[i], at[m++] = at[i];
+    for (int64_t i = 0; i < k; i++) sk[i] = keys[i], sa[i] = at[i];
+    sort_down(sk, sa, k, keys, at); /* three passes: the result in keys, at */
+    for (int64_t i = 0; i < k; i++) out[i] = at[i], got[i] = key_float(keys[i]);
+}
+
 int infinigen_topk(const float *x, int64_t *idx, float *val, int64_t R, int64_t T, int64_t k, int sorted,
                    int64_t lo, int64_t hi) {
     if (k < 1 || k > T || T > 0x7fffffff || lo < 0 || hi > R) return -1;
@@ -413,46 +456,42 @@ int infinigen_topk(const float *x, int64_t *idx, float *val, int64_t R, int64_t 
         free(keys), free(at), free(sk), free(sa);
         return -3;
     }
-    enum { SAMPLE = 256 };
-    for (int64_t r = lo; r < hi; r++) {
-        const float *v = x + r * T;
-        int64_t n = T;
-        if (T >= 8 * SAMPLE && k * 4 < T) {
-            uint32_t sample[SAMPLE];
-            for (int64_t i = 0; i < SAMPLE; i++) sample[i] = order_key(v[i * (T / SAMPLE)]);
-            /* the rank in the sample of the k-th largest, with a margin of about four standard deviations */
-            const int64_t expect = (k * SAMPLE + T - 1) / T;
-            int64_t rank = expect + 4 * (int64_t)__builtin_sqrt((double)expect) + 8, above;
-            if (rank < SAMPLE) {
-                const uint32_t bar = kth_largest(sample, SAMPLE, rank, &above);
-                n = 0;
-                for (int64_t i = 0; i < T; i++) { /* branchless: every slot written, the count moves on a hit */
-                    const uint32_t key = order_key(v[i]);
-                    keys[n] = key, at[n] = (int32_t)i;
-                    n += key >= bar;
-                }
-                if (n < k) n = T; /* the bar was too high: every slot */
-            }
-        }
-        if (n == T)
-            for (int64_t i = 0; i < T; i++) keys[i] = order_key(v[i]), at[i] = (int32_t)i;
-        int64_t above;
-        const uint32_t edge = kth_largest(keys, n, k, &above);
-        int64_t ties = k - above, m = 0;
-        int64_t *out = idx + r * k;
-        float *got = val + r * k;
-        if (!sorted) {
-            for (int64_t i = 0; i < n && m < k; i++)
-                if (keys[i] > edge || (keys[i] == edge && ties-- > 0)) out[m] = at[i], got[m++] = key_float(keys[i]);
-            continue;
-        }
-        for (int64_t i = 0; i < n && m < k; i++) /* the chosen, in slot order, to the front of keys and at */
-            if (keys[i] > edge || (keys[i] == edge && ties-- > 0)) keys[m] = keys[i], at[m++] = at[i];
-        for (int64_t i = 0; i < k; i++) sk[i] = keys[i], sa[i] = at[i];
-        sort_down(sk, sa, k, keys, at); /* three passes: the result in keys, at */
-        for (int64_t i = 0; i < k; i++) out[i] = at[i], got[i] = key_float(keys[i]);
-    }
+    for (int64_t r = lo; r < hi; r++) topk_row(x + r * T, idx + r * k, val + r * k, T, k, sorted, keys, at, sk, sa);
     free(keys), free(at), free(sk), free(sa);
+    return 0;
+}
+
+/* The correction's choice (policies/speculation.py, correction_rows) for rows lo .. hi of R (a sequence's KV head
+   each): s [R, G, T] the true query's scores, their group softmax summed over the G query heads (as
+   infinigen_group_softmax with no margin), the columns taken [R, n] (speculation's: where taken_ok [R, n] is
+   non-zero, or every one with taken_ok NULL) and those not held (held [R, T] zero; NULL: every one held) set to
+   -inf, then the k largest (as infinigen_topk): the same values as those steps one after another, without the
+   [R, T] tensors between them. Returns 0, -1 for shapes it does not take, -2 for a taken column outside 0 .. T,
+   -3 when its buffers could not be allocated. */
+int infinigen_correct_pick(const float *s, const int64_t *taken, const uint8_t *taken_ok, int64_t n,
+                           const uint8_t *held, int64_t *idx, float *val, int64_t R, int64_t G, int64_t T, int64_t k,
+                           int sorted, int64_t lo, int64_t hi) {
+    if (G < 1 || T < 1 || k < 1 || k > T || T > 0x7fffffff || n < 0 || lo < 0 || hi > R) return -1;
+    for (int64_t i = lo * n; i < hi * n; i++)
+        if (taken[i] < 0 || taken[i] >= T) return -2;
+    float *a = malloc(sizeof(float) * (size_t)T), *e = malloc(sizeof(float) * (size_t)T);
+    uint32_t *keys = malloc(sizeof(uint32_t) * (size_t)T);
+    int32_t *at = malloc(sizeof(int32_t) * (size_t)T);
+    uint32_t *sk = sorted ? malloc(sizeof(uint32_t) * (size_t)k) : 0;
+    int32_t *sa = sorted ? malloc(sizeof(int32_t) * (size_t)k) : 0;
+    if (!a || !e || !keys || !at || (sorted && (!sk || !sa))) {
+        free(a), free(e), free(keys), free(at), free(sk), free(sa);
+        return -3;
+    }
+    for (int64_t r = lo; r < hi; r++) {
+        softmax_row(s + r * G * T, a, e, 0, G, T, __builtin_inff(), 0);
+        if (held)
+            for (int64_t t = 0; t < T; t++) a[t] = held[r * T + t] ? a[t] : -__builtin_inff();
+        for (int64_t i = 0; i < n; i++)
+            if (!taken_ok || taken_ok[r * n + i]) a[taken[r * n + i]] = -__builtin_inff();
+        topk_row(a, idx + r * k, val + r * k, T, k, sorted, keys, at, sk, sa);
+    }
+    free(a), free(e), free(keys), free(at), free(sk), free(sa);
     return 0;
 }
 
@@ -462,10 +501,10 @@ int infinigen_topk(const float *x, int64_t *idx, float *val, int64_t R, int64_t 
 
 static inline __attribute__((always_inline)) void copy_pairs(
         const uint8_t *src_k, const uint8_t *src_v, const int64_t *rows, uint8_t *dst_k, uint8_t *dst_v, int64_t n,
-        int64_t width, const int64_t rb, int64_t lo, int64_t hi) {
+        int64_t width, int64_t stride, const int64_t rb, int64_t lo, int64_t hi) {
     for (int64_t p = lo; p < hi; p++) {
         const int64_t *r = rows + p * n;
-        uint8_t *dk = dst_k + p * width * rb, *dv = dst_v + p * width * rb;
+        uint8_t *dk = dst_k + p * stride * rb, *dv = dst_v + p * stride * rb;
         for (int64_t i = 0; i < n; i++) {
             if (i + 4 < n) { /* the row four ahead: its lines on their way while this one copies */
                 __builtin_prefetch(src_k + r[i + 4] * rb);
@@ -479,18 +518,19 @@ static inline __attribute__((always_inline)) void copy_pairs(
     }
 }
 
-/* K and V rows rows[P, n] (< n_src) of src_k, src_v [n_src, rb bytes] into dst_k, dst_v [P, width, rb bytes]: row
-   (p, i) to (p, i), rows n .. width of each p zeros. Pairs lo .. hi of P. Returns 0, -1 for shapes it does not
-   take, -2 for a row outside 0 .. n_src (nothing read from it). */
+/* K and V rows rows[P, n] (< n_src) of src_k, src_v [n_src, rb bytes] into dst_k, dst_v [P, width, rb bytes], the
+   pairs `stride` rows apart (>= width: a window of each pair's rows, e.g. the room a speculated gather left for
+   the correction): row (p, i) to (p, i), rows n .. width of each p zeros. Pairs lo .. hi of P. Returns 0, -1 for
+   shapes it does not take, -2 for a row outside 0 .. n_src (nothing read from it). */
 int infinigen_gather_rows(const uint8_t *src_k, const uint8_t *src_v, const int64_t *rows, uint8_t *dst_k,
-                          uint8_t *dst_v, int64_t P, int64_t n, int64_t width, int64_t rb, int64_t n_src, int64_t lo,
-                          int64_t hi) {
-    if (n < 0 || width < n || rb < 1 || lo < 0 || hi > P) return -1;
+                          uint8_t *dst_v, int64_t P, int64_t n, int64_t width, int64_t stride, int64_t rb,
+                          int64_t n_src, int64_t lo, int64_t hi) {
+    if (n < 0 || width < n || stride < width || rb < 1 || lo < 0 || hi > P) return -1;
     for (int64_t i = lo * n; i < hi * n; i++)
         if (rows[i] < 0 || rows[i] >= n_src) return -2;
-    if (rb == 256) copy_pairs(src_k, src_v, rows, dst_k, dst_v, n, width, 256, lo, hi);
-    else if (rb == 512) copy_pairs(src_k, src_v, rows, dst_k, dst_v, n, width, 512, lo, hi);
-    else if (rb == 128) copy_pairs(src_k, src_v, rows, dst_k, dst_v, n, width, 128, lo, hi);
-    else copy_pairs(src_k, src_v, rows, dst_k, dst_v, n, width, rb, lo, hi);
+    if (rb == 256) copy_pairs(src_k, src_v, rows, dst_k, dst_v, n, width, stride, 256, lo, hi);
+    else if (rb == 512) copy_pairs(src_k, src_v, rows, dst_k, dst_v, n, width, stride, 512, lo, hi);
+    else if (rb == 128) copy_pairs(src_k, src_v, rows, dst_k, dst_v, n, width, stride, 128, lo, hi);
+    else copy_pairs(src_k, src_v, rows, dst_k, dst_v, n, width, stride, rb, lo, hi);
     return 0;
 }

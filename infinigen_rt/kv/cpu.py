@@ -109,9 +109,13 @@ def library() -> ctypes.CDLL | None:
         f = lib.infinigen_topk
         f.restype = ctypes.c_int
         f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_int64] * 2
+        f = lib.infinigen_correct_pick
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [
+            ctypes.c_int] + [ctypes.c_int64] * 2  # fmt: skip
         f = lib.infinigen_gather_rows
         f.restype = ctypes.c_int
-        f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7
+        f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8
         _lib = lib
     return _lib
 
@@ -229,6 +233,34 @@ def topk(x: torch.Tensor, k: int, sorted: bool) -> tuple[torch.Tensor, torch.Ten
     return (val, idx) if rc == 0 else None
 
 
+def correct_pick(s: torch.Tensor, taken: torch.Tensor, taken_ok: torch.Tensor | None, k: int, sorted: bool,
+                 held: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    """The correction's choice in one call: s [B, Hkv, G, T] float32 (the true query's scores, -inf where a slot is
+    not held), each row's group softmax summed over G, the columns taken [B, Hkv, n] (where taken_ok [B, Hkv, n]
+    is True; None: all) and those not held (held [B, Hkv, T] False; None: all held) set to -inf, then topk(k,
+    sorted): (values, indices) [B, Hkv, k], the same as group_softmax, masked_fill and topk one after another.
+    None where the kernels are not in use."""
+    lib = _floats(s)
+    if lib is None or s.dim() != 4 or not 0 < k <= s.shape[-1] or s.shape[-1] > 0x7FFFFFFF:
+        return None
+    b, h, g, t = s.shape
+    n = taken.shape[-1]
+    # held in names through the call (see quantize_rows)
+    s, taken = s.contiguous(), taken.to(torch.int64).expand(b, h, n).contiguous()
+    ok = None if taken_ok is None else taken_ok.expand(b, h, n).to(torch.uint8).contiguous()
+    held = None if held is None else held.expand(b, h, t).to(torch.uint8).contiguous()
+    idx = torch.empty(b, h, k, dtype=torch.int64)
+    val = torch.empty(b, h, k, dtype=torch.float32)
+    rc = lib.infinigen_correct_pick(s.data_ptr(), taken.data_ptr(), None if ok is None else ok.data_ptr(), n,
+                                    None if held is None else held.data_ptr(), idx.data_ptr(), val.data_ptr(), b * h,
+                                    g, t, k, int(sorted), 0, b * h)  # fmt: skip
+    if rc == -2:
+        raise IndexError("the correction's taken slots: a slot outside the scores")
+    if rc == -3:
+        raise MemoryError("the CPU correction kernel could not allocate its buffers")
+    return (val, idx) if rc == 0 else None
+
+
 def quantize_rows(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, group: int, bits: int) -> bool:
     """quant.store on a CPU through the kernel: new keys x [R, Hkv, s, D] quantized into codes [R, Hkv, S, bytes]
     and meta [R, Hkv, S, 2, groups] at slots at.. (an int) or at [R, Hkv, s]. False where it does not apply (the
@@ -254,20 +286,38 @@ def quantize_rows(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, 
 def gather_rows(src_k: torch.Tensor, src_v: torch.Tensor, rows: torch.Tensor, out_k: torch.Tensor,
                 out_v: torch.Tensor) -> bool:  # fmt: skip
     """pool.copy_rows on a CPU: out_x[b, h, :n] = rows rows [B, Hkv, n] of src_x (viewed as [-1, X]) for x = k, v,
-    and the rows after n of out_x [B, Hkv, n', X] zeros, in one call for both. False where it does not apply
-    (the caller's index_select then runs); IndexError for a row outside the pool."""
+    and the rows after n of out_x [B, Hkv, n', X] zeros, in one call for both. out_x may be a window of n' rows
+    of a contiguous [B, Hkv, N, X] (the room a speculated gather left for the correction). False where it does not
+    apply (the caller's index_select then runs); IndexError for a row outside the pool."""
     lib = None if _off else library()
     b, h, n = rows.shape
-    tensors = (src_k, src_v, out_k, out_v)
-    if (lib is None or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors)
-            or len({t.dtype for t in tensors}) > 1 or out_k.shape != out_v.shape or src_k.shape != src_v.shape
-            or out_k.shape[:2] != (b, h) or out_k.shape[-1] != src_k.shape[-1]):  # fmt: skip
+    if (lib is None or any(t.device.type != "cpu" for t in (src_k, src_v, out_k, out_v))
+            or not (src_k.is_contiguous() and src_v.is_contiguous()) or out_k.stride() != out_v.stride()
+            or len({t.dtype for t in (src_k, src_v, out_k, out_v)}) > 1 or out_k.shape != out_v.shape
+            or src_k.shape != src_v.shape or out_k.shape[:2] != (b, h)
+            or out_k.shape[-1] != src_k.shape[-1]):  # fmt: skip
         return False
     x = src_k.shape[-1]
+    stride = _window(out_k)
+    if stride is None:
+        return False
     rows = rows.to(torch.int64).contiguous()  # held through the call (see quantize_rows)
     rc = lib.infinigen_gather_rows(src_k.data_ptr(), src_v.data_ptr(), rows.data_ptr(), out_k.data_ptr(),
-                                   out_v.data_ptr(), b * h, n, out_k.shape[2], x * src_k.element_size(),
+                                   out_v.data_ptr(), b * h, n, out_k.shape[2], stride, x * src_k.element_size(),
                                    src_k.numel() // x, 0, b * h)  # fmt: skip
     if rc == -2:
         raise IndexError(f"gathering rows: {ERRORS[-2]}")
     return rc == 0
+
+
+def _window(out: torch.Tensor) -> int | None:
+    """The rows from one (sequence, KV head)'s start to the next's in out [B, Hkv, n', X], a window of rows of a
+    contiguous [B, Hkv, N, X] (N >= n': each pair's rows contiguous, the pairs N rows apart); None otherwise."""
+    b, h, n, x = out.shape
+    st = out.stride()
+    if st[3] != 1 and x > 1 or st[2] != x and n > 1:
+        return None
+    pair = st[1] if h > 1 else (st[0] if b > 1 else n * x)
+    if pair % x or pair // x < n or (b > 1 and h > 1 and st[0] != h * pair):
+        return None
+    return pair // x

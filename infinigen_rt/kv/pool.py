@@ -265,6 +265,10 @@ def copy_rows(src_k, src_v, rows, ok, out_k, out_v, kernel: bool) -> None:
     if src_k.device.type == "cpu" and cpu.gather_rows(src_k, src_v, rows, out_k, out_v):  # the extra rows: zeros
         return
     extra = out_k.shape[2] - n
+    if not out_k.is_contiguous():  # a window of a larger output (see cpu.gather_rows): the rows, then zeros
+        out_k[:, :, :n], out_v[:, :, :n] = src_k[rows], src_v[rows]
+        out_k[:, :, n:], out_v[:, :, n:] = 0, 0
+        return
     if extra:  # one copy straight into the output: the extra rows take row 0, to be overwritten
         rows = torch.cat([rows, rows.new_zeros(b, h, extra)], -1)
     torch.index_select(src_k, 0, rows.reshape(-1), out=out_k.view(-1, x))

@@ -82,13 +82,23 @@ class Ledger:
     def add(self, key: str, rids: list[int], counts, scale: float = 1.0) -> None:
         """counts (times `scale`): a number for every row, or [B] (host or device: a device tensor is kept as it is,
         no launch)."""
-        if isinstance(counts, torch.Tensor) and counts.device.type != "cpu":
-            self.pending.append((key, rids, counts, scale))
-            return
-        counts = np.broadcast_to(np.asarray(counts.cpu() if isinstance(counts, torch.Tensor) else counts,
-                                            dtype=np.float64), len(rids)) * scale  # fmt: skip
-        for r, c in zip(rids, counts.tolist(), strict=True):
-            self._put(key, r, c)
+        if isinstance(counts, torch.Tensor):
+            if counts.device.type != "cpu":
+                self.pending.append((key, rids, counts, scale))
+                return
+            counts = counts.tolist()
+        elif isinstance(counts, np.ndarray):
+            counts = counts.tolist()
+        # plain Python from here: a few calls a layer and request, each step (numpy's broadcast cost 6 ms a step at
+        # SmolLM2 batch 1)
+        if not isinstance(counts, list):
+            counts = [counts] * len(rids)
+        elif len(counts) == 1:
+            counts = counts * len(rids)
+        elif len(counts) != len(rids):
+            raise ValueError(f"{len(counts)} counts for {len(rids)} requests")
+        for r, c in zip(rids, counts, strict=True):
+            self._put(key, r, float(c) * scale)
 
     def _put(self, key: str, rid: int, c: float) -> None:
         self.total[key, rid] += c
@@ -262,16 +272,20 @@ class KVStore:
         return blocks * BLOCK + slots % BLOCK
 
     def gather(self, layer: int, batch: Batch, slots: torch.Tensor, ok: torch.Tensor | None, extra: int = 1,
-               out=None, phys: torch.Tensor | None = None):  # fmt: skip
+               out=None, phys: torch.Tensor | None = None, into=None):  # fmt: skip
         """The K and V rows of every row's `slots` [B, Hkv, n] from pooled layer `layer` as stored, in one copy per
         part for the batch: (keys' parts, values' parts), each [B, Hkv, n + extra, X] on the device (the `extra` last
         rows: room for the new tokens), to decode (the layout's). On a GPU the row kernel reads them from pinned
         memory, skipping those where `ok` is False; on a CPU, index_select. `out`: flat device buffers, a (keys,
         values) pair per part, to fill instead of new tensors (the kernel only). `phys`: the slots' flat slot numbers
-        where the caller has them (see physical; [B, 1, n] where every head's are the same)."""
+        where the caller has them (see physical; [B, 1, n] where every head's are the same). `into` (a CPU): the
+        (keys, values) tensors [B, Hkv, n + extra, X] of each part to write, windows of larger ones (the room a
+        speculated gather left for the correction), returned as they are."""
         b, h, n = slots.shape
         keys, values = self.k[layer], self.v[layer]
-        if out is None:
+        if into is not None:
+            out = into
+        elif out is None:
             out = [tuple(torch.empty(b, h, n + extra, x.shape[-1], dtype=x.dtype, device=self.device) for _ in "kv")
                    for x in keys]  # fmt: skip
         else:
@@ -294,8 +308,11 @@ class KVStore:
         rows = (self.physical(batch, slots) * h + head).reshape(-1)[keep]
         for src, dst in zip(keys + values, got[0] + got[1], strict=True):
             w = src.shape[-1]
-            dst.zero_()
-            dst.view(-1, w).index_copy_(0, keep, src.view(-1, w).index_select(0, rows).to(dst.dtype))
+            flat = dst if dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
+            flat.zero_()
+            flat.view(-1, w).index_copy_(0, keep, src.view(-1, w).index_select(0, rows).to(dst.dtype))
+            if flat is not dst:  # a window of a larger tensor (`into`)
+                dst.copy_(flat)
         return got
 
     def batch(self, rids: list[int], new: int | np.ndarray = 1) -> Batch:
@@ -562,13 +579,14 @@ class Selector:
         return k, v, ok
 
     def gather(self, step: StoreStep, j: int, slots, ok, extra: int, turn: int | None = None, counted=None,
-               phys=None, room: int = 0):  # fmt: skip
+               phys=None, room: int = 0, into=None):  # fmt: skip
         """Rows `slots` [B, Hkv, n] of pooled layer j for every request as stored (store.gather), counted per
         request: on a GPU the rows that count (`counted`, per request, where `ok` skips some; else all), into device
         buffers `turn` (two sets, used in turn by consecutive layers: a new tensor per layer, made on the side stream
         and freed on the compute stream while the host runs ahead of the copies, could not be reused before they
         caught up); on a CPU the rows it copies: those that count and one for each new token (the `extra` rows).
-        `room`: rows left before the extra ones for the caller to fill (not counted: nothing of the pool's)."""
+        `room`: rows left before the extra ones for the caller to fill (not counted: nothing of the pool's). `into`:
+        where to write them (store.gather's, a CPU)."""
         store, (b, h, n) = self.store, slots.shape
         out = None
         if store.kernel and turn is not None:
@@ -578,7 +596,7 @@ class Selector:
                 self.buffers[turn] = [tuple(torch.empty(m + m // 8, dtype=t, device=store.device) for _ in "kv")
                                       for m, (_, _, t) in zip(need, store.layout.parts, strict=True)]  # fmt: skip
             out = self.buffers[turn]
-        k, v = store.gather(j, step.batch, slots, ok, room + extra, out, phys)
+        k, v = store.gather(j, step.batch, slots, ok, room + extra, out, phys, into)
         if ok is None:
             copied = n * h + (0 if store.kernel else extra * h)
         else:  # what counts (the kernel and a CPU copy only that), and on a CPU the new tokens' rows

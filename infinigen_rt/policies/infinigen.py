@@ -500,17 +500,21 @@ class InfinigenSelector(Selector):
                                 at)  # fmt: skip
         slots, ok = correction_rows(s, sel, self.held(step, layer)[0], per_row, self.opts.group_agg)
         counted = ok.sum((1, 2))
-        kc, vc = self.gather(step, layer, slots, ok, 0, counted=counted, phys=step.physical(slots))
-        self.store.ledger.add("corrected", step.batch.rids, counted)
-        self.store.ledger.add(f"fetched{layer}", step.batch.rids, counted)
-        (k,), (v,), (kc,), (vc,) = k, v, kc, vc  # plain rows: one part each
+        (k,), (v,) = k, v  # plain rows: one part each
         n, c = sel.slots.shape[-1], slots.shape[-1]
         room = k.shape[2] - n - 1  # what speculation's gather left free (see room)
+        assert room >= c or not room, "the correction's rows exceed the room left for them"
+        # a CPU gathers straight into the room; a GPU's kernel into its own buffers
+        into = [(k[:, :, n : n + c], v[:, :, n : n + c])] if room and not self.store.kernel else None
+        kc, vc = self.gather(step, layer, slots, ok, 0, counted=counted, phys=step.physical(slots), into=into)
+        self.store.ledger.add("corrected", step.batch.rids, counted)
+        self.store.ledger.add(f"fetched{layer}", step.batch.rids, counted)
+        (kc,), (vc,) = kc, vc
         if not room:
             sel, k, v = joined(sel, slots, ok, k, v, kc, vc)
             return sel, (k,), (v,)
-        assert room >= c, "the correction's rows exceed the room left for them"
-        k[:, :, n : n + c], v[:, :, n : n + c] = kc, vc
+        if into is None:
+            k[:, :, n : n + c], v[:, :, n : n + c] = kc, vc
         pad = room - c  # rows of the room no sequence took: never attended (and never NaN bits: zeros)
         more_slots, more_ok = [slots], [ok]
         if pad:

@@ -392,9 +392,19 @@ def correction_rows(s: torch.Tensor, sel: Selection, held: torch.Tensor | None, 
     b, hkv, _, t = s.shape
     n = max(per_row)
     cand = sel.cand
+    if group_agg == "sum" and s.device.type == "cpu":  # one call of the CPU's kernel, if in use
+        taken = sel.slots if cand is None else torch.arange(sel.slots.shape[-1]).view(1, 1, -1)
+        cut = held if held is None or cand is None else torch.gather(held, 2, cand)
+        got = cpu.correct_pick(s if cut is None else s.masked_fill(~cut[:, :, None], float("-inf")), taken,
+                               None if sel.every else sel.ok, min(n, t), min(per_row) < n, cut)  # fmt: skip
+        if got is not None:
+            return _counted(*got, cand, per_row)
     if cand is None:
-        taken = torch.zeros(b, hkv, t, dtype=torch.bool, device=s.device)
-        taken.scatter_(2, sel.slots, sel.ok)  # what speculation fetched
+        # what speculation fetched (the rows that pad a shorter fetch write a column past the last, dropped: a
+        # scatter of their False over a slot another row took would leave which write lands to chance)
+        taken = torch.zeros(b, hkv, t + 1, dtype=torch.bool, device=s.device)
+        taken.scatter_(2, sel.slots if sel.every else torch.where(sel.ok, sel.slots, t), True)
+        taken = taken[..., :t]
     else:  # speculation's own first, then the next-ranked
         taken = torch.cat([sel.ok.expand(sel.slots.shape), sel.ok.new_zeros(b, hkv, t - sel.slots.shape[-1])], -1)
         held = None if held is None else torch.gather(held, 2, cand)
@@ -403,7 +413,13 @@ def correction_rows(s: torch.Tensor, sel: Selection, held: torch.Tensor | None, 
         taken |= ~held
     agg = group_softmax(s, math.inf)[0] if group_agg == "sum" else s.amax(2)
     # in order only where sequences take different counts (an unsorted top-k is several times cheaper on a CPU)
-    values, slots = top_k(agg.masked_fill(taken, float("-inf")), min(n, t), min(per_row) < n)
+    return _counted(*top_k(agg.masked_fill(taken, float("-inf")), min(n, t), min(per_row) < n), cand, per_row)
+
+
+def _counted(values, slots, cand, per_row) -> tuple[torch.Tensor, torch.Tensor]:
+    """correction_rows' (slots, ok) from the top-k of the candidates: the slots themselves (a shortlist's through
+    `cand`), the rows that count (a score, and within each sequence's count)."""
+    n = max(per_row)
     ok = values > float("-inf")
     if cand is not None:
         slots = torch.gather(cand, 2, slots)

@@ -212,6 +212,45 @@ def test_the_top_k_kernel_breaks_ties_towards_the_lower_slots():
 
 
 @needs_kernel
+@pytest.mark.parametrize("t, k, sorted", [(8192, 204, False), (8192, 204, True), (300, 30, True), (40, 40, False)])
+def test_the_corrections_pick_is_its_softmax_mask_and_top_k_in_one_call(t, k, sorted):
+    """correct_pick: the group softmax summed, speculation's taken slots (where they count) at -inf, the top k: the
+    same slots and values as the three kernels one after another; a taken slot that does not count (a shorter
+    fetch's padding, here on a slot another entry takes) masks nothing; slots a row does not hold are never chosen;
+    a taken slot outside the row is an error."""
+    gen = torch.Generator().manual_seed(t + k)
+    s = torch.randn(2, 3, 3, t, generator=gen) * 3
+    n = min(t // 4, 820)
+    taken = torch.stack([torch.randperm(t, generator=gen)[:n] for _ in range(6)]).view(2, 3, n)
+    ok = torch.rand(2, 3, n, generator=gen) > 0.2
+    taken[1, 0, -1], ok[1, 0, -1], ok[1, 0, 0] = taken[1, 0, 0], False, True  # padding over a taken slot
+    agg, _ = cpu.group_softmax(s, float("inf"))
+    masked = agg.clone()
+    for (b, h, i) in ok.nonzero().tolist():
+        masked[b, h, taken[b, h, i]] = float("-inf")
+    kk = min(k, t - n)
+    want = cpu.topk(masked, kk, sorted)
+    got = cpu.correct_pick(s, taken, ok, kk, sorted)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.isfinite(got[0]).all() and not torch.isin(got[1][1, 0], taken[1, 0][ok[1, 0]]).any()
+    every = cpu.correct_pick(s, taken, None, kk, sorted)  # every taken slot counts
+    masked = agg.scatter(2, taken, float("-inf"))
+    assert torch.equal(every[1], cpu.topk(masked, kk, sorted)[1])
+    held = torch.ones(2, 3, t, dtype=torch.bool)
+    held[0, 1, : t // 3] = False  # a shorter sequence's row (slots it does not hold)
+    cut = s.masked_fill(~held[:, :, None], float("-inf"))
+    masked = cpu.group_softmax(cut, float("inf"))[0].masked_fill(~held, float("-inf"))
+    for (b, h, i) in ok.nonzero().tolist():
+        masked[b, h, taken[b, h, i]] = float("-inf")
+    got, want = cpu.correct_pick(cut, taken, ok, kk, sorted, held), cpu.topk(masked, kk, sorted)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    taken[0, 2, 3] = t
+    with pytest.raises(IndexError, match="outside"):
+        cpu.correct_pick(s, taken, ok, kk, sorted)
+    assert cpu.correct_pick(s.double(), taken, ok, kk, sorted) is None
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype, x", [(torch.float32, 64), (torch.bfloat16, 128), (torch.uint8, 40)])
 def test_the_row_gather_kernel_copies_index_selects_rows_and_zeros_the_rest(dtype, x):
     """pool.copy_rows on a CPU: the chosen rows of K and V as index_select copies them, the rows left for the new
@@ -225,6 +264,16 @@ def test_the_row_gather_kernel_copies_index_selects_rows_and_zeros_the_rest(dtyp
     pool.copy_rows(src_k, src_v, rows, None, out_k, out_v, False)
     assert torch.equal(out_k[:, :, :37], src_k[rows]) and torch.equal(out_v[:, :, :37], src_v[rows])
     assert (out_k[:, :, 37:] == 0).all() and (out_v[:, :, 37:] == 0).all()
+    big_k, big_v = (torch.full((2, 3, 60, x), 7, dtype=dtype) for _ in "kv")  # a window: rows 10 .. 51 of each
+    assert cpu.gather_rows(src_k, src_v, rows, big_k[:, :, 10:51], big_v[:, :, 10:51])
+    assert torch.equal(big_k[:, :, 10:47], src_k[rows]) and torch.equal(big_v[:, :, 10:47], src_v[rows])
+    assert (big_k[:, :, 47:51] == 0).all() and (big_k[:, :, :10] == 7).all() and (big_v[:, :, 51:] == 7).all()
+    with cpu.disabled():  # the torch path writes the window alike
+        big_k.fill_(7), big_v.fill_(7)
+        pool.copy_rows(src_k, src_v, rows, None, big_k[:, :, 10:51], big_v[:, :, 10:51], False)
+        assert torch.equal(big_k[:, :, 10:47], src_k[rows]) and (big_k[:, :, 47:51] == 0).all()
+        assert (big_v[:, :, 51:] == 7).all() and (big_v[:, :, :10] == 7).all()
+    assert not cpu.gather_rows(src_k, src_v, rows, big_k[:, :, 10:51:2], big_v[:, :, 10:51:2])  # not rows in a run
     rows[1, 2, 5] = 500
     with pytest.raises(IndexError, match="outside"):
         cpu.gather_rows(src_k, src_v, rows, out_k, out_v)
@@ -246,8 +295,9 @@ def test_a_cpu_decode_step_scores_and_quantizes_through_the_kernel(keys, bundles
     e, pol = engines(bundles["llama31_gqa"], x=("infinigen", kv))["x"]
     with cpu.disabled():
         ref, ref_toks, _ = greedy_logits(e, pol, PROMPTS, 6)
-    calls = {"score": 0, "quantize": 0, "topk": 0, "group_softmax": 0}
+    calls = {"score": 0, "quantize": 0, "topk": 0, "group_softmax": 0, "correct_pick": 0}
     score, quantize, topk, softmax = cpu.score_codes, cpu.quantize_rows, cpu.topk, cpu.group_softmax
+    pick = cpu.correct_pick
 
     def counted(name, fn):
         def run(*a, **k):
@@ -261,11 +311,14 @@ def test_a_cpu_decode_step_scores_and_quantizes_through_the_kernel(keys, bundles
     monkeypatch.setattr(cpu, "quantize_rows", counted("quantize", quantize))
     monkeypatch.setattr(cpu, "topk", counted("topk", topk))
     monkeypatch.setattr(cpu, "group_softmax", counted("group_softmax", softmax))
+    monkeypatch.setattr(cpu, "correct_pick", counted("correct_pick", pick))
     got, toks, _ = greedy_logits(e, pol, PROMPTS, 6)
     speculated = e.cfg.num_hidden_layers - pol.opts.dense_layers - 1  # layer j's rows chosen at layer j - 1
     scored = 5 * 2 * speculated if keys == "int4" else 0  # 2 bits: the torch path scores (the faster there)
     assert speculated > 0 and calls["quantize"] > 0, calls
     assert calls["score"] >= scored if scored else calls["score"] == 0, calls
-    assert calls["topk"] >= 5 * 2 * speculated and calls["group_softmax"] >= 5 * 2 * speculated, calls
+    # speculation's selection and the correction's pick (its softmax, mask and top-k in one call) each step
+    assert calls["topk"] >= 5 * speculated and calls["group_softmax"] >= 5 * speculated, calls
+    assert calls["correct_pick"] >= 5 * speculated, calls
     assert torch.equal(toks, ref_toks)
     assert (got - ref).abs().max().item() <= 1e-3

@@ -153,6 +153,50 @@ def test_speculating_on_a_worker_thread_changes_nothing(batch, bundles):
     assert all(torch.equal(a, b) for a, b in zip(h0, h1, strict=True))
 
 
+def test_a_runners_decode_step_leaves_the_speculation_worker_a_core(bundles, monkeypatch):
+    """On a CPU with two threads, a runner's decode steps compute on one thread once its worker thread speculates
+    (the worker takes the other core), torch's two restored between steps; `full` never gives its worker work and
+    keeps both; the tokens are those of speculation run inline."""
+    from infinigen_rt import runner as runner_mod
+    from infinigen_rt.runner import Request, Runner
+
+    seen = []
+
+    def counting(*a, **k):
+        seen.append(torch.get_num_threads())
+        return decode_step(*a, **k)
+
+    monkeypatch.setattr(runner_mod, "decode_step", counting)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = {}
+        for name in ("full", "infinigen"):
+            e, pol = engines(bundles["llama31_gqa"], x=(name, KVOptions(budget=0.3)))["x"]
+            run = Runner(e, pol, max_batch=2, prefill_chunk=16, kv_tokens=512)
+            assert isinstance(run.prefetch, WorkerThread)
+            seen.clear()
+            ids = [run.add(Request(p, 6)) for p in PROMPTS[:2]]
+            done = {}
+            while run.has_work:
+                done.update({o.id: o for o in run.step() if o.finished})
+                assert torch.get_num_threads() == 2
+            got[name] = [done[i].generation.token_ids for i in ids]
+            # infinigen: the first decode step's worker starts inside it, on two threads; every later one on one
+            assert seen == [2] * len(seen) if name == "full" else seen[0] == 2 and set(seen[1:]) == {1}, seen
+            run.close()
+        e, pol = engines(bundles["llama31_gqa"], x=("infinigen", KVOptions(budget=0.3)))["x"]
+        run = Runner(e, pol, max_batch=2, prefill_chunk=16, kv_tokens=512)
+        run.prefetch = Inline()
+        ids = [run.add(Request(p, 6)) for p in PROMPTS[:2]]
+        done = {}
+        while run.has_work:
+            done.update({o.id: o for o in run.step() if o.finished})
+        assert [done[i].generation.token_ids for i in ids] == got["infinigen"]
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_one_token_prompt_generates(bundles):
     """Its first pass is one token over an empty pool: nothing to speculate on yet."""
     e, pol = engines(bundles["llama31_gqa"], ig=("infinigen", KVOptions(budget=0.3)))["ig"]
