@@ -67,6 +67,25 @@ def merge(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor: 
     return (acc * w[..., None]).sum(2) / (l * w).sum(2)[..., None]
 
 
+def decode_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """One query token per sequence, q [B, H, 1, D], over keys and values [B, Hkv, n, D] (mask: None, or [B, Hkv or
+    1, 1, n] bool, True where a row counts, the same for a KV head's query heads): [B, H, 1, D]. On a CPU a KV
+    head's G query heads go to SDPA as G query positions over its own keys ([B, Hkv, G, D], no causal mask), not
+    as heads over keys repeated G times (enable_gqa): the same sums, 10-20 % faster at SmolLM2's shapes (9 heads
+    on 3, 1k-8k rows, batch 1 and 8, one thread). A GPU's SDPA takes the heads as they are."""
+    b, h, _, d = q.shape
+    hkv = keys.shape[1]
+    if q.device.type != "cpu" or h == hkv or q.shape[2] != 1:
+        if mask is not None and mask.shape[1] not in (1, h):
+            mask = mask.repeat_interleave(h // hkv, 1)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=h != hkv)
+    if mask is not None and mask.dim() == 4 and mask.shape[1] not in (1, hkv):
+        raise ValueError(f"a decode mask over {mask.shape[1]} heads for {hkv} KV heads")
+    out = F.scaled_dot_product_attention(q.view(b, hkv, h // hkv, d), keys, values, attn_mask=mask)
+    return out.view(b, h, 1, d)
+
+
 def paged_decode_reference(q, k, v, table, lengths, block: int, longest: int, scale: float) -> torch.Tensor:
     """`paged_decode` in torch ops: each sequence's first `longest` token slots looked up in its table, their rows
     gathered ([B, Hkv, longest, D]), and one SDPA with the positions past each length masked out."""

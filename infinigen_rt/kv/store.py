@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from infinigen_rt.kv.attention import paged_decode
+from infinigen_rt.kv.attention import decode_sdpa, paged_decode
 from infinigen_rt.kv.cache import KVCache, KVReport, causal_mask
 from infinigen_rt.kv.kernels import scatter_rows
 from infinigen_rt.kv.paged import BlockAllocator, PagedStore
@@ -344,7 +344,7 @@ class KVStore:
         for i, rid in enumerate(batch.rids):
             n = self.seen[rid]
             keys, values = self.rows_of(k, rid, n), self.rows_of(v, rid, n)  # [1, Hkv, n, D]
-            out.append(F.scaled_dot_product_attention(q[i : i + 1], keys, values, enable_gqa=k.shape[0] != q.shape[1]))
+            out.append(decode_sdpa(q[i : i + 1], keys, values))
         return torch.cat(out)
 
     def rows_of(self, buf: torch.Tensor, rid: int, n: int) -> torch.Tensor:
@@ -635,7 +635,11 @@ class Selector:
                 x[:, :, -1:] = y
         keys, values = store.layout.decode(keys), store.layout.decode(values)
         mask = None
-        if ok is not None:  # [B, H, 1, n + 1]: the rows that count, and the new token's
+        if q.device.type == "cpu":  # a KV head's query heads as query positions (decode_sdpa)
+            if ok is not None:  # [B, Hkv, 1, n + 1]: the rows that count, and the new token's
+                mask = torch.cat([ok, torch.ones_like(ok[..., :1])], -1)[:, :, None]
+            return decode_sdpa(q, keys.to(q.dtype), values.to(q.dtype), mask)
+        if ok is not None:  # [B, H, 1, n + 1]
             group = q.shape[1] // ok.shape[1]
             ok = ok.repeat_interleave(group, 1) if group > 1 else ok
             mask = torch.cat([ok, torch.ones_like(ok[..., :1])], -1)[:, :, None]

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infinigen_rt.kv.attention import paged_decode_reference, run_kernel_on_cpu, splits
+from infinigen_rt.kv.attention import decode_sdpa, paged_decode_reference, run_kernel_on_cpu, splits
 from infinigen_rt.kv.kernels import available
 from tests.conftest import ROOT
 
@@ -154,3 +154,24 @@ def test_on_the_gpu_path_under_fake_cuda_it_equals_the_reference_and_is_recorded
     launches = [o for o in ops if o.kind == "triton"]
     assert [o.name for o in launches] == ["paged_decode_kernel", "merge_splits_kernel"]
     assert launches[0].hbm_bytes >= 2 * 2 * hkv * max(lengths) * d * 4  # every row's keys and values, once
+
+
+@pytest.mark.parametrize("b, h, hkv, n", [(1, 9, 3, 1025), (4, 14, 2, 37), (2, 4, 4, 10), (3, 8, 1, 5)])
+def test_decode_sdpa_on_a_cpu_is_sdpa_over_repeated_heads(b, h, hkv, n):
+    """A KV head's query heads taken as query positions over its keys: SDPA with enable_gqa's outputs (float32
+    rounding), with no mask, a mask per KV head, or one per sequence; a mask over the query heads is refused."""
+    gen = torch.Generator().manual_seed(b * h + n)
+    q, k, v = torch.randn(b, h, 1, 64, generator=gen), *torch.randn(2, b, hkv, n, 64, generator=gen)
+    ok = torch.rand(b, hkv, 1, n, generator=gen) > 0.3
+    ok[..., -1] = True  # the new token's row counts
+    gqa = h != hkv
+    want = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    torch.testing.assert_close(decode_sdpa(q, k, v), want, rtol=1e-5, atol=2e-6)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=ok.repeat_interleave(h // hkv, 1), enable_gqa=gqa)
+    torch.testing.assert_close(decode_sdpa(q, k, v, ok), want, rtol=1e-5, atol=2e-6)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=ok[:, :1], enable_gqa=gqa)
+    torch.testing.assert_close(decode_sdpa(q, k, v, ok[:, :1]), want, rtol=1e-5, atol=2e-6)
+    if gqa and hkv > 1:
+        with pytest.raises(ValueError, match="KV heads"):
+            decode_sdpa(q, k, v, ok.repeat_interleave(h // hkv, 1))
+
