@@ -141,7 +141,9 @@ def _threads() -> ThreadPoolExecutor:
     if _pool is None:
         with _lock:
             if _pool is None:
-                _pool = ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()),
+                # the machine's cores, not torch's threads now: a decode step beside the speculation worker runs on
+                # fewer (prefetch.WorkerThread.sharing), and the pool, made once, must serve the others too
+                _pool = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1),
                                            thread_name_prefix="infinigen-cpu-kernel")  # fmt: skip
     return _pool
 

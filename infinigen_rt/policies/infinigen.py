@@ -426,6 +426,7 @@ class InfinigenSelector(Selector):
         step.held3 = None if held is None else held[:, None].expand(b, h, t)
         step.pos = None if held is None else torch.where(held, at, -1)[:, None].expand(b, h, t)
         step.cos_sin = self.spec.rope(step.positions, self.dtype)
+        step.counts = {}  # layer -> the correction's counts (see counts)
         if self.last_rows is not None:
             self.last_rows.begin(step)
 
@@ -447,8 +448,7 @@ class InfinigenSelector(Selector):
         s = self.keys.scores_at(j, q, step.span or step.idx)
         k = 0  # the correction's candidates: every held slot, or a shortlist
         if self.opts.correct and self.opts.shortlist:
-            counts = correction_counts(kept.tolist(), self.layer_opts[j], opts)
-            k = shortlist_size(int(kept.max()), t, opts, counts, self.opts.shortlist)
+            k = shortlist_size(int(kept.max()), t, opts, self.counts(step, j), self.opts.shortlist)
         return step, j, select(s, self.alphas[j], opts, *self.held(step, j), width, self.tp, k)
 
     @torch.inference_mode()
@@ -462,14 +462,20 @@ class InfinigenSelector(Selector):
         return sel, *self.gather(step, j, sel.slots, None if sel.every else sel.ok, 1, j % 2, sel.counted,
                                  step.physical(sel.slots), room=self.room(step, j))  # fmt: skip
 
+    def counts(self, step, j: int) -> list[int]:
+        """What layer j's correction fetches per request this step (correction_counts): worked out once a step and
+        layer, for speculation's shortlist, the room its gather leaves and the correction itself."""
+        if j not in step.counts:
+            step.counts[j] = correction_counts(self.kept(step).tolist(), self.layer_opts[j], self.spec_opts[j])
+        return step.counts[j]
+
     def room(self, step, j: int) -> int:
         """The rows layer j's correction adds at most (its largest count, at most the slots held): speculation's
         gather leaves them between its rows and the new token's, and the correction writes its rows there, in
         place of joining the two (a copy of every row: 2.5 ms a layer at SmolLM2, batch 8 x 8k)."""
         if not self.opts.correct:
             return 0
-        per_row = correction_counts(self.kept(step).tolist(), self.layer_opts[j], self.spec_opts[j])
-        return max(0, min(max(per_row), step.held[0]))
+        return max(0, min(max(self.counts(step, j)), step.held[0]))
 
     def rows(self, step, layer, q):
         if layer not in self.prefetch:
@@ -491,7 +497,7 @@ class InfinigenSelector(Selector):
         """The correction step for every request: layer j's true query q [B, H, 1, D] scored against the same keys;
         each request's best rows speculation did not fetch, up to the rest of its budget, gathered and joined to the
         speculated ones (before the new token's row)."""
-        per_row = correction_counts(self.kept(step).tolist(), self.layer_opts[layer], self.spec_opts[layer])
+        per_row = self.counts(step, layer)
         if max(per_row) <= 0:
             return sel, k, v
         b, hkv = sel.slots.shape[:2]
