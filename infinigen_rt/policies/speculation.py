@@ -400,11 +400,8 @@ def correction_rows(s: torch.Tensor, sel: Selection, held: torch.Tensor | None, 
         if got is not None:
             return _counted(*got, cand, per_row)
     if cand is None:
-        # what speculation fetched (the rows that pad a shorter fetch write a column past the last, dropped: a
-        # scatter of their False over a slot another row took would leave which write lands to chance)
-        taken = torch.zeros(b, hkv, t + 1, dtype=torch.bool, device=s.device)
-        taken.scatter_(2, sel.slots if sel.every else torch.where(sel.ok, sel.slots, t), True)
-        taken = taken[..., :t]
+        taken = torch.zeros(b, hkv, t, dtype=torch.bool, device=s.device)
+        taken.scatter_(2, sel.slots, sel.ok)  # what speculation fetched (its slots distinct within a row: top-k's)
     else:  # speculation's own first, then the next-ranked
         taken = torch.cat([sel.ok.expand(sel.slots.shape), sel.ok.new_zeros(b, hkv, t - sel.slots.shape[-1])], -1)
         held = None if held is None else torch.gather(held, 2, cand)
