@@ -36,6 +36,7 @@ class Projected:
     hardware: str
     reuse: bool | None = None  # rows reused across steps, at the share `reused` held
     reused: float | None = None
+    shortlist: float | None = None  # the correction's shortlist, where it has one (as bench's Point)
     status: str = "ok"  # or oom-device: the point does not fit the device (fake CUDA's capacity, 80 GiB)
     launches: int | None = None
     projected_ms: float | None = None
@@ -74,6 +75,7 @@ def rehearse(preset: str, dtype: torch.dtype, variants: list, batch: int, contex
             spec = "spec_keys" in policy.cls.knobs
             point = Projected(f"synthetic:{preset}", v.policy, batch, context, policy.opts.spec_keys if spec else None,
                               policy.opts.correct if spec else None, hw.name)  # fmt: skip
+            point.shortlist = (policy.opts.shortlist or None) if spec and policy.opts.correct else None
             if spec and policy.opts.reuse:
                 point.reuse = True
                 point.reused = REUSED.get((policy.opts.spec_keys, policy.opts.correct > 0), min(REUSED.values()))

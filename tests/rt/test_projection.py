@@ -115,3 +115,18 @@ def test_the_projected_decode_step_at_llama31_8b_32k(variant, projected_steps):
     assert eight.launches <= growth * one.launches, (one.launches, eight.launches)
     assert one.over_floor <= over_b1 and eight.over_floor <= over_b8, (one, eight)
     assert eight.pcie_bytes == pytest.approx(8 * one.pcie_bytes, rel=0.02)  # each row fetches its own rows
+
+
+@pytest.mark.skipif(available() is not None, reason=f"fake CUDA: {available()}")
+def test_a_rehearsed_point_names_the_corrections_shortlist():
+    """bench --rehearse's points say which shortlist the correction scored (None: every held slot, or no
+    correction), as bench's measured points do: two variants that differ only in it are told apart."""
+    from infinigen_rt.measure.bench import Variant
+    from infinigen_rt.measure.rehearse import rehearse
+
+    variants = [Variant("infinigen", "int4", 0.25, shortlist=4.0), Variant("infinigen", "int4", 0.25),
+                Variant("infinigen", "int4", 0.0, shortlist=4.0)]  # fmt: skip
+    points = rehearse("smollm2-4l", torch.float32, variants, 1, 512)
+    assert [p.status for p in points] == ["ok"] * 3, points
+    assert [p.shortlist for p in points] == [4.0, None, None]
+    assert points[0].launches and points[0].launches != points[1].launches  # it was the shortlist that ran
