@@ -115,6 +115,10 @@ for kernel, args, meta_ in [
           TOKENS=quant.TOKENS, SPLIT=quant.SPLIT, HAS_SLOTS=True, num_warps=8 if d >= 256 else 4)),
     (quantize_rows_kernel, (torch.empty(1, hkv, b, d, dtype=torch.bfloat16), idx, codes, meta, hkv * b, b, slots),
      dict(D=d, GROUP=group, BITS=bits, ROWS=quant.QUANT_ROWS)),
+    # each (sequence, KV head) its own slots [B, Hkv, t]: the correction's shortlist, a capacity's evicted slots
+    (score_codes_kernel, (q, codes, meta, torch.empty(b, hkv, t, dtype=torch.int64), out, t, slots, 0),
+     dict(BATCH_ROWS=False, HKV=hkv, G=g, G_ROWS=quant.score_rows(g, d // group), D=d, GROUP=group, BITS=bits,
+          TOKENS=quant.TOKENS, SPLIT=quant.SPLIT, HAS_SLOTS=True, PAIR_SLOTS=True, num_warps=8 if d >= 256 else 4)),
 ]:
     jit, signature, constexprs, attrs, options = signature_of(kernel, args, meta_, target)
     k = triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__)
@@ -129,22 +133,24 @@ print(json.dumps({"signatures": sigs, "local": ".local" in ptx, "usage": usage})
 @pytest.mark.parametrize("g, d, bits", [(4, 128, 4), (3, 64, 4), (1, 256, 4), (4, 128, 2)])
 def test_the_kernels_compile_for_sm80_and_sm90_without_spills(cc, g, d, bits, tmp_path):
     """Llama-3.1-8B's group of 4 at head_dim 128, SmolLM2's 3 at 64, Gemma 3's 256, and two bits: both kernels as
-    quant.py launches them, compiled to cubin here (no GPU; in a process of its own, as the interpreter this suite
-    runs kernels under replaces the compiler's loop), with no stack or local memory, the counts unspecialised. The
-    one exception: head_dim 256 on sm_80, where the scoring kernel's [TOKENS, 256] tile and its tf32 parts spill a
-    few hundred bytes at every launch configuration tried (on sm_90 eight warps hold it)."""
+    quant.py launches them (the scoring also with each pair's own slots, PAIR_SLOTS), compiled to cubin here (no
+    GPU; in a process of its own, as the interpreter this suite runs kernels under replaces the compiler's loop),
+    with no stack or local memory, the counts unspecialised. The one exception: head_dim 256 on sm_80, where the
+    scoring kernel's [TOKENS, 256] tile and its tf32 parts spill a few hundred bytes at every launch configuration
+    tried (on sm_90 eight warps hold it)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
     r = subprocess.run([sys.executable, "-c", COMPILE, str(cc), str(g), str(d), str(bits), str(tmp_path)],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    score, quantize = out["signatures"]
-    assert score["n_tok"] in ("i32", "i64") and score["n_slots"] in ("i32", "i64") and score["start"] in ("i32", "i64")
+    score, quantize, pairs = out["signatures"]
+    for sig in (score, pairs):
+        assert sig["n_tok"] in ("i32", "i64") and sig["n_slots"] in ("i32", "i64") and sig["start"] in ("i32", "i64")
     assert quantize["total"] in ("i32", "i64") and quantize["n_new"] in ("i32", "i64")
     assert not out["local"]
     for i, usage in enumerate(out["usage"]):
-        if usage and not (i == 0 and cc == 80 and d == 256):
+        if usage and not (i in (0, 2) and cc == 80 and d == 256):
             assert usage.get("STACK", 0) == 0 and usage.get("LOCAL", 0) == 0, usage
 
 
