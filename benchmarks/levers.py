@@ -50,6 +50,9 @@ LEVERS = {  # each relative to KVOptions' defaults (every winning lever on)
     # the paper's keys (the partial skewed columns), without and with the correction
     "partial": {"spec_keys": "partial", "correct": 0.0},
     "partial_correct25": {"spec_keys": "partial", "correct": 0.25},
+    # every column at 4 bits with a scale per channel over each 16 slots (KIVI's layout for keys)
+    "int4c": {"spec_keys": "int4c", "correct": 0.0},
+    "int4c_correct25": {"spec_keys": "int4c", "correct": 0.25},
     # the correction's shortlist: it scores speculation's next-ranked slots only, this many times its count
     "shortlist2": {"shortlist": 2.0},
     "shortlist4": {"shortlist": 4.0},

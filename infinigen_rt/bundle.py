@@ -54,7 +54,7 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
 DENSE_LAYERS = 2
 
 # what speculation may score against on the device (KVOptions.spec_keys; policies/speculation.py's key stores)
-SPEC_KEYS = ("partial", "int4", "int2")
+SPEC_KEYS = ("partial", "int4", "int2", "int4c")
 # the keys of a bundle converted before convert chose them (the ones its defaults were tuned with, on SmolLM2)
 FALLBACK_SPEC_KEYS = "int4"
 

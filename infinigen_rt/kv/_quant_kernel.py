@@ -23,7 +23,7 @@ def score_codes_kernel(
     q, codes, meta, slots, out, n_tok, n_slots, start, BATCH_ROWS: tl.constexpr,
     HKV: tl.constexpr, G: tl.constexpr, G_ROWS: tl.constexpr, D: tl.constexpr,
     GROUP: tl.constexpr, BITS: tl.constexpr, TOKENS: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr,
-    PAIR_SLOTS: tl.constexpr = False,
+    PAIR_SLOTS: tl.constexpr = False, CHANNEL: tl.constexpr = False, RUN: tl.constexpr = 16,
 ):  # fmt: skip
     # q [B, HKV, G, D] float32; codes [*, HKV, n_slots, D * BITS / 8] uint8; meta [*, HKV, n_slots, 2, D / GROUP]
     # fp16 (scale, minimum); slots [B, n_tok] (HAS_SLOTS; [B, HKV, n_tok] where PAIR_SLOTS: each pair its own; else
@@ -34,6 +34,8 @@ def score_codes_kernel(
     # columns of group n % GROUPS (zeros elsewhere): the dot products of each (head, group), which the group's scale
     # and minimum turn into the score. Three tf32 products give float32 accuracy (the codes are small integers, exact
     # in tf32). G_ROWS >= G, a power of two, G_ROWS * GROUPS >= 16 (the smallest product the units take).
+    # CHANNEL (GROUP = D): a scale and minimum per channel over each RUN slots (policies/speculation.py's
+    # ChannelKeys), meta [*, HKV, n_slots / RUN, 2, D]: the tile's keys are formed in registers, one product.
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -66,11 +68,17 @@ def score_codes_kernel(
             a = tl.interleave(byte & 15, byte >> 4)
         else:
             a = tl.interleave(tl.interleave(byte & 3, (byte >> 4) & 3), tl.interleave((byte >> 2) & 3, byte >> 6))
-        dots = tl.dot(a.to(tl.float32), qm, input_precision="tf32x3")  # [TOKENS, N]
-        at = row[:, None] * (2 * GROUPS) + part[None, :]
-        scale = tl.load(meta + at, mask=live[:, None], other=0).to(tl.float32)
-        lo = tl.load(meta + at + GROUPS, mask=live[:, None], other=0).to(tl.float32)
-        sc = tl.sum(tl.reshape(scale * dots + lo * qsum[None, :], [TOKENS, G_ROWS, GROUPS]), 2)  # [TOKENS, G_ROWS]
+        if CHANNEL:  # each channel's scale and minimum of the row's run, then the keys' product
+            at = (row // RUN)[:, None] * (2 * D) + c[None, :]
+            scale = tl.load(meta + at, mask=live[:, None], other=0).to(tl.float32)
+            lo = tl.load(meta + at + D, mask=live[:, None], other=0).to(tl.float32)
+            sc = tl.dot(a.to(tl.float32) * scale + lo, qm, input_precision="tf32x3")  # [TOKENS, G_ROWS]
+        else:
+            dots = tl.dot(a.to(tl.float32), qm, input_precision="tf32x3")  # [TOKENS, N]
+            at = row[:, None] * (2 * GROUPS) + part[None, :]
+            scale = tl.load(meta + at, mask=live[:, None], other=0).to(tl.float32)
+            lo = tl.load(meta + at + GROUPS, mask=live[:, None], other=0).to(tl.float32)
+            sc = tl.sum(tl.reshape(scale * dots + lo * qsum[None, :], [TOKENS, G_ROWS, GROUPS]), 2)  # [TOKENS, G_ROWS]
         dst = ((b * HKV + h) * G + g[None, :]).to(tl.int64) * n_tok + t[:, None]
         tl.store(out + dst, sc, mask=live[:, None] & (g[None, :] < G))
 

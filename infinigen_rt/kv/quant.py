@@ -34,6 +34,28 @@ def dequantize(packed, scale, lo, group: int, dtype, bits: int = 4) -> torch.Ten
     return g.flatten(-2).to(dtype)
 
 
+def quantize_channels(x: torch.Tensor, held: torch.Tensor, bits: int = 4):
+    """Runs of keys x [N, T, D], each channel quantized over the run's held rows (held [N, T] bool; rows not held
+    neither widen the range nor keep their values): (packed uint8 [N, T, D * bits / 8], scale and minimum fp16
+    [N, 2, D]). The codes are computed against the fp16 scale and minimum stored, so that dequantizing and
+    quantizing a run again with the same range gives the same codes."""
+    top, per = 2**bits - 1, 8 // bits
+    x = x.float()
+    lo = x.masked_fill(~held[..., None], float("inf")).amin(1)  # [N, D]
+    hi = x.masked_fill(~held[..., None], float("-inf")).amax(1)
+    empty = ~held.any(1, keepdim=True)  # a run with nothing held: any finite meta
+    lo, hi = lo.masked_fill(empty, 0.0).half(), hi.masked_fill(empty, 0.0)
+    scale = ((hi - lo.float()) / top).clamp(min=FP16_TINY).half()
+    q = torch.round((x - lo.float()[:, None]) / scale.float()[:, None]).clamp(0, top).to(torch.uint8)
+    packed = q[..., 0::per]
+    for i in range(1, per):
+        packed = packed | (q[..., i::per] << (bits * i))
+    return packed, torch.stack([scale, lo], 1)
+
+
+FP16_TINY = 6.2e-5  # the smallest scale kept (fp16's smallest normal number is 6.1e-5)
+
+
 def code_bytes(head_dim: int, group: int, bits: int) -> int:
     """Bytes of one row of `head_dim` values: the packed codes and an fp16 scale and minimum per group."""
     return head_dim * bits // 8 + 4 * (head_dim // group)
@@ -123,7 +145,9 @@ def score_rows(g: int, groups: int) -> int:
     return max(1 << (g - 1).bit_length(), -(-16 // groups))
 
 
-def _scores_kernel(q, codes, meta, at, t: int, group: int, bits: int) -> torch.Tensor:
+def _scores_kernel(q, codes, meta, at, t: int, group: int, bits: int, run: int = 0) -> torch.Tensor:
+    """The kernel's scores (see `scores`); `run` > 0: a scale per channel over each `run` slots (meta [R, Hkv,
+    S / run, 2, D]; policies/speculation.py's ChannelKeys)."""
     import triton
 
     from infinigen_rt.kv._quant_kernel import score_codes_kernel
@@ -140,7 +164,8 @@ def _scores_kernel(q, codes, meta, at, t: int, group: int, bits: int) -> torch.T
         q.float().contiguous(), codes, meta, slots.contiguous() if slots is not None else out, out, t, codes.shape[2],
         start, BATCH_ROWS=codes.shape[0] > 1, HKV=hkv, G=g, G_ROWS=score_rows(g, d // group), D=d, GROUP=group,
         BITS=bits, TOKENS=TOKENS, SPLIT=SPLIT, HAS_SLOTS=slots is not None,
-        PAIR_SLOTS=slots is not None and slots.dim() == 3, num_warps=8 if d >= 256 else 4,
+        PAIR_SLOTS=slots is not None and slots.dim() == 3, CHANNEL=run > 0, RUN=max(run, 1),
+        num_warps=8 if d >= 256 else 4,
     )  # fmt: skip
     return out
 

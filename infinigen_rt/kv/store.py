@@ -546,8 +546,9 @@ class Selector:
             return np.zeros(len(rids), dtype=np.int64)
         return self.evicting.reuse(p, rids, n)
 
-    def written(self, batch: Batch, layer: int, k: torch.Tensor, phys: torch.Tensor) -> None:
-        """The new keys k [B, Hkv, s, D] went into flat slots phys [B * s] of a pooled layer (a prefill or a step)."""
+    def written(self, batch: Batch, layer: int, k: torch.Tensor, phys: torch.Tensor, reusing=None) -> None:
+        """The new keys k [B, Hkv, s, D] went into flat slots phys [B * s] of a pooled layer (a prefill or a step);
+        `reusing` [B, s] (device): which of them went into slots their request freed (None: none did)."""
 
     def begin(self, step: StoreStep) -> None:
         """A decode step starts (step.batch is on the device)."""
@@ -629,7 +630,7 @@ class Selector:
         slots = step.slots if self.evicting is None else self.evicting.place(step, layer)  # (after the reads)
         new = store.write(layer, slots, k, v)
         store.ledger.add("d2h", step.rids, k.shape[1] * store.row_bytes)
-        self.written(step.batch, layer, k, slots)
+        self.written(step.batch, layer, k, slots, None if self.evicting is None else step.reusing)
         for held, parts in zip((keys, values), new, strict=True):
             for x, y in zip(held, parts, strict=True):
                 x[:, :, -1:] = y
@@ -662,7 +663,7 @@ class Selector:
         new = store.write(layer, slots, k, v)
         if pooled:
             store.ledger.add("d2h", [p.rid], k.shape[1] * k.shape[2] * store.row_bytes)
-            self.written(p.batch, layer, k, slots)
+            self.written(p.batch, layer, k, slots, None if self.evicting is None else p.reusing)
         if p.held is None:  # a first chunk: nothing earlier to read
             if pooled:
                 k, v = store.layout.decode(new[0]), store.layout.decode(new[1])

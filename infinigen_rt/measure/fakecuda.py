@@ -1221,7 +1221,8 @@ def _score_op(name: str, stream: str, named: list, written: set, grid, meta) -> 
     args = dict(named)
     b, hkv, _ = grid
     tokens, codes, meta_ = b * hkv * args["n_tok"], args["codes"], args["meta"]
-    read = tokens * (codes.shape[-1] * codes.element_size() + meta_.shape[-1] * meta_.shape[-2] * meta_.element_size())
+    scales = meta_.shape[-1] * meta_.shape[-2] * meta_.element_size()  # a token's, or (CHANNEL) its run's
+    read = tokens * (codes.shape[-1] * codes.element_size() + scales / (meta["RUN"] if meta.get("CHANNEL") else 1))
     small = sum(_nbytes(args[p]) for p in ("q", "out")) + (_nbytes(args["slots"]) if meta["HAS_SLOTS"] else 0)
     return Op("triton", name, stream, hbm_bytes=read + small, flops=2 * tokens * meta["G"] * meta["D"])
 

@@ -401,10 +401,11 @@ class InfinigenSelector(Selector):
         # rows reused across steps: the kernel's (a CPU's host memory is its device memory: nothing to save)
         self.last_rows = LastRows(self.store) if self.opts.reuse and store.kernel else None
 
-    def written(self, batch, layer, k, phys) -> None:
+    def written(self, batch, layer, k, phys, reusing=None) -> None:
         b, h, s, d = k.shape  # the batch's new keys as one sequence of the store's, at their flat slots
         at = phys.view(1, 1, -1).expand(1, h, -1) if phys.dim() == 1 else phys.transpose(0, 1).reshape(1, h, -1)
-        self.keys.write(layer, k.transpose(0, 1).reshape(1, h, b * s, d), at)
+        self.keys.write(layer, k.transpose(0, 1).reshape(1, h, b * s, d), at, distinct=s == 1,
+                        appends=True if reusing is None else ~reusing.view(1, 1, -1))  # (a page: one sequence's)
 
     def kept(self, step) -> np.ndarray:
         """The tokens each row held per head before the step ([B], host): its rows, but under a capacity."""

@@ -3,7 +3,8 @@ layer j's speculation keys, and the rows layer j fetches (a Selection). Device-a
 move is prefetch.py's business, which slot holds which token is pool.py's.
 
 The speculation keys live on the compute device, one store per choice (`spec_keys`): `PartialKeys`, the paper's
-d' skewed columns in the model's dtype, or `QuantKeys`, every column at 4 or 2 bits. The correction step
+d' skewed columns in the model's dtype; `QuantKeys`, every column at 4 or 2 bits, a scale per token and group of
+columns; `ChannelKeys`, every column at 4 bits, a scale per channel and run of slots. The correction step
 (infinigen.py) scores layer j's true query against the same store (`Speculator.keys_side`).
 
 Per speculated layer j and sequence b: scores s = q~ . K~ / sqrt(D) over every held token; n = the mean over
@@ -139,8 +140,9 @@ class PartialKeys:
     def device_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.pk.values())
 
-    def write(self, j: int, k: torch.Tensor, start) -> None:
-        """k: the new tokens' keys [B, Hkv, s, D] (post-RoPE), into slots start.. (an int) or `start` [B, Hkv, s]."""
+    def write(self, j: int, k: torch.Tensor, start, distinct: bool = False, appends=None) -> None:
+        """k: the new tokens' keys [B, Hkv, s, D] (post-RoPE), into slots start.. (an int) or `start` [B, Hkv, s]
+        (`distinct`, `appends`: see ChannelKeys.write)."""
         part = self.spec.partial_key(j, k).transpose(-1, -2)  # [B, Hkv, d', s]
         if isinstance(start, int):
             self.pk[j][..., start : start + k.shape[2]] = part
@@ -186,8 +188,9 @@ class QuantKeys:
     def device_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.codes, self.meta) for t in d.values())
 
-    def write(self, j: int, k: torch.Tensor, start) -> None:
-        """k: the new tokens' keys [B, Hkv, s, D] (post-RoPE), into slots start.. (an int) or `start` [B, Hkv, s]."""
+    def write(self, j: int, k: torch.Tensor, start, distinct: bool = False, appends=None) -> None:
+        """k: the new tokens' keys [B, Hkv, s, D] (post-RoPE), into slots start.. (an int) or `start` [B, Hkv, s]
+        (`distinct`, `appends`: see ChannelKeys.write)."""
         quant.store(k, self.codes[j], self.meta[j], start, self.group, self.bits)
 
     def scores(self, j: int, q: torch.Tensor, t: int) -> torch.Tensor:
@@ -201,6 +204,123 @@ class QuantKeys:
         return quant.scores(q, self.codes[j], self.meta[j], idx, self.group, self.bits)
 
 
+CHANNEL_TOKENS = 16  # the slots a channel's scale spans in ChannelKeys (a store page, kv/store.py's BLOCK)
+
+
+class ChannelKeys:
+    """Every key column at 4 bits with a scale and minimum per channel over each run of CHANNEL_TOKENS slots (KIVI's
+    layout for keys: a channel keeps its offset, so that a few huge channels, as Qwen's key biases make, cost the
+    others no precision), per speculated layer: codes [B, Hkv, S, D / 2], meta [B, Hkv, S / CHANNEL_TOKENS, 2, D]
+    (fp16 scale, minimum) and which slots were written [B, Hkv, S] (bool), on the compute device. At head_dim 64
+    that is 32 + 16 + 1 = 49 bytes per token and KV head.
+
+    A run fills as tokens arrive: each write dequantizes the runs it touches, puts the new keys in and quantizes
+    them again over the slots written, so no key is kept at full precision (KIVI keeps the unfilled group so). The
+    scores: on a GPU the low-bit scoring kernel, which forms a tile's keys in registers from their codes and their
+    run's scales (kv/_quant_kernel.py); elsewhere a span of keys dequantized at a time and one product."""
+
+    name = "int4c"
+
+    def __init__(self, spec: Speculator, layers, batch: int, max_len: int, device, dtype, bits: int = 4):
+        self.spec, self.full, self.bits = spec, True, bits
+        d, hkv, t = spec.cfg.head_dim, spec.cfg.num_key_value_heads, CHANNEL_TOKENS
+        runs = -(-max_len // t)
+        self.codes = {j: torch.zeros(batch, hkv, runs * t, d * bits // 8, device=device, dtype=torch.uint8)
+                      for j in layers}  # fmt: skip
+        self.meta = {j: torch.zeros(batch, hkv, runs, 2, d, device=device, dtype=torch.float16) for j in layers}
+        self.held = {j: torch.zeros(batch, hkv, runs * t, device=device, dtype=torch.bool) for j in layers}
+
+    @staticmethod
+    def token_bytes(head_dim: int, bits: int = 4) -> int:
+        """Device bytes per token and KV head: its codes, its share of its run's scales and minimums, its flag."""
+        return head_dim * bits // 8 + 2 * 2 * head_dim // CHANNEL_TOKENS + 1
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.codes, self.meta, self.held) for t in d.values())
+
+    def write(self, j: int, k: torch.Tensor, start, distinct: bool = False, appends=None) -> None:
+        """k: the new tokens' keys [R, Hkv, s, D] (post-RoPE), into slots start.. (an int) or `start` [R, Hkv, s].
+        `distinct`: no two of `start`'s slots share a run within a (row, KV head) (one new token per sequence; a
+        run never holds two sequences' slots), so no device read sorts them out. `appends`: which new keys go to
+        the end of their sequence's slots, so that a run's slots after them hold none of its keys (a page another
+        sequence left): True, bool [R, Hkv, s] or [R, 1, s]; None: every one where `start` is an int (a row's next
+        slots), none where it is a tensor (freed slots too). A run's range spans the slots written to it since."""
+        r, hkv, s, d = k.shape
+        if s == 0:
+            return
+        t, dev = CHANNEL_TOKENS, k.device
+        codes, meta, held = self.codes[j], self.meta[j], self.held[j]
+        runs = meta.shape[2]
+        pair = (torch.arange(r, device=dev)[:, None] * hkv + torch.arange(hkv, device=dev)[None]).view(r, hkv, 1)
+        if isinstance(start, int):  # runs first..last of every (row, KV head), in order
+            first, last = start // t, (start + s - 1) // t
+            at = torch.arange(start, start + s, device=dev).expand(r, hkv, s)
+            touched = (pair * runs + torch.arange(first, last + 1, device=dev)).reshape(-1)
+            which = (pair * (last - first + 1) + at // t - first).reshape(-1)
+        else:
+            at = start
+            run_ids = (pair * runs + at // t).reshape(-1)
+            if distinct or s == 1:
+                touched, which = run_ids, torch.arange(run_ids.numel(), device=dev)
+            else:
+                touched, which = torch.unique(run_ids, return_inverse=True)
+        held.view(-1)[(pair * held.shape[2] + at).reshape(-1)] = True
+        runs_held = held.view(-1, t)[touched]  # [u, t]
+        if appends is None:
+            appends = isinstance(start, int)
+        if appends is not False:  # the runs' slots after a key appended: none of its own
+            off = (at % t).reshape(-1)
+            end = off if appends is True else torch.where(appends.expand(r, hkv, s).reshape(-1), off, -1)
+            last = torch.full((touched.numel(),), -1, dtype=off.dtype, device=dev).scatter_reduce(0, which, end, "amax")
+            runs_held &= (torch.arange(t, device=dev) <= last[:, None]) | (last[:, None] < 0)
+            held.view(-1, t)[touched] = runs_held
+        c_runs, m_runs = codes.view(-1, t, codes.shape[-1]), meta.view(-1, 2, d)
+        x = quant.dequantize(c_runs[touched], m_runs[touched, 0][:, None], m_runs[touched, 1][:, None], 1,
+                             torch.float32, self.bits)  # [u, t, D]  # fmt: skip
+        x[which, (at % t).reshape(-1)] = k.reshape(-1, d).float()
+        c, m = quant.quantize_channels(x, runs_held, self.bits)
+        c_runs[touched], m_runs[touched] = c, m
+
+    def _keys(self, codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+        """codes [.., n, bytes] and each slot's meta [.., n, 2, D] -> the keys [.., n, D] in float32."""
+        return quant.dequantize(codes, meta[..., 0, :], meta[..., 1, :], 1, torch.float32, self.bits)
+
+    def scores(self, j: int, q: torch.Tensor, t: int) -> torch.Tensor:
+        """q [B, Hkv, G, D] (scaled) against the first t slots' keys: [B, Hkv, G, t] in float32."""
+        return self.scores_at(j, q, t)
+
+    def scores_at(self, j: int, q: torch.Tensor, idx: torch.Tensor | slice | int) -> torch.Tensor:
+        """As QuantKeys.scores_at (`idx` an int t: each sequence's own row, its first t slots), a span of slots at a
+        time (what the dequantized keys hold stays near quant.CHUNK_BYTES)."""
+        codes, meta, tok = self.codes[j], self.meta[j], CHANNEL_TOKENS
+        b, hkv, g, d = q.shape
+        n = idx if isinstance(idx, int) else idx.stop - idx.start if isinstance(idx, slice) else idx.shape[-1]
+        if quant.fused(q, d):  # the low-bit scoring kernel, a run's scales per channel
+            return quant._scores_kernel(q, codes, meta, idx, n, d, self.bits, tok)
+        if isinstance(idx, int):
+            idx = slice(0, idx)
+        out = torch.empty(b, hkv, g, n, dtype=torch.float32, device=q.device)
+        span = max(tok, quant.CHUNK_BYTES // (b * hkv * d * 4) // tok * tok)
+        qf = q.float()
+        for i in range(0, n, span):
+            e = min(n, i + span)
+            if isinstance(idx, slice):  # every row's slots idx.start + i .. (R = B, or one row for one sequence)
+                lo, hi = idx.start + i, idx.start + e
+                m = meta[:, :, lo // tok : -(-hi // tok)].repeat_interleave(tok, 2)[:, :, lo % tok : lo % tok + e - i]
+                keys = self._keys(codes[:, :, lo:hi], m)
+            elif idx.dim() == 3:  # [B, Hkv, T]: each (sequence, KV head) its own slots
+                at = idx[..., i:e]
+                heads = torch.arange(hkv, device=at.device)[None, :, None]
+                rows = torch.arange(b, device=at.device)[:, None, None] if codes.shape[0] > 1 else 0
+                keys = self._keys(codes[rows, heads, at], meta[rows, heads, at // tok])
+            else:  # [B, T]: row 0's slots per sequence
+                at = idx[:, i:e]
+                keys = self._keys(codes[0][:, at], meta[0][:, at // tok]).transpose(0, 1)
+            out[..., i:e] = qf @ keys.expand(b, -1, -1, -1).transpose(-1, -2)
+        return out
+
+
 def key_group(head_dim: int, bits: int) -> int:
     """The columns sharing a scale: 64 at 4 bits, 32 at 2 bits (a head_dim they do not divide: the whole row)."""
     g = 64 if bits == 4 else 32
@@ -211,6 +331,8 @@ def spec_key_bytes(name: str, head_dim: int, d_prime: int, dtype_bytes: int) -> 
     """Device bytes per token, KV head and speculated layer of the speculation keys `name`."""
     if name == "partial":
         return PartialKeys.token_bytes(head_dim, d_prime, dtype_bytes)
+    if name == ChannelKeys.name:
+        return ChannelKeys.token_bytes(head_dim)
     return QuantKeys.token_bytes(head_dim, int(name.removeprefix("int")))
 
 
@@ -218,6 +340,8 @@ def spec_keys(name: str, spec: Speculator, layers, batch: int, max_len: int, dev
     """The speculation key store called `name` (SPEC_KEYS)."""
     if name == "partial":
         return PartialKeys(spec, layers, batch, max_len, device, dtype)
+    if name == ChannelKeys.name:
+        return ChannelKeys(spec, layers, batch, max_len, device, dtype)
     return QuantKeys(spec, layers, batch, max_len, device, dtype, int(name.removeprefix("int")))
 
 

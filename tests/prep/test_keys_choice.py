@@ -54,7 +54,7 @@ def test_a_given_store_is_taken_without_measuring(checkpoints, tmp_path, calib_f
     out = tiny_convert(checkpoints["llama2_mha"], tmp_path / "b", calib_file, spec_keys="int2")
     ig = read_bundle(out).infinigen
     assert ig.defaults.spec_keys == "int2" and ig.spec_keys_choice is None
-    with pytest.raises(InfinigenError, match="--spec-keys must be auto or one of partial, int4, int2, got 'int8'"):
+    with pytest.raises(InfinigenError, match="--spec-keys must be auto or one of partial, int4, int2, int4c, got "):
         PrepOptions(spec_keys="int8").check()
 
 
@@ -89,8 +89,8 @@ def test_a_run_takes_the_bundles_keys_unless_told(bundles, tmp_path):
     rewrite(b, spec_keys=None)
     assert configure(Engine(read_bundle(b), device="cpu"), "infinigen").opts.spec_keys == "int4"
     rewrite(b, spec_keys="int8")
-    with pytest.raises(InfinigenError, match="infinigen.defaults.spec_keys is 'int8', not one of partial, int4, int2; "
-                                             "re-convert the bundle"):  # fmt: skip
+    with pytest.raises(InfinigenError, match="infinigen.defaults.spec_keys is 'int8', not one of partial, int4, int2, "
+                                             "int4c; re-convert the bundle"):  # fmt: skip
         read_bundle(b, verify=False)
 
 
@@ -103,5 +103,5 @@ def test_convert_cli_takes_and_reports_the_keys(checkpoints, tmp_path, calib_fil
     assert summary["spec_keys"] == "partial" and summary["spec_keys_choice"] is None
     r = run_cli("prep", "convert", checkpoints["llama2_mha"], "--out", tmp_path / "c", "--calib-text", calib_file,
                 "--spec-keys", "int8")  # fmt: skip
-    assert r.returncode != 0 and "--spec-keys must be auto or one of partial, int4, int2, got 'int8'" in r.stderr
+    assert r.returncode != 0 and "--spec-keys must be auto or one of partial, int4, int2, int4c, got 'int8'" in r.stderr
     assert not (tmp_path / "c").exists()

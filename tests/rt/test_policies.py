@@ -457,7 +457,8 @@ def test_full_budget_on_the_gpu_path_equals_full(policy, bundles):
     [("llama31_gqa", "infinigen", None, "partial", 0.0), ("llama31_gqa", "infinigen", 8, "partial", 0.0),
      ("llama31_gqa", "offload", None, "partial", 0.0), ("llama31_gqa", "infinigen", None, "int4", 0.0),
      ("llama31_gqa", "infinigen", 8, "int2", 0.25), ("llama31_gqa", "infinigen", None, "partial", 0.25),
-     ("gemma3", "infinigen", None, "int4", 0.25), ("gemma3", "offload", None, "partial", 0.0)],  # rings wrap
+     ("gemma3", "infinigen", None, "int4", 0.25), ("gemma3", "offload", None, "partial", 0.0),  # rings wrap
+     ("llama31_gqa", "infinigen", 8, "int4c", 0.25)],
 )  # fmt: skip
 def test_a_gpu_decode_step_reads_nothing_from_the_device(name, policy, capacity, keys, correct, bundles):
     """By construction: once the prompt is in, a decode step through the model never reads a tensor to the host

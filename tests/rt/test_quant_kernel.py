@@ -63,6 +63,34 @@ def test_scoring_from_the_codes_equals_the_dequantized_keys_scores(bits, d, g):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * d)
 
 
+@pytest.mark.parametrize("d, g", [(64, 7), (128, 6), (16, 1)])
+def test_scoring_per_channel_codes_equals_the_torch_paths_scores(d, g):
+    """The kernel with a scale per channel over each 16 slots (ChannelKeys, `int4c`: Qwen2.5-Coder's 7 and 6 query
+    heads a KV head at head_dim 64 and 128) against the store's torch path, in every form a caller has: each
+    sequence's own first slots, one run of slots, slots through a table, each (sequence, KV head) its own."""
+    from types import SimpleNamespace
+
+    from infinigen_rt.policies.speculation import CHANNEL_TOKENS, ChannelKeys
+
+    gen = torch.Generator().manual_seed(d + g)
+    hkv, b, t = 2, 3, 70
+    spec = SimpleNamespace(cfg=SimpleNamespace(head_dim=d, num_key_value_heads=hkv))
+    k = torch.randn(b, hkv, 90, d, generator=gen) * torch.linspace(0.1, 4, d)
+    k[..., :2] += 30.0  # two outlier channels, as Qwen's keys carry
+    own, one = ChannelKeys(spec, [0], b, 90, "cpu", torch.float32), ChannelKeys(spec, [0], 1, 96, "cpu", torch.float32)
+    own.write(0, k, 0)
+    one.write(0, k[:1], 0)
+    q = torch.randn(b, hkv, g, d, generator=gen)
+    idx = torch.randint(0, 90, (b, t), generator=gen)
+    pairs = torch.randint(0, 90, (b, hkv, t), generator=gen)
+    for store, at, qq in [(own, t, q), (one, slice(11, 11 + t), q[:1]), (one, idx, q), (one, pairs, q),
+                          (own, pairs, q)]:  # fmt: skip
+        want = store.scores_at(0, qq, at)  # the torch path (CPU tensors)
+        got = quant._scores_kernel(on(qq), on(store.codes[0]), on(store.meta[0]), on(at), t, d, 4,
+                                   CHANNEL_TOKENS).cpu()  # fmt: skip
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * d)
+
+
 @pytest.mark.parametrize("bits, d", [(4, 64), (4, 128), (2, 64), (4, 16), (4, 256)])
 def test_quantizing_into_slots_writes_the_codes_torch_writes_bit_for_bit(bits, d):
     """Every row into its own slot (each sequence and KV head its own), ties rounded to even as torch.round does (a
@@ -119,6 +147,10 @@ for kernel, args, meta_ in [
     (score_codes_kernel, (q, codes, meta, torch.empty(b, hkv, t, dtype=torch.int64), out, t, slots, 0),
      dict(BATCH_ROWS=False, HKV=hkv, G=g, G_ROWS=quant.score_rows(g, d // group), D=d, GROUP=group, BITS=bits,
           TOKENS=quant.TOKENS, SPLIT=quant.SPLIT, HAS_SLOTS=True, PAIR_SLOTS=True, num_warps=8 if d >= 256 else 4)),
+    # a scale per channel over each 16 slots (ChannelKeys), through a table
+    (score_codes_kernel, (q, codes, torch.empty(1, hkv, slots // 16, 2, d, dtype=torch.float16), idx, out, t, slots, 0),
+     dict(BATCH_ROWS=False, HKV=hkv, G=g, G_ROWS=quant.score_rows(g, 1), D=d, GROUP=d, BITS=4, TOKENS=quant.TOKENS,
+          SPLIT=quant.SPLIT, HAS_SLOTS=True, CHANNEL=True, RUN=16, num_warps=8 if d >= 256 else 4)),
 ]:
     jit, signature, constexprs, attrs, options = signature_of(kernel, args, meta_, target)
     k = triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__)
@@ -133,24 +165,25 @@ print(json.dumps({"signatures": sigs, "local": ".local" in ptx, "usage": usage})
 @pytest.mark.parametrize("g, d, bits", [(4, 128, 4), (3, 64, 4), (1, 256, 4), (4, 128, 2)])
 def test_the_kernels_compile_for_sm80_and_sm90_without_spills(cc, g, d, bits, tmp_path):
     """Llama-3.1-8B's group of 4 at head_dim 128, SmolLM2's 3 at 64, Gemma 3's 256, and two bits: both kernels as
-    quant.py launches them (the scoring also with each pair's own slots, PAIR_SLOTS), compiled to cubin here (no
+    quant.py launches them (the scoring also with each pair's own slots, PAIR_SLOTS, and with a scale per channel
+    over each 16 slots, CHANNEL), compiled to cubin here (no
     GPU; in a process of its own, as the interpreter this suite runs kernels under replaces the compiler's loop),
     with no stack or local memory, the counts unspecialised. The one exception: head_dim 256 on sm_80, where the
     scoring kernel's [TOKENS, 256] tile and its tf32 parts spill a few hundred bytes at every launch configuration
-    tried (on sm_90 eight warps hold it)."""
+    tried, per channel about 2 KB (on sm_90 eight warps hold both)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
     r = subprocess.run([sys.executable, "-c", COMPILE, str(cc), str(g), str(d), str(bits), str(tmp_path)],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    score, quantize, pairs = out["signatures"]
-    for sig in (score, pairs):
+    score, quantize, pairs, channel = out["signatures"]
+    for sig in (score, pairs, channel):
         assert sig["n_tok"] in ("i32", "i64") and sig["n_slots"] in ("i32", "i64") and sig["start"] in ("i32", "i64")
     assert quantize["total"] in ("i32", "i64") and quantize["n_new"] in ("i32", "i64")
     assert not out["local"]
     for i, usage in enumerate(out["usage"]):
-        if usage and not (i in (0, 2) and cc == 80 and d == 256):
+        if usage and not (i in (0, 2, 3) and cc == 80 and d == 256):
             assert usage.get("STACK", 0) == 0 and usage.get("LOCAL", 0) == 0, usage
 
 

@@ -18,7 +18,7 @@ from tests.conftest import run_cli
 from tests.rt.test_policies import PROMPTS, engines, gpu_step, greedy_logits, needs_triton
 from tests.test_cli import one_line_error
 
-VARIANTS = [("partial", 0.0), ("int4", 0.0), ("int2", 0.0), ("partial", 0.3), ("int4", 0.5)]
+VARIANTS = [("partial", 0.0), ("int4", 0.0), ("int2", 0.0), ("partial", 0.3), ("int4", 0.5), ("int4c", 0.25)]
 
 
 @pytest.mark.parametrize("bits", [4, 2])
@@ -250,3 +250,92 @@ def test_the_memory_model_counts_the_speculation_keys_allocated(keys, bundles):
     if keys == "int4":  # every column at 4 bits: half a byte per value, 4 bytes of scale and minimum per 64 (or row)
         assert cache.keys.device_bytes == token_heads * (e.cfg.head_dim // 2 + 4 * max(1, e.cfg.head_dim // 64)) * (
             e.cfg.num_hidden_layers - dense)  # fmt: skip
+
+
+def _channel_store(batch: int, slots: int, hkv: int = 2, d: int = 64):
+    from types import SimpleNamespace
+
+    from infinigen_rt.policies.speculation import ChannelKeys
+
+    spec = SimpleNamespace(cfg=SimpleNamespace(head_dim=d, num_key_value_heads=hkv))
+    return ChannelKeys(spec, [0], batch, slots, "cpu", torch.float32)
+
+
+def test_per_channel_keys_keep_small_channels_beside_huge_offsets_where_per_token_groups_lose_them():
+    """int4c's keys (a scale per channel over 16 slots) against the true keys, with four channels offset by 40 (as
+    Qwen's key biases make): each score within half a step per channel of the true one, written at once or a token
+    at a time (each write quantizes its run again), and several times closer than int4's per-token groups of 64,
+    whose one scale the huge channels set."""
+    from infinigen_rt.kv import quant
+    from infinigen_rt.policies.speculation import key_group
+
+    gen = torch.Generator().manual_seed(3)
+    b, hkv, n, d = 2, 2, 70, 64
+    k = torch.randn(b, hkv, n, d, generator=gen)
+    k[..., :4] += 40.0
+    q = torch.randn(b, hkv, 3, d, generator=gen)
+    true = q @ k.transpose(-1, -2)
+    at_once, by_token = _channel_store(b, n), _channel_store(b, n)
+    at_once.write(0, k, 0)
+    by_token.write(0, k[:, :, :5], 0)
+    for i in range(5, n):
+        by_token.write(0, k[:, :, i : i + 1], i)
+    runs = k.unflatten(2, (-1, 1))[:, :, :64].reshape(b, hkv, 4, 16, d)
+    step = (runs.amax(3) - runs.amin(3)) / 15  # [B, Hkv, runs, D]: each channel's step over its run
+    bound = (q.abs()[:, :, :, None] * step[:, :, None]).sum(-1) / 2 * 1.05 + 1e-2  # [B, Hkv, G, runs]
+    err = (at_once.scores(0, q, n) - true).abs()
+    assert (err[..., :64].unflatten(-1, (4, 16)) <= bound[..., None]).all()
+    err_tok = (by_token.scores(0, q, n) - true).abs()
+    assert err_tok.max() <= 2 * err.max()  # quantized again as its run filled: a little more, no drift
+    codes, scale, lo = quant.quantize(k, key_group(d, 4), 4)
+    per_token = q @ quant.dequantize(codes, scale, lo, key_group(d, 4), torch.float32, 4).transpose(-1, -2)
+    assert (per_token - true).abs().mean() > 4 * err.mean()
+
+
+def test_per_channel_keys_score_the_same_through_every_way_of_naming_slots():
+    """scores (a row's first t slots), scores_at a slice, each (sequence, KV head)'s own slots, and one row's slots
+    per sequence (the batch's store): the same numbers for the same slots, a span at a time or all at once."""
+    from infinigen_rt.kv import quant
+
+    gen = torch.Generator().manual_seed(4)
+    k = torch.randn(2, 2, 75, 64, generator=gen) * torch.linspace(0.2, 5, 64)
+    q = torch.randn(2, 2, 3, 64, generator=gen)
+    rows = _channel_store(2, 80)
+    rows.write(0, k, 0)
+    every = rows.scores(0, q, 75)
+    pair = torch.randint(0, 75, (2, 2, 9), generator=gen)
+    want = torch.gather(every, 3, pair[:, :, None].expand(-1, -1, 3, -1))
+    torch.testing.assert_close(rows.scores_at(0, q, pair), want)
+    one = _channel_store(1, 160)  # one row: sequence 0 in slots 0..74, sequence 1 in 80..154
+    one.write(0, k[:1], 0)
+    one.write(0, k[1:], 80)
+    torch.testing.assert_close(one.scores_at(0, q[:1], slice(0, 75)), every[:1])
+    torch.testing.assert_close(one.scores_at(0, q[1:], slice(80, 155)), every[1:])
+    seq = torch.stack([torch.arange(75), torch.arange(80, 155)])
+    torch.testing.assert_close(one.scores_at(0, q, seq), every)
+    old = quant.CHUNK_BYTES
+    try:
+        quant.CHUNK_BYTES = 0  # spans of one run
+        torch.testing.assert_close(rows.scores(0, q, 75), every)
+        torch.testing.assert_close(one.scores_at(0, q, seq), every)
+    finally:
+        quant.CHUNK_BYTES = old
+
+
+def test_per_channel_keys_forget_a_page_another_sequence_left_and_keep_freed_slots_neighbours():
+    """A run's range spans its own sequence's keys only: a key appended at the start of a page whose slots held
+    another sequence's huge keys is kept as if alone (within fp16), while a key written into a freed slot (not an
+    append) keeps the run's other keys in the range, as they are still held."""
+    store = _channel_store(1, 32, hkv=1)
+    store.write(0, torch.full((1, 1, 16, 64), 500.0) + torch.arange(16.0)[:, None], 0)  # another sequence's page
+    new = torch.randn(1, 1, 1, 64)
+    store.write(0, new, torch.zeros(1, 1, 1, dtype=torch.long), appends=torch.ones(1, 1, 1, dtype=torch.bool))
+    q = torch.eye(64)[None, None]  # each channel's value
+    torch.testing.assert_close(store.scores(0, q, 1)[0, 0, :, 0], new[0, 0, 0], rtol=1e-3, atol=1e-3)
+    held = _channel_store(1, 32, hkv=1)
+    held.write(0, torch.arange(16.0)[None, None, :, None].expand(1, 1, 16, 64) * 10, 0)
+    held.write(0, torch.zeros(1, 1, 1, 64), torch.full((1, 1, 1), 5))  # freed slot 5, the run's others held
+    got = held.scores(0, q, 16)  # [1, 1, 64, 16]: channel c's value at each slot
+    want = torch.arange(16.0) * 10
+    want[5] = 0
+    assert (got - want).abs().max() <= 150 / 15 / 2 + 0.1

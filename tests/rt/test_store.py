@@ -350,3 +350,30 @@ def _alone_then_joined(e, policy, prompts, new: int):
         run.kv.check()
     return solo, [outs[i] for i in ids], run
 
+
+
+@pytest.mark.parametrize("capacity", [None, 12])
+def test_per_channel_keys_run_in_the_store_with_the_tokens_and_report_of_each_request_alone(capacity, bundles):
+    """infinigen's per-channel speculation keys (int4c: a scale per channel over each page's 16 slots, quantized
+    again as a page fills) in the runner's store, one row of codes for the batch's pages: each request's tokens
+    and report are those of its own cache alone, with and without a capacity (new tokens in freed slots); then,
+    with the pages the first batch used free again, a second batch gets the same."""
+    from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.engine import Engine
+    from infinigen_rt.policies import KVOptions, configure
+    from infinigen_rt.runner import Request
+
+    e = Engine(read_bundle(bundles["llama31_gqa"]), device="cpu", dtype="float32")
+    pol = configure(e, "infinigen", KVOptions(budget=0.4, capacity=capacity, window=4, prefill_chunk=8,
+                                              spec_keys="int4c", correct=0.25))  # fmt: skip
+    prompts = [list(range(5, 42)), list(range(50, 57)), list(range(60, 83))]
+    solo, joined, run = _alone_then_joined(e, pol, prompts, 9)
+    alone = [(o.generation.token_ids, o.report.to_dict()) for o in solo]
+    assert [(o.generation.token_ids, o.report.to_dict()) for o in joined] == alone
+    assert all(0 < r["kv_fetched_share"] < 1 for _, r in alone)
+    ids = [run.add(Request(p, 9)) for p in prompts[::-1]]  # other sequences on the pages the first ones left
+    outs = {}
+    while run.has_work:
+        outs.update({o.id: o for o in run.step() if o.finished})
+        run.kv.check()
+    assert [(outs[i].generation.token_ids, outs[i].report.to_dict()) for i in ids] == alone[::-1]
