@@ -7,8 +7,9 @@ writes each span's float32 keys and reads them back, several times over). On an 
 (32k slots) it scores a layer in 90 us at batch 1 and 326 us at batch 4, where the first version (the products
 summed on the vector units, [G, TOKENS, D] at a time) took 224 and 841 (benchmarks/score_sweep.py;
 artifacts/results/gpu-h200-2026-11-26). `quantize_rows_kernel`: each new key row's groups quantized and packed into
-its slot, one launch for a layer's new rows. The counts that change every step are not specialised (see
-_gather_kernel.py)."""
+its slot, one launch for a layer's new rows. `quantize_channel_kernel`: each new key into its run of per-channel
+codes (ChannelKeys), the run quantized again, one launch for a layer's new rows. The counts that change every step
+are not specialised (see _gather_kernel.py)."""
 
 import triton
 import triton.language as tl
@@ -121,3 +122,55 @@ def quantize_rows_kernel(
     at = row[:, None] * (2 * GROUPS) + gs[None, :]
     tl.store(meta + at, scale.to(tl.float16), mask=live[:, None])
     tl.store(meta + at + GROUPS, lo.to(tl.float16), mask=live[:, None])
+
+
+@triton.jit(do_not_specialize=["n_new", "n_slots"])
+def quantize_channel_kernel(
+    x, slots, appends, codes, meta, held, n_new, n_slots,
+    D: tl.constexpr, RUN: tl.constexpr, APPENDS: tl.constexpr, TINY: tl.constexpr,
+):  # fmt: skip
+    # One program per new key row i of x [R, n_new, D] (R = sequences x HKV, any float dtype), into slot slots[i] of
+    # row r = i // n_new of ChannelKeys' codes [R, n_slots, D / 2] (4 bits), meta [R, n_slots / RUN, 2, D] (fp16
+    # scale, minimum per channel of a run of RUN slots) and held [R, n_slots] (bool as uint8): the run's held keys
+    # dequantized, the new one put in, each channel quantized again over the run's held slots (the rows a launch
+    # writes each in a run of its own). APPENDS: 0 none, 1 every row, 2 appends[i]: the run's slots after an
+    # appended row are not its sequence's (no longer held). The codes are computed against the fp16 scale and
+    # minimum stored, ties to even, as quant.quantize_channels does: the torch path's codes bit for bit (under the
+    # interpreter; compiled, the dequantizing multiply-add may be fused, a last-bit difference before rounding).
+    BYTES: tl.constexpr = D // 2
+    i = tl.program_id(0)
+    r = (i // n_new).to(tl.int64)
+    slot = tl.load(slots + i).to(tl.int64)
+    off = slot % RUN
+    first = r * n_slots + slot - off  # the run's first slot
+    k = tl.arange(0, RUN)
+    h = tl.load(held + first + k) != 0
+    h = h | (k == off)
+    if APPENDS == 1:
+        h = h & (k <= off)
+    if APPENDS == 2:
+        h = h & ((k <= off) | (tl.load(appends + i) == 0))
+    tl.store(held + first + k, h.to(tl.uint8))
+    p = tl.arange(0, BYTES)
+    byte = tl.load(codes + (first + k)[:, None] * BYTES + p[None, :]).to(tl.int32)  # [RUN, BYTES]
+    at = (first // RUN) * (2 * D)
+    packed = tl.zeros([RUN, BYTES], tl.int32)
+    for half in tl.static_range(2):  # the even columns (each byte's low code), then the odd ones
+        col = 2 * p + half
+        scale = tl.load(meta + at + col).to(tl.float32)
+        lo = tl.load(meta + at + D + col).to(tl.float32)
+        v = ((byte >> (4 * half)) & 15).to(tl.float32) * scale[None, :] + lo[None, :]
+        new = tl.load(x + i.to(tl.int64) * D + col).to(tl.float32)
+        v = tl.where((k == off)[:, None], new[None, :], v)
+        mn = tl.min(tl.where(h[:, None], v, float("inf")), 0)
+        mx = tl.max(tl.where(h[:, None], v, float("-inf")), 0)
+        mn16 = mn.to(tl.float16)
+        sc16 = tl.maximum((mx - mn16.to(tl.float32)) / 15, TINY).to(tl.float16)
+        y = (v - mn16.to(tl.float32)[None, :]) / sc16.to(tl.float32)[None, :]
+        q = tl.floor(y + 0.5)  # to the nearest, ties to even (as torch.round)
+        q = tl.where((q - y == 0.5) & (q - 2 * tl.floor(q * 0.5) == 1.0), q - 1.0, q)
+        q = tl.minimum(tl.maximum(q, 0.0), 15.0).to(tl.int32)
+        packed = packed | (q << (4 * half))
+        tl.store(meta + at + col, sc16)
+        tl.store(meta + at + D + col, mn16)
+    tl.store(codes + (first + k)[:, None] * BYTES + p[None, :], packed.to(tl.uint8))

@@ -1235,6 +1235,15 @@ def _quantize_op(name: str, stream: str, named: list, written: set, grid, meta) 
     return Op("triton", name, stream, hbm_bytes=_nbytes(args["x"]) + _nbytes(args["slots"]) + total * row)
 
 
+def _channel_write_op(name: str, stream: str, named: list, written: set, grid, meta) -> Op:
+    """A new key into its run of per-channel codes: each program reads its key row and slot, and reads and writes its
+    run's codes, scales and held flags once (not the store it indexes)."""
+    args = dict(named)
+    rows, x, d, run = grid[0], args["x"], meta["D"], meta["RUN"]
+    per_run = run * (d // 2) + 2 * d * 2 + run  # codes, fp16 scale and minimum per channel, flags
+    return Op("triton", name, stream, hbm_bytes=rows * (d * x.element_size() + 8 + 1 + 2 * per_run))
+
+
 def _span_op(name: str, stream: str, named: list, written: set, grid, meta) -> Op:
     """Any other kernel's op: every tensor argument read whole (what it writes once more)."""
     hbm = sum(_nbytes(a) * (2 if p in written else 1) for p, a in named if isinstance(a, torch.Tensor))
@@ -1274,7 +1283,8 @@ def _row_kernel_op(name: str, stream: str, named: list, written: set, grid=None,
 SPECIAL = {"_local_scalar_dense", "item", "is_nonzero", "is_pinned", "_pin_memory", "pin_memory", "lift_fresh",
            "copy_", "_to_copy", "to"}  # fmt: skip
 # the Triton kernels priced by their own op (the rest: _row_kernel_op if they move rows, else _span_op)
-OPS = {"paged_decode_kernel": _attention_op, "score_codes_kernel": _score_op, "quantize_rows_kernel": _quantize_op}
+OPS = {"paged_decode_kernel": _attention_op, "score_codes_kernel": _score_op, "quantize_rows_kernel": _quantize_op,
+       "quantize_channel_kernel": _channel_write_op}
 
 
 @dataclass(frozen=True)

@@ -251,6 +251,20 @@ class ChannelKeys:
             return
         t, dev = CHANNEL_TOKENS, k.device
         codes, meta, held = self.codes[j], self.meta[j], self.held[j]
+        if appends is None:
+            appends = isinstance(start, int)
+        if quant.fused(k, d) and (s == 1 or distinct and not isinstance(start, int)):  # one launch, a row a program
+            from infinigen_rt.kv._quant_kernel import quantize_channel_kernel
+            from infinigen_rt.kv.kernels import launch
+
+            if isinstance(start, int):
+                start = torch.full((r, hkv, 1), start, device=dev, dtype=torch.int64)
+            mode = 2 if isinstance(appends, torch.Tensor) else int(appends)
+            flags = held.view(torch.uint8)
+            launch(quantize_channel_kernel, (r * hkv * s,), k.contiguous(), start.contiguous(),
+                   appends.expand(r, hkv, s).contiguous().view(torch.uint8) if mode == 2 else flags, codes, meta, flags,
+                   s, codes.shape[2], D=d, RUN=t, APPENDS=mode, TINY=quant.FP16_TINY)  # fmt: skip
+            return
         runs = meta.shape[2]
         pair = (torch.arange(r, device=dev)[:, None] * hkv + torch.arange(hkv, device=dev)[None]).view(r, hkv, 1)
         if isinstance(start, int):  # runs first..last of every (row, KV head), in order
@@ -267,8 +281,6 @@ class ChannelKeys:
                 touched, which = torch.unique(run_ids, return_inverse=True)
         held.view(-1)[(pair * held.shape[2] + at).reshape(-1)] = True
         runs_held = held.view(-1, t)[touched]  # [u, t]
-        if appends is None:
-            appends = isinstance(start, int)
         if appends is not False:  # the runs' slots after a key appended: none of its own
             off = (at % t).reshape(-1)
             end = off if appends is True else torch.where(appends.expand(r, hkv, s).reshape(-1), off, -1)

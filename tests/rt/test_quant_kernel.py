@@ -91,6 +91,40 @@ def test_scoring_per_channel_codes_equals_the_torch_paths_scores(d, g):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * d)
 
 
+@pytest.mark.parametrize("d", [64, 128, 16])
+@pytest.mark.parametrize("appends", [None, True, "mask"])
+def test_a_new_key_into_its_run_of_per_channel_codes_writes_what_torch_writes_bit_for_bit(d, appends):
+    """ChannelKeys' write kernel (a program a new row: its run dequantized, the key put in, the run quantized again
+    over its held slots) against the store's torch path, on a store already holding keys with outlier channels and
+    a page another sequence left: codes, scales and held flags equal, each row in a run of its own; the new keys
+    into freed slots (None), appended (True: the run's later slots dropped) or some of each."""
+    from types import SimpleNamespace
+
+    from infinigen_rt.kv._quant_kernel import quantize_channel_kernel
+    from infinigen_rt.policies.speculation import CHANNEL_TOKENS, ChannelKeys
+
+    gen = torch.Generator().manual_seed(d)
+    r, hkv, slots = 2, 3, 64
+    spec = SimpleNamespace(cfg=SimpleNamespace(head_dim=d, num_key_value_heads=hkv))
+    want = ChannelKeys(spec, [0], r, slots, "cpu", torch.float32)
+    keys = torch.randn(r, hkv, slots, d, generator=gen) * torch.linspace(0.1, 4, d)
+    keys[..., :2] += 25.0
+    want.write(0, keys[:, :, :40], 0)
+    want.write(0, keys[:, :, 48:50] * 9, 48)  # another sequence's keys in the last page
+    got_c, got_m, got_h = want.codes[0].clone(), want.meta[0].clone(), want.held[0].clone()
+    runs = torch.stack([torch.randperm(slots // CHANNEL_TOKENS, generator=gen)[:1] for _ in range(r * hkv)])
+    at = (runs * CHANNEL_TOKENS + torch.randint(0, CHANNEL_TOKENS, (r * hkv, 1), generator=gen)).view(r, hkv, 1)
+    x = torch.randn(r, hkv, 1, d, generator=gen) * 3
+    flags = torch.rand(r, 1, 1, generator=gen) < 0.5 if appends == "mask" else appends
+    want.write(0, x, at, distinct=True, appends=flags)
+    mode = 2 if appends == "mask" else int(bool(appends))
+    held = got_h.view(torch.uint8)
+    quantize_channel_kernel[(r * hkv,)](
+        x, at, flags.expand(r, hkv, 1).contiguous().view(torch.uint8) if mode == 2 else held, got_c, got_m, held, 1,
+        slots, D=d, RUN=CHANNEL_TOKENS, APPENDS=mode, TINY=quant.FP16_TINY)  # fmt: skip
+    assert torch.equal(got_h, want.held[0]) and torch.equal(got_m, want.meta[0]) and torch.equal(got_c, want.codes[0])
+
+
 @pytest.mark.parametrize("bits, d", [(4, 64), (4, 128), (2, 64), (4, 16), (4, 256)])
 def test_quantizing_into_slots_writes_the_codes_torch_writes_bit_for_bit(bits, d):
     """Every row into its own slot (each sequence and KV head its own), ties rounded to even as torch.round does (a
@@ -125,7 +159,7 @@ from pathlib import Path
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from infinigen_rt.kv import quant
-from infinigen_rt.kv._quant_kernel import quantize_rows_kernel, score_codes_kernel
+from infinigen_rt.kv._quant_kernel import quantize_channel_kernel, quantize_rows_kernel, score_codes_kernel
 from infinigen_rt.policies.speculation import key_group
 from tests.rt.test_kernels_aot import resource_usage, signature_of
 
@@ -147,6 +181,9 @@ for kernel, args, meta_ in [
     (score_codes_kernel, (q, codes, meta, torch.empty(b, hkv, t, dtype=torch.int64), out, t, slots, 0),
      dict(BATCH_ROWS=False, HKV=hkv, G=g, G_ROWS=quant.score_rows(g, d // group), D=d, GROUP=group, BITS=bits,
           TOKENS=quant.TOKENS, SPLIT=quant.SPLIT, HAS_SLOTS=True, PAIR_SLOTS=True, num_warps=8 if d >= 256 else 4)),
+    # ChannelKeys' write: a new key into its run, the run quantized again
+    (quantize_channel_kernel, (torch.empty(1, hkv, b, d, dtype=torch.bfloat16), idx, codes, codes, meta, codes, b,
+                               slots), dict(D=d, RUN=16, APPENDS=2, TINY=quant.FP16_TINY)),
     # a scale per channel over each 16 slots (ChannelKeys), through a table
     (score_codes_kernel, (q, codes, torch.empty(1, hkv, slots // 16, 2, d, dtype=torch.float16), idx, out, t, slots, 0),
      dict(BATCH_ROWS=False, HKV=hkv, G=g, G_ROWS=quant.score_rows(g, 1), D=d, GROUP=d, BITS=4, TOKENS=quant.TOKENS,
@@ -166,7 +203,7 @@ print(json.dumps({"signatures": sigs, "local": ".local" in ptx, "usage": usage})
 def test_the_kernels_compile_for_sm80_and_sm90_without_spills(cc, g, d, bits, tmp_path):
     """Llama-3.1-8B's group of 4 at head_dim 128, SmolLM2's 3 at 64, Gemma 3's 256, and two bits: both kernels as
     quant.py launches them (the scoring also with each pair's own slots, PAIR_SLOTS, and with a scale per channel
-    over each 16 slots, CHANNEL), compiled to cubin here (no
+    over each 16 slots, CHANNEL, whose write kernel too), compiled to cubin here (no
     GPU; in a process of its own, as the interpreter this suite runs kernels under replaces the compiler's loop),
     with no stack or local memory, the counts unspecialised. The one exception: head_dim 256 on sm_80, where the
     scoring kernel's [TOKENS, 256] tile and its tf32 parts spill a few hundred bytes at every launch configuration
@@ -177,13 +214,14 @@ def test_the_kernels_compile_for_sm80_and_sm90_without_spills(cc, g, d, bits, tm
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    score, quantize, pairs, channel = out["signatures"]
+    score, quantize, pairs, channel_write, channel = out["signatures"]
+    assert channel_write["n_new"] in ("i32", "i64") and channel_write["n_slots"] in ("i32", "i64")
     for sig in (score, pairs, channel):
         assert sig["n_tok"] in ("i32", "i64") and sig["n_slots"] in ("i32", "i64") and sig["start"] in ("i32", "i64")
     assert quantize["total"] in ("i32", "i64") and quantize["n_new"] in ("i32", "i64")
     assert not out["local"]
     for i, usage in enumerate(out["usage"]):
-        if usage and not (i in (0, 2, 3) and cc == 80 and d == 256):
+        if usage and not (i in (0, 2, 4) and cc == 80 and d == 256):
             assert usage.get("STACK", 0) == 0 and usage.get("LOCAL", 0) == 0, usage
 
 
@@ -217,3 +255,40 @@ def test_on_the_gpu_path_under_fake_cuda_one_launch_scores_and_reads_only_the_ro
     assert [o.name for o in launches] == ["score_codes_kernel", "quantize_rows_kernel"]
     row = d * bits // 8 + 4 * (d // group)
     assert b * hkv * t * row <= launches[0].hbm_bytes < codes.numel() + meta.numel() * 2  # not the whole store
+
+
+def test_per_channel_keys_on_the_gpu_path_write_in_one_launch_and_score_in_one():
+    """ChannelKeys on cuda tensors (fake CUDA: the kernels through the interpreter): a decode step's new keys (one a
+    sequence, through the batch's store's flat slots) go in with one launch and are scored with one, the codes and
+    scores those of the CPU's torch path; each priced by the runs it touches, not the store's size."""
+    from types import SimpleNamespace
+
+    from infinigen_rt.measure.fakecuda import FakeCuda
+    from infinigen_rt.measure.fakecuda import available as fake_available
+    from infinigen_rt.policies.speculation import ChannelKeys
+
+    if fake_available():
+        pytest.skip(fake_available())
+    gen = torch.Generator().manual_seed(5)
+    hkv, d, g, slots, b = 2, 64, 7, 4096, 3
+    spec = SimpleNamespace(cfg=SimpleNamespace(head_dim=d, num_key_value_heads=hkv))
+    cpu = ChannelKeys(spec, [0], 1, slots, "cpu", torch.float32)
+    cpu.write(0, torch.randn(1, hkv, 100, d, generator=gen) + 20 * (torch.arange(d) < 2), 0)
+    x = torch.randn(1, hkv, b, d, generator=gen)
+    at = torch.tensor([100, 1000, 2000]).view(1, 1, b).expand(1, hkv, b).contiguous()
+    q = torch.randn(b, hkv, g, d, generator=gen)
+    idx = torch.stack([torch.arange(101), torch.arange(101) + 1000, torch.arange(101) + 2000]) % slots
+    with FakeCuda() as gpu:
+        dev = ChannelKeys(spec, [0], 1, slots, "cuda", torch.float32)
+        for name in ("codes", "meta", "held"):
+            getattr(dev, name)[0].copy_(getattr(cpu, name)[0].to("cuda"))
+        with gpu.recording() as ops:
+            dev.write(0, x.to("cuda"), at.to("cuda"), distinct=True, appends=True)
+            got = dev.scores_at(0, q.to("cuda"), idx.to("cuda")).cpu()
+        got_c = dev.codes[0].cpu()
+    cpu.write(0, x, at, distinct=True, appends=True)
+    assert torch.equal(got_c, cpu.codes[0])
+    torch.testing.assert_close(got, cpu.scores_at(0, q, idx), rtol=1e-4, atol=1e-3)
+    launches = [o for o in ops if o.kind == "triton"]
+    assert [o.name for o in launches] == ["quantize_channel_kernel", "score_codes_kernel"]
+    assert launches[0].hbm_bytes < 2 * b * hkv * (16 * d + 4 * d)  # three runs a head, not the 4096 slots
