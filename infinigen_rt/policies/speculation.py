@@ -205,6 +205,7 @@ class QuantKeys:
 
 
 CHANNEL_TOKENS = 16  # the slots a channel's scale spans in ChannelKeys (a store page, kv/store.py's BLOCK)
+WRITE_SPAN = 256  # the new keys a GPU's ChannelKeys.write puts in at once where several may share a run
 
 
 class ChannelKeys:
@@ -265,8 +266,14 @@ class ChannelKeys:
                    appends.expand(r, hkv, s).contiguous().view(torch.uint8) if mode == 2 else flags, codes, meta, flags,
                    s, codes.shape[2], D=d, RUN=t, APPENDS=mode, TINY=quant.FP16_TINY)  # fmt: skip
             return
+        if not isinstance(start, int) and not distinct and dev.type != "cpu" and s > WRITE_SPAN:
+            for i in range(0, s, WRITE_SPAN):  # (what the sorted runs below hold stays small)
+                self.write(j, k[:, :, i : i + WRITE_SPAN], start[..., i : i + WRITE_SPAN],
+                           appends=appends[..., i : i + WRITE_SPAN] if isinstance(appends, torch.Tensor) else appends)
+            return
         runs = meta.shape[2]
         pair = (torch.arange(r, device=dev)[:, None] * hkv + torch.arange(hkv, device=dev)[None]).view(r, hkv, 1)
+        lead = None  # where runs repeat in `touched`: each entry's first, whose result every repeat writes
         if isinstance(start, int):  # runs first..last of every (row, KV head), in order
             first, last = start // t, (start + s - 1) // t
             at = torch.arange(start, start + s, device=dev).expand(r, hkv, s)
@@ -277,8 +284,15 @@ class ChannelKeys:
             run_ids = (pair * runs + at // t).reshape(-1)
             if distinct or s == 1:
                 touched, which = run_ids, torch.arange(run_ids.numel(), device=dev)
-            else:
+            elif dev.type == "cpu":
                 touched, which = torch.unique(run_ids, return_inverse=True)
+            else:  # no device read (unique's count): sorted, a run's keys all go into its first entry
+                touched, order = run_ids.sort()
+                n = touched.numel()
+                starts = torch.ones(n, dtype=torch.bool, device=dev)
+                starts[1:] = touched[1:] != touched[:-1]
+                lead = (torch.arange(n, device=dev) * starts).cummax(0).values
+                which = torch.empty_like(lead).scatter_(0, order, lead)
         held.view(-1)[(pair * held.shape[2] + at).reshape(-1)] = True
         runs_held = held.view(-1, t)[touched]  # [u, t]
         if appends is not False:  # the runs' slots after a key appended: none of its own
@@ -286,12 +300,16 @@ class ChannelKeys:
             end = off if appends is True else torch.where(appends.expand(r, hkv, s).reshape(-1), off, -1)
             last = torch.full((touched.numel(),), -1, dtype=off.dtype, device=dev).scatter_reduce(0, which, end, "amax")
             runs_held &= (torch.arange(t, device=dev) <= last[:, None]) | (last[:, None] < 0)
+            if lead is not None:
+                runs_held = runs_held[lead]
             held.view(-1, t)[touched] = runs_held
         c_runs, m_runs = codes.view(-1, t, codes.shape[-1]), meta.view(-1, 2, d)
         x = quant.dequantize(c_runs[touched], m_runs[touched, 0][:, None], m_runs[touched, 1][:, None], 1,
                              torch.float32, self.bits)  # [u, t, D]  # fmt: skip
         x[which, (at % t).reshape(-1)] = k.reshape(-1, d).float()
         c, m = quant.quantize_channels(x, runs_held, self.bits)
+        if lead is not None:
+            c, m = c[lead], m[lead]
         c_runs[touched], m_runs[touched] = c, m
 
     def _keys(self, codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:

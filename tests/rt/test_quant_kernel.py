@@ -258,9 +258,10 @@ def test_on_the_gpu_path_under_fake_cuda_one_launch_scores_and_reads_only_the_ro
 
 
 def test_per_channel_keys_on_the_gpu_path_write_in_one_launch_and_score_in_one():
-    """ChannelKeys on cuda tensors (fake CUDA: the kernels through the interpreter): a decode step's new keys (one a
-    sequence, through the batch's store's flat slots) go in with one launch and are scored with one, the codes and
-    scores those of the CPU's torch path; each priced by the runs it touches, not the store's size."""
+    """ChannelKeys on cuda tensors (fake CUDA: the kernels through the interpreter): a prompt chunk whose keys share
+    runs goes in without a device read (its runs sorted), a decode step's new keys (one a sequence,
+    through the batch's store's flat slots) with one launch, scored with one; the codes and scores those of the
+    CPU's torch path (unique's runs); each launch priced by the runs it touches, not the store's size."""
     from types import SimpleNamespace
 
     from infinigen_rt.measure.fakecuda import FakeCuda
@@ -278,14 +279,18 @@ def test_per_channel_keys_on_the_gpu_path_write_in_one_launch_and_score_in_one()
     at = torch.tensor([100, 1000, 2000]).view(1, 1, b).expand(1, hkv, b).contiguous()
     q = torch.randn(b, hkv, g, d, generator=gen)
     idx = torch.stack([torch.arange(101), torch.arange(101) + 1000, torch.arange(101) + 2000]) % slots
+    prompt = torch.randn(1, hkv, 250, d, generator=gen)  # a prompt chunk from slot 3000 (mid-run): runs shared
+    prompt_at = torch.arange(3000, 3250).view(1, 1, -1).expand(1, hkv, -1).contiguous()
     with FakeCuda() as gpu:
         dev = ChannelKeys(spec, [0], 1, slots, "cuda", torch.float32)
         for name in ("codes", "meta", "held"):
             getattr(dev, name)[0].copy_(getattr(cpu, name)[0].to("cuda"))
+        dev.write(0, prompt.to("cuda"), prompt_at.to("cuda"), appends=True)  # no device read: sorted, not unique
         with gpu.recording() as ops:
             dev.write(0, x.to("cuda"), at.to("cuda"), distinct=True, appends=True)
             got = dev.scores_at(0, q.to("cuda"), idx.to("cuda")).cpu()
         got_c = dev.codes[0].cpu()
+    cpu.write(0, prompt, prompt_at, appends=True)
     cpu.write(0, x, at, distinct=True, appends=True)
     assert torch.equal(got_c, cpu.codes[0])
     torch.testing.assert_close(got, cpu.scores_at(0, q, idx), rtol=1e-4, atol=1e-3)
