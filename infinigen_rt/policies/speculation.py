@@ -222,9 +222,9 @@ class ChannelKeys:
 
     name = "int4c"
 
-    def __init__(self, spec: Speculator, layers, batch: int, max_len: int, device, dtype, bits: int = 4):
-        self.spec, self.full, self.bits = spec, True, bits
-        d, hkv, t = spec.cfg.head_dim, spec.cfg.num_key_value_heads, CHANNEL_TOKENS
+    def __init__(self, spec: Speculator, layers, batch: int, max_len: int, device, dtype):
+        self.spec, self.full, self.bits = spec, True, 4
+        d, hkv, t, bits = spec.cfg.head_dim, spec.cfg.num_key_value_heads, CHANNEL_TOKENS, 4
         runs = -(-max_len // t)
         self.codes = {j: torch.zeros(batch, hkv, runs * t, d * bits // 8, device=device, dtype=torch.uint8)
                       for j in layers}  # fmt: skip
@@ -232,9 +232,10 @@ class ChannelKeys:
         self.held = {j: torch.zeros(batch, hkv, runs * t, device=device, dtype=torch.bool) for j in layers}
 
     @staticmethod
-    def token_bytes(head_dim: int, bits: int = 4) -> int:
-        """Device bytes per token and KV head: its codes, its share of its run's scales and minimums, its flag."""
-        return head_dim * bits // 8 + 2 * 2 * head_dim // CHANNEL_TOKENS + 1
+    def token_bytes(head_dim: int) -> int:
+        """Device bytes per token and KV head: its codes, its share of its run's scales and minimums, its flag (the
+        store holds whole runs: a length not a multiple of CHANNEL_TOKENS rounds up)."""
+        return head_dim // 2 + 2 * 2 * head_dim // CHANNEL_TOKENS + 1
 
     @property
     def device_bytes(self) -> int:
