@@ -158,6 +158,24 @@ qwen-eval: (setup "gguf,plot") texts (qwen "0.5b")
       --depths 0.25,0.75 --needles 1 --needle-tasks single --policies full,infinigen,oracle --budgets 0.1 \
       --device cpu --resume --out $r/needle-qwen2.5-coder-0.5b.json
 
+# Qwen2.5-Coder 0.5B held out at 2048 tokens (bundle keys, oracle, int4c) and what each key store keeps of the attention
+qwen-eval-2k: (setup "gguf,plot") texts (qwen "0.5b")
+    #!/usr/bin/env bash
+    set -euo pipefail
+    mkdir -p artifacts/results
+    b=artifacts/bundles/qwen2.5-coder-0.5b
+    r=artifacts/results
+    for t in rst-spec pytest-fixtures psf-license; do
+      o="--text artifacts/cache/texts/$t.txt --seq-len 2048 --score-from 1024 --device cpu --no-recall --resume"
+      o="$o --out $r/accuracy-qwen2.5-coder-0.5b-$t-2048.json"
+      infinigen-rt eval $b $o --policies full,infinigen,oracle --budgets 0.1,0.2
+      infinigen-rt eval $b $o --policies full,infinigen --spec-keys int4c --budgets 0.1
+    done
+    {{python}} benchmarks/heldout.py $r/accuracy-qwen2.5-coder-0.5b-{rst-spec,pytest-fixtures,psf-license}-2048.json \
+      --out $r/accuracy-heldout-qwen2.5-coder-0.5b-2048.json --markdown
+    {{python}} benchmarks/key_mass.py $b artifacts/cache/texts/flask-config.txt --seq-len 2048 --budget 0.1 \
+      --out $r/key-mass-qwen2.5-coder-0.5b.json
+
 # Qwen2.5-Coder 0.5B's decode speed against context on this CPU, full and infinigen interleaved
 qwen-bench: (setup "gguf,plot") texts (qwen "0.5b")
     infinigen-rt bench artifacts/bundles/qwen2.5-coder-0.5b --device cpu --batch 1 \
