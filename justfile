@@ -169,7 +169,7 @@ qwen-eval-2k: (setup "gguf,plot") texts (qwen "0.5b")
       o="--text artifacts/cache/texts/$t.txt --seq-len 2048 --score-from 1024 --device cpu --no-recall --resume"
       o="$o --out $r/accuracy-qwen2.5-coder-0.5b-$t-2048.json"
       infinigen-rt eval $b $o --policies full,infinigen,oracle --budgets 0.1,0.2
-      infinigen-rt eval $b $o --policies full,infinigen --spec-keys int4c --budgets 0.1
+      infinigen-rt eval $b $o --policies full,infinigen --spec-keys int4c --budgets 0.1,0.2
     done
     {{python}} benchmarks/heldout.py $r/accuracy-qwen2.5-coder-0.5b-{rst-spec,pytest-fixtures,psf-license}-2048.json \
       --out $r/accuracy-heldout-qwen2.5-coder-0.5b-2048.json --markdown
