@@ -43,13 +43,14 @@ def mean_rows(texts: list[dict]) -> list[dict]:
             continue
 
         def mean(field, rows=rows):
-            vals = [r[field] for r in rows]
+            vals = [r.get(field) for r in rows]
             return None if any(v is None for v in vals) else round(sum(vals) / len(vals), 6)
 
         out.append({
             **dict(zip(KEY, k, strict=True)), "delta_pct": mean("delta_pct"),
             "delta_pct_max": max(r["delta_pct"] for r in rows), "kv_fetched_share": mean("kv_fetched_share"),
             "kv_attended_share": mean("kv_attended_share"), "bytes_per_token": mean("bytes_per_token"),
+            "kl": mean("kl"),
         })  # fmt: skip
     return out
 
@@ -59,14 +60,15 @@ def pct(x, signed=False):
 
 
 def markdown(texts: list[dict], tuning: list[dict], mean: list[dict]) -> str:
-    """One column per text (change vs full), the held-out mean, and its KV shares."""
+    """One column per text (change vs full), the held-out mean, its KL from full (where every text has one), and its
+    KV shares."""
     cols = [t["name"] for t in tuning] + [t["name"] for t in texts]
     head = ["policy", "budget"] + [f"{c}{' (tuning)' if i < len(tuning) else ''}" for i, c in enumerate(cols)]
-    head += ["held-out mean", "KV fetched", "KV attended"]
+    head += ["held-out mean", "KL (mean)", "KV fetched", "KV attended"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     full = {t["name"]: next(r["perplexity"] for r in t["rows"] if r["policy"] == "full") for t in tuning + texts}
     cells = " | ".join(f"{full[c]:.3f}" for c in cols)
-    lines.append(f"| full | (its perplexity) | {cells} | - | 100.0 % | 100.0 % |")
+    lines.append(f"| full | (its perplexity) | {cells} | - | - | 100.0 % | 100.0 % |")
     for m in mean:
         if m["policy"] == "full":
             continue
@@ -75,7 +77,8 @@ def markdown(texts: list[dict], tuning: list[dict], mean: list[dict]) -> str:
             r = next((r for r in t["rows"] if key(r) == key(m)), None)
             cells.append(pct(r["delta_pct"], True) if r else "-")
         budget = "-" if m["budget"] is None else f"{m['budget']:g}"
-        lines.append(f"| {name(m)} | {budget} | " + " | ".join(cells) + f" | **{pct(m['delta_pct'], True)}** | "
+        kl = "-" if m.get("kl") is None else f"{m['kl']:.4f}"
+        lines.append(f"| {name(m)} | {budget} | " + " | ".join(cells) + f" | **{pct(m['delta_pct'], True)}** | {kl} | "
                      f"{pct(m['kv_fetched_share'])} | {pct(m['kv_attended_share'])} |")  # fmt: skip
     return "\n".join(lines)
 

@@ -135,20 +135,23 @@ def perplexity_cmd(engine, path, text: Path, names, budgets, alphas, seq_len, sc
 
 
 def eval_table(rows: list[Row], title: str) -> Table:
-    """The rows as a table that reads at 80 columns; seconds per row and the exact bytes are in --json/--out."""
+    """The rows as a table that reads at 80 columns (the alpha column only where a row has one); seconds per row and
+    the exact bytes are in --json/--out."""
     from infinigen_rt.measure.perplexity import label
 
-    table = results_table(title, ["policy", "budget", "alpha", "ppl", "vs full", "fetched", "attended", "recall",
-                                  "MB/tok"])  # fmt: skip
+    alpha = any(r.alpha is not None for r in rows)
+    table = results_table(title, ["policy", "budget", *(["alpha"] * alpha), "ppl", "vs full", "KL", "fetched",
+                                  "attended", "recall", "MB/tok"])  # fmt: skip
 
     def f(x, fmt, scale=1.0):
         return "-" if x is None else format(x / scale, fmt)
 
     for r in rows:
-        table.add_row(label(r.policy, r.spec_keys, r.correct, short=True), f(r.budget, ".2f"), f(r.alpha, "g"),
-                      f(r.perplexity, ".3f"),
-                      "-" if r.delta_pct is None else f"{r.delta_pct:+.2f}%", f(r.kv_fetched_share, ".1%"),
-                      f(r.kv_attended_share, ".1%"), f(r.recall, ".3f"), f(r.bytes_per_token, ".2f", 1e6))  # fmt: skip
+        table.add_row(label(r.policy, r.spec_keys, r.correct, short=True), f(r.budget, ".2f"),
+                      *([f(r.alpha, "g")] * alpha), f(r.perplexity, ".3f"),
+                      "-" if r.delta_pct is None else f"{r.delta_pct:+.2f}%", f(r.kl, ".4f"),
+                      f(r.kv_fetched_share, ".1%"), f(r.kv_attended_share, ".1%"), f(r.recall, ".3f"),
+                      f(r.bytes_per_token, ".2f", 1e6))  # fmt: skip
     return table
 
 

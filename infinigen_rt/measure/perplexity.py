@@ -40,6 +40,7 @@ class Row:
     correct: float | None = None
     kv_corrected_share: float | None = None
     shortlist: float | None = None  # the correction's candidates (KVOptions.shortlist; absent in older files)
+    kl: float | None = None  # mean KL(full || this) of the next-token distributions, nats (absent in older files)
 
     def key(self) -> tuple:
         return (self.policy, self.budget, self.alpha, self.spec_keys, self.correct, self.shortlist)
@@ -95,30 +96,70 @@ def perplexity(engine: Engine, policy: Policy, ids: list[int], score_from: int,
     """Teacher-forced perplexity of ids[score_from:] given what precedes, decoding token by token under `policy`.
 
     Returns (perplexity, the cache's report, decode steps)."""
-    lps, report, steps = token_logprobs(engine, policy, ids, score_from, progress)
-    return math.exp(-lps.mean().item()), report, steps
+    s = score(engine, policy, ids, score_from, progress)
+    return s.perplexity, s.report, s.steps
+
+
+@dataclass
+class Scored:
+    """What scoring a text under a policy gives: the true next tokens' log-probabilities, the cache's report, the
+    decode steps, and where asked each position's whole next-token distribution (`dists`, log-probabilities in
+    float32 on the run's device: the reference others are compared with) or its KL divergence from a reference's
+    (`kl`)."""
+
+    logprobs: torch.Tensor  # [n]
+    report: KVReport
+    steps: int
+    dists: torch.Tensor | None = None  # [n, vocab]
+    kl: torch.Tensor | None = None  # [n], nats
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(-self.logprobs.mean().item())
+
+    @property
+    def mean_kl(self) -> float | None:
+        return None if self.kl is None else self.kl.mean().item()
+
+
+def kl_from(reference: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per row, nats: `reference` log p as `score` keeps it, `lp` log q [rows, vocab] (0 where equal)."""
+    ref = reference.to(lp.device, torch.float32)
+    return (ref.exp() * (ref - lp)).sum(-1).clamp_min(0)
 
 
 @torch.inference_mode()
-def token_logprobs(engine: Engine, policy: Policy, ids: list[int], score_from: int,
-                   progress=None) -> tuple[torch.Tensor, KVReport, int]:  # fmt: skip
-    """The log-probabilities of ids[score_from:] [len(ids) - score_from]: ids[:score_from] prefilled, each later
-    token fed one decode step under `policy` (the server's prompt scoring does the same through the runner).
-
-    Returns (logprobs, the cache's report, decode steps)."""
+def score(engine: Engine, policy: Policy, ids: list[int], score_from: int, progress=None, keep: bool = False,
+          reference: torch.Tensor | None = None) -> Scored:  # fmt: skip
+    """ids[:score_from] prefilled, each later token fed one decode step under `policy` (the server's prompt scoring
+    does the same through the runner), and each position's next-token distribution scored: the true token's
+    log-probability; with `keep` the whole distribution (Scored.dists); with `reference` (another run's dists over
+    the same ids) the KL divergence from it, the run's fidelity to the reference whichever way its perplexity
+    moves."""
     dev = engine.device
     cache = policy.build(engine, 1, len(ids))
+    lps, dists, kls = [], [], []
+
+    def scored(logits, target):
+        lp = torch.log_softmax(logits.float(), -1)[0]
+        lps.append(lp[target].clone())  # (a view would keep the whole row alive)
+        if keep:
+            dists.append(lp)
+        if reference is not None:
+            kls.append(kl_from(reference[len(lps) - 1], lp))
+
     try:
         x = torch.tensor([ids[:score_from]], device=dev)
-        logits = prefill(engine, cache, x, torch.arange(score_from, device=dev)[None], policy.opts.prefill_chunk)
-        lps = [torch.log_softmax(logits.float(), -1)[0, ids[score_from]]]
+        scored(prefill(engine, cache, x, torch.arange(score_from, device=dev)[None], policy.opts.prefill_chunk),
+               ids[score_from])  # fmt: skip
         steps = len(ids) - 1 - score_from
         for i, t in enumerate(range(score_from, len(ids) - 1)):
-            logits = decode_step(engine, cache, torch.tensor([[ids[t]]], device=dev), torch.tensor([[t]], device=dev))
-            lps.append(torch.log_softmax(logits.float(), -1)[0, ids[t + 1]])
+            scored(decode_step(engine, cache, torch.tensor([[ids[t]]], device=dev), torch.tensor([[t]], device=dev)),
+                   ids[t + 1])  # fmt: skip
             if progress:
                 progress(i + 1, steps)
-        return torch.stack(lps), cache.report(), steps
+        return Scored(torch.stack(lps), cache.report(), steps, torch.stack(dists) if keep else None,
+                      torch.stack(kls) if reference is not None else None)  # fmt: skip
     finally:
         cache.close()
 
@@ -148,10 +189,17 @@ def speculation_options(policy: str, spec: dict | None) -> dict:
 def run_sweep(engine: Engine, ids, score_from, todo, done: list[Row], recall=True, on_row=None, progress=None,
               spec: dict | None = None):  # fmt: skip
     """Evaluate every (policy, budget, alpha) in `todo` not already in `done`; `on_row(rows)` after each. `spec`:
-    the speculating policies' spec_keys and correct (None: their defaults), recorded in their rows."""
+    the speculating policies' spec_keys and correct (None: their defaults), recorded in their rows. Each row's KL
+    is from the baseline's distributions, kept from its run here (the baseline is run again, unrecorded, where
+    `done` has its row and other rows remain)."""
     rows = list(done)
     have = {r.key() for r in rows}
     full = next((r.perplexity for r in rows if r.policy == BASELINE), None)
+    reference = None
+
+    def baseline_dists():
+        return score(engine, configure(engine, BASELINE), ids, score_from, keep=True,
+                     progress=(lambda d, t: progress(f"{BASELINE} (the reference)", d, t)) if progress else None).dists
     for n, (policy, budget, alpha) in enumerate(todo):
         traced = recall and "trace_recall" in POLICIES[policy].knobs
         kv = KVOptions(alpha=alpha, budget=budget or 1.0, trace_recall=traced, **speculation_options(policy, spec))
@@ -165,11 +213,13 @@ def run_sweep(engine: Engine, ids, score_from, todo, done: list[Row], recall=Tru
         t0 = time.perf_counter()
         label = f"({n + 1}/{len(todo)}) {policy}" + (f" budget {budget}" if budget else "") + (
             f" alpha {alpha}" if alpha is not None else "")  # fmt: skip
-        ppl, report, steps = perplexity(
-            engine, run, ids, score_from, (lambda d, t, lb=label: progress(lb, d, t)) if progress else None
-        )
-        if full is None and policy == BASELINE:
-            full = ppl
+        if policy != BASELINE and reference is None:
+            reference = baseline_dists()
+        s = score(engine, run, ids, score_from, (lambda d, t, lb=label: progress(lb, d, t)) if progress else None,
+                  keep=policy == BASELINE, reference=reference)  # fmt: skip
+        ppl, report, steps = s.perplexity, s.report, s.steps
+        if policy == BASELINE:
+            full, reference = full or ppl, s.dists
         h2d = report.bytes_h2d
         share, attended = report.kv_fetched_share, report.kv_attended_share
         rows.append(Row(
@@ -179,6 +229,7 @@ def run_sweep(engine: Engine, ids, score_from, todo, done: list[Row], recall=Tru
             recall=report.attention_recall, bytes_per_token=round(h2d / steps, 1) if h2d else None,
             seconds=round(time.perf_counter() - t0, 2), spec_keys=keys, correct=correct,
             kv_corrected_share=report.kv_corrected_share, shortlist=shortlist,
+            kl=None if s.kl is None else round(s.mean_kl, 6),
         ))  # fmt: skip
         if on_row:
             on_row(rows)

@@ -60,6 +60,24 @@ def test_infinigen_full_budget_equals_full_and_oracle_bounds_it(smol, full_ppl):
     assert full <= oracle <= a, (full, oracle, a)
 
 
+def test_kl_is_zero_for_the_reference_and_what_attends_everything(bundles):
+    from infinigen_rt.measure.perplexity import kl_from, score
+
+    engine = Engine(read_bundle(bundles["llama31_gqa"]), device="cpu", dtype="float32")
+    ids = list(range(3, 83))
+    ref = score(engine, configure(engine), ids, 48, keep=True)
+    assert ref.dists.shape == (len(ids) - 48, engine.cfg.vocab_size) and ref.dists.dtype == torch.float32
+    assert ref.kl is None and score(engine, configure(engine), ids, 48, reference=ref.dists).mean_kl == 0
+    every = score(engine, configure(engine, "infinigen", KVOptions(alpha=math.inf, budget=1.0)), ids, 48,
+                  reference=ref.dists)  # fmt: skip
+    some = score(engine, configure(engine, "infinigen", KVOptions(budget=0.1)), ids, 48, reference=ref.dists)
+    assert every.mean_kl < 1e-5 < some.mean_kl and some.kl.shape == (len(ids) - 48,)
+    # against a distribution by hand: KL(p || q) = sum p (log p - log q)
+    p, q = torch.log_softmax(torch.randn(3, 7), -1), torch.log_softmax(torch.randn(3, 7), -1)
+    want = (p.exp() * (p - q)).sum(-1)
+    assert torch.allclose(kl_from(p, q), want, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def tiny_text(tmp_path_factory, calib_file):
     p = tmp_path_factory.mktemp("eval") / "text.txt"
@@ -84,14 +102,20 @@ def test_sweep_json_schema_and_resume(bundles, tiny_text, tmp_path):
     ig = res["rows"][1]  # the dense layers attend everything: the attended share is above the fetched one
     assert ig["kv_fetched_share"] < ig["kv_attended_share"] < 1 and res["rows"][5]["kv_attended_share"] == 1.0
     assert json.loads(out.read_text())["rows"] == res["rows"]
+    # fidelity to full: none for full itself, and for the others positive (none of them attends everything here)
+    assert res["rows"][0]["kl"] is None and all(row["kl"] > 0 for row in res["rows"][1:])
 
-    # resume: finished rows are read back, not recomputed (a marked row keeps its mark)
+    # resume: finished rows are read back, not recomputed (a marked row keeps its mark); a missing row is run,
+    # its KL against full's distributions run again for the purpose
     saved = json.loads(out.read_text())
     saved["rows"][3]["perplexity"] = 12345.0
+    last = saved["rows"].pop()
     out.write_text(json.dumps(saved))
     r = run_cli(*args, "--resume")
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["rows"][3]["perplexity"] == 12345.0
+    again = json.loads(r.stdout)["rows"]
+    assert again[3]["perplexity"] == 12345.0
+    assert again[-1]["kl"] == pytest.approx(last["kl"], abs=1e-6) and again[-1]["perplexity"] == last["perplexity"]
     one_line_error(run_cli(*[a if a != 64 else 32 for a in args], "--resume"), "score_from")
 
 
@@ -114,17 +138,17 @@ def test_eval_table_reads_at_80_columns(bundles, tiny_text):
     text = render80(eval_table(rows, "perplexity on hamlet_gut.txt (2048 tokens, scored from 1024)"))
     assert "…" not in text and max(map(len, text.splitlines())) <= 80, text
     lines = [ln.split() for ln in text.splitlines()]
-    assert ["policy", "budget", "alpha", "ppl", "vs", "full", "fetched", "attended", "recall", "MB/tok"] in lines
+    assert ["policy", "budget", "alpha", "ppl", "vs", "full", "KL", "fetched", "attended", "recall", "MB/tok"] in lines
     ig = next(r for r in rows if r.policy == "infinigen" and r.budget == 0.2)  # every cell, as published
-    want = ["infinigen", "0.20", f"{ig.alpha:g}", f"{ig.perplexity:.3f}", f"{ig.delta_pct:+.2f}%",
+    want = ["infinigen", "0.20", f"{ig.alpha:g}", f"{ig.perplexity:.3f}", f"{ig.delta_pct:+.2f}%", "-",
             f"{ig.kv_fetched_share:.1%}", f"{ig.kv_attended_share:.1%}", "-", f"{ig.bytes_per_token / 1e6:.2f}"]
     assert want in lines, text
     h2o = next(r for r in rows if r.policy == "h2o" and r.budget == 0.1)
-    assert ["h2o", "0.10", "-", f"{h2o.perplexity:.3f}", f"{h2o.delta_pct:+.2f}%", f"{h2o.kv_fetched_share:.1%}",
+    assert ["h2o", "0.10", "-", f"{h2o.perplexity:.3f}", f"{h2o.delta_pct:+.2f}%", "-", f"{h2o.kv_fetched_share:.1%}",
             f"{h2o.kv_attended_share:.1%}", "-", "-"] in lines, text
-    variant = Row("infinigen", 0.1, None, 40.0, 1.0, 0.1, 0.16, None, 6e6, 1.0, "partial", 0.5)  # not the defaults
-    got = [ln.split() for ln in render80(eval_table([variant], "t")).splitlines()]
-    assert ["infinigen", "0.10", "-", "40.000", "+1.00%", "10.0%", "16.0%", "-", "6.00"] in got  # its options fold
+    variant = Row("infinigen", 0.1, None, 40.0, 1.0, 0.1, 0.16, None, 6e6, 1.0, "partial", 0.5, kl=0.01234)
+    got = [ln.split() for ln in render80(eval_table([variant], "t")).splitlines()]  # not the defaults: they fold
+    assert ["infinigen", "0.10", "40.000", "+1.00%", "0.0123", "10.0%", "16.0%", "-", "6.00"] in got  # no alpha
     assert ["partial", "c0.5"] in got, got
 
     r = run_cli("rt", "eval", bundles["llama31_gqa"], "--text", tiny_text, "--seq-len", 48, "--score-from", 40,

@@ -17,7 +17,7 @@ import pytest
 
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.engine import Engine
-from infinigen_rt.measure.perplexity import token_logprobs
+from infinigen_rt.measure.perplexity import score
 from infinigen_rt.policies import KVOptions, configure
 from tests.lmeval.tasks import HERE, write_tasks
 from tests.rt.test_serve import ENV, Server
@@ -82,8 +82,8 @@ def test_lm_eval_runs_a_multiple_choice_and_a_generate_task_against_the_server(b
             for k, (resp, args) in enumerate(zip(s["resps"], s["arguments"].values(), strict=True)):
                 ctx, cont = encode_pair(engine.tokenizer, args["arg_0"], args["arg_1"])
                 ids = ctx + cont  # every token after the first is scored by a decode step (--score-tail 128)
-                own = token_logprobs(engine, policy, ids, 1)[0][len(ctx) - 1 :].sum().item()
-                dense = token_logprobs(engine, full, ids, 1)[0][len(ctx) - 1 :].sum().item()
+                own = score(engine, policy, ids, 1).logprobs[len(ctx) - 1 :].sum().item()
+                dense = score(engine, full, ids, 1).logprobs[len(ctx) - 1 :].sum().item()
                 got = float(resp[0][0])
                 assert abs(got - own) < 1e-3 * max(1, abs(own)), (s["doc_id"], k, got, own)
                 moved += abs(own - dense) > 1e-3

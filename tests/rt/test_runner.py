@@ -340,14 +340,14 @@ def test_prompt_scoring_by_decode_steps_equals_eval_and_joins_batches(name, bund
     raw distribution's at the sampled token, with the top alternatives best first."""
     import torch
 
-    from infinigen_rt.measure.perplexity import token_logprobs
+    from infinigen_rt.measure.perplexity import score
 
     engine, policy = engine_for(bundles["llama31_gqa"], *POLICIES[name])
     prompt = list(range(3, 60))
     tail = 20
     split = len(prompt) - 1 - tail
-    want, _, _ = token_logprobs(engine, policy, prompt, split)
-    dense, _, _ = token_logprobs(engine, configure(engine, "full", KVOptions()), prompt, 1)
+    want = score(engine, policy, prompt, split).logprobs
+    dense = score(engine, configure(engine, "full", KVOptions()), prompt, 1).logprobs
     for max_new, others in [(0, []), (3, [Request(list(range(30, 50)), 25), Request([7, 8, 9], 2)])]:
         chunk = None if name == "h2o" else 16  # h2o evicts after every prefill pass: eval prefills in one
         run = Runner(engine, policy, max_batch=4, prefill_chunk=chunk)
