@@ -233,6 +233,65 @@ int infinigen_score_codes(const float *q, const uint8_t *codes, const uint16_t *
     return score_pairs(q, codes, meta, slots, pairs, out, R, Hkv, G, D, group, bits, T, S, start, lo, hi);
 }
 
+/* Per-channel 4-bit keys (policies/speculation.py's ChannelKeys): codes [R, Hkv, S, D / 2] (column 2p in byte
+   p's low nibble, 2p + 1 in its high one), meta [R, Hkv, S / run, 2, D] fp16 (each run of `run` slots: a scale and
+   a minimum per column). A key's column c is code * scale[c] + minimum[c] of its slot's run, formed in a buffer
+   (the run's scales converted once while consecutive keys share it: the correction's scattered slots change run
+   at almost every key, so forming the key costs D where folding the scales into the query would cost G x D), then
+   dotted with each query head in eight partial sums (a loop the compiler vectorises without reassociating).
+   Other arguments as infinigen_score_codes (no group, no bits). Returns 0, -1 for shapes it does not take, -2 for
+   a slot outside 0 .. S. */
+int infinigen_score_channel(const float *q, const uint8_t *codes, const uint16_t *meta, const int64_t *slots,
+                            int64_t pairs, float *out, int64_t B, int64_t R, int64_t Hkv, int64_t G, int64_t D,
+                            int64_t run, int64_t T, int64_t S, int64_t start, int64_t lo, int64_t hi) {
+    if (G < 1 || G > MAX_G || D < 8 || D > MAX_D || D % 8 || run < 1 || S % run || (R != 1 && R != B) || lo < 0 ||
+        hi > B * Hkv)
+        return -1;
+    const int64_t nb = D / 2, runs = S / run;
+    /* every column in code order, low nibbles (even columns) then high (odd): contiguous loops that vectorise */
+    float scale[MAX_D], minimum[MAX_D], kf[MAX_D], qp[MAX_G * MAX_D];
+    for (int64_t pair = lo; pair < hi; pair++) {
+        const int64_t b = pair / Hkv, row = (R == 1 ? 0 : b) * Hkv + pair % Hkv;
+        const float *qh = qp;
+        for (int64_t x = 0; x < G; x++)
+            for (int64_t p = 0; p < nb; p++)
+                qp[x * D + p] = q[(pair * G + x) * D + 2 * p], qp[x * D + nb + p] = q[(pair * G + x) * D + 2 * p + 1];
+        const uint8_t *cb = codes + row * S * nb;
+        const uint16_t *mb = meta + row * runs * 2 * D;
+        const int64_t *st = slots ? slots + (pairs ? pair : b) * T : 0;
+        float *o = out + pair * G * T;
+        int64_t have = -1; /* the run whose scales `scale` and `minimum` hold */
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t slot = st ? st[t] : start + t;
+            if (slot < 0 || slot >= S) return -2;
+            const int64_t r = slot / run;
+            if (r != have) {
+                const uint16_t *m = mb + r * 2 * D;
+                for (int64_t p = 0; p < nb; p++) {
+                    scale[p] = half_to_float(m[2 * p]), minimum[p] = half_to_float(m[D + 2 * p]);
+                    scale[nb + p] = half_to_float(m[2 * p + 1]), minimum[nb + p] = half_to_float(m[D + 2 * p + 1]);
+                }
+                have = r;
+            }
+            if (st && t + AHEAD < T) { /* scattered slots: their rows requested ahead */
+                const int64_t next = st[t + AHEAD];
+                if (next >= 0 && next < S) __builtin_prefetch(cb + next * nb), __builtin_prefetch(mb + next / run * 2 * D);
+            }
+            const uint8_t *c = cb + slot * nb;
+            for (int64_t p = 0; p < nb; p++) kf[p] = (float)(c[p] & 0x0f) * scale[p] + minimum[p];
+            for (int64_t p = 0; p < nb; p++) kf[nb + p] = (float)(c[p] >> 4) * scale[nb + p] + minimum[nb + p];
+            for (int64_t x = 0; x < G; x++) {
+                const float *w = qh + x * D;
+                float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                for (int64_t i = 0; i < D; i += 8)
+                    for (int k = 0; k < 8; k++) acc[k] += w[i + k] * kf[i + k];
+                o[x * T + t] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+            }
+        }
+    }
+    return 0;
+}
+
 /* New keys into their slots: x [N, D] float32, each row quantized as kv/quant.py's `quantize` does (the same
    codes, scale and minimum, bit for bit: float32 arithmetic, round half to even) into codes [rows, D * bits / 8]
    and meta [rows, 2, D / group] at its flat row rows[i] (< n_rows). Returns 0, -1 for shapes it does not take (or

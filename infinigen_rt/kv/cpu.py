@@ -100,6 +100,9 @@ def library() -> ctypes.CDLL | None:
         f = lib.infinigen_score_codes
         f.restype = ctypes.c_int
         f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 12
+        f = lib.infinigen_score_channel
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 11
         f = lib.infinigen_quantize_rows
         f.restype = ctypes.c_int
         f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5
@@ -179,6 +182,31 @@ def score_codes(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, t:
         return None
     if bad:
         raise IndexError(f"scoring low-bit keys: {ERRORS.get(bad, f'error {bad}')}")
+    return out
+
+
+def score_channel(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, t: int,
+                  run: int) -> torch.Tensor | None:  # fmt: skip
+    """ChannelKeys.scores_at on a CPU through the kernel ([B, Hkv, G, t] float32; `at` an int t, a slice, [B, t] or
+    [B, Hkv, t] slots), or None where it does not apply: the caller's torch path then runs."""
+    lib = _taking(codes, meta)
+    if lib is None:
+        return None
+    b, hkv, g, d = q.shape
+    q = q.float().contiguous()
+    slots = at.to(torch.int64).contiguous() if isinstance(at, torch.Tensor) else None
+    start = at.start if isinstance(at, slice) else 0
+    out = torch.empty(b, hkv, g, t, dtype=torch.float32)
+    if t == 0:
+        return out
+    pairs = slots is not None and slots.dim() == 3
+    args = (q.data_ptr(), codes.data_ptr(), meta.data_ptr(), slots.data_ptr() if slots is not None else None,
+            int(pairs), out.data_ptr(), b, codes.shape[0], hkv, g, d, run, t, codes.shape[2], start)  # fmt: skip
+    bad = _split(lib.infinigen_score_channel, args, b * hkv, t)
+    if bad == -1:
+        return None
+    if bad:
+        raise IndexError(f"scoring per-channel keys: {ERRORS.get(bad, f'error {bad}')}")
     return out
 
 

@@ -272,28 +272,8 @@ class ChannelKeys:
                 self.write(j, k[:, :, i : i + WRITE_SPAN], start[..., i : i + WRITE_SPAN],
                            appends=appends[..., i : i + WRITE_SPAN] if isinstance(appends, torch.Tensor) else appends)
             return
-        runs = meta.shape[2]
         pair = (torch.arange(r, device=dev)[:, None] * hkv + torch.arange(hkv, device=dev)[None]).view(r, hkv, 1)
-        lead = None  # where runs repeat in `touched`: each entry's first, whose result every repeat writes
-        if isinstance(start, int):  # runs first..last of every (row, KV head), in order
-            first, last = start // t, (start + s - 1) // t
-            at = torch.arange(start, start + s, device=dev).expand(r, hkv, s)
-            touched = (pair * runs + torch.arange(first, last + 1, device=dev)).reshape(-1)
-            which = (pair * (last - first + 1) + at // t - first).reshape(-1)
-        else:
-            at = start
-            run_ids = (pair * runs + at // t).reshape(-1)
-            if distinct or s == 1:
-                touched, which = run_ids, torch.arange(run_ids.numel(), device=dev)
-            elif dev.type == "cpu":
-                touched, which = torch.unique(run_ids, return_inverse=True)
-            else:  # no device read (unique's count): sorted, a run's keys all go into its first entry
-                touched, order = run_ids.sort()
-                n = touched.numel()
-                starts = torch.ones(n, dtype=torch.bool, device=dev)
-                starts[1:] = touched[1:] != touched[:-1]
-                lead = (torch.arange(n, device=dev) * starts).cummax(0).values
-                which = torch.empty_like(lead).scatter_(0, order, lead)
+        at, touched, which, lead = self._runs(pair, start, s, meta.shape[2], distinct)
         held.view(-1)[(pair * held.shape[2] + at).reshape(-1)] = True
         runs_held = held.view(-1, t)[touched]  # [u, t]
         if appends is not False:  # the runs' slots after a key appended: none of its own
@@ -313,6 +293,31 @@ class ChannelKeys:
             c, m = c[lead], m[lead]
         c_runs[touched], m_runs[touched] = c, m
 
+    @staticmethod
+    def _runs(pair: torch.Tensor, start, s: int, runs: int, distinct: bool) -> tuple:
+        """Where `write`'s new keys go: (at: their slots [R, Hkv, s]; touched: the flat ids of the runs they touch;
+        which: each key's entry in `touched`; lead: where a run repeats in `touched`, each entry's first, whose
+        result every repeat writes, else None). `pair` [R, Hkv, 1]: each (row, KV head)'s flat index."""
+        t, dev = CHANNEL_TOKENS, pair.device
+        if isinstance(start, int):  # runs first..last of every (row, KV head), in order
+            first, last = start // t, (start + s - 1) // t
+            at = torch.arange(start, start + s, device=dev).expand(*pair.shape[:2], s)
+            touched = (pair * runs + torch.arange(first, last + 1, device=dev)).reshape(-1)
+            return at, touched, (pair * (last - first + 1) + at // t - first).reshape(-1), None
+        run_ids = (pair * runs + start // t).reshape(-1)
+        if distinct or s == 1:
+            return start, run_ids, torch.arange(run_ids.numel(), device=dev), None
+        if dev.type == "cpu":
+            touched, which = torch.unique(run_ids, return_inverse=True)
+            return start, touched, which, None
+        # no device read (unique's count): sorted, a run's keys all go into its first entry
+        touched, order = run_ids.sort()
+        n = touched.numel()
+        starts = torch.ones(n, dtype=torch.bool, device=dev)
+        starts[1:] = touched[1:] != touched[:-1]
+        lead = (torch.arange(n, device=dev) * starts).cummax(0).values
+        return start, touched, torch.empty_like(lead).scatter_(0, order, lead), lead
+
     def _keys(self, codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
         """codes [.., n, bytes] and each slot's meta [.., n, 2, D] -> the keys [.., n, D] in float32."""
         return quant.dequantize(codes, meta[..., 0, :], meta[..., 1, :], 1, torch.float32, self.bits)
@@ -329,6 +334,8 @@ class ChannelKeys:
         n = idx if isinstance(idx, int) else idx.stop - idx.start if isinstance(idx, slice) else idx.shape[-1]
         if quant.fused(q, d):  # the low-bit scoring kernel, a run's scales per channel
             return quant._scores_kernel(q, codes, meta, idx, n, d, self.bits, tok)
+        if q.device.type == "cpu" and (out := cpu.score_channel(q, codes, meta, idx, n, tok)) is not None:
+            return out
         if isinstance(idx, int):
             idx = slice(0, idx)
         out = torch.empty(b, hkv, g, n, dtype=torch.float32, device=q.device)

@@ -72,6 +72,63 @@ def test_the_kernel_scores_as_the_torch_path_and_the_float64_reference(bits, d, 
                 assert torch.equal(quant.scores(qq, c, m, at, group, bits), got)
 
 
+def channel_store(gen, r, hkv, slots, d):
+    """ChannelKeys' tensors with every slot written (keys with a few huge channels, as Qwen's biases make)."""
+    from types import SimpleNamespace
+
+    from infinigen_rt.policies.speculation import ChannelKeys
+
+    store = ChannelKeys(SimpleNamespace(cfg=SimpleNamespace(head_dim=d, num_key_value_heads=hkv)), [0], r, slots,
+                        "cpu", torch.float32)  # fmt: skip
+    k = torch.randn(r, hkv, slots, d, generator=gen) * torch.linspace(0.1, 4, d)
+    k[..., :3] += 40.0
+    with cpu.disabled():
+        store.write(0, k, 0)
+    return store
+
+
+@needs_kernel
+@pytest.mark.parametrize("d, g", [(64, 7), (128, 6), (64, 1), (96, 3), (256, 2)])
+def test_the_per_channel_kernel_scores_as_the_torch_path(d, g, monkeypatch):
+    """int4c's keys (a scale and minimum per channel and run of 16 slots) scored by the kernel in every form a caller
+    has, split over threads or not: the torch path's scores (which form the keys) within float32 rounding, and a
+    float64 reference's. Qwen's 0.5B is (64, 7), its 1.5B (128, 6)."""
+    from infinigen_rt.policies.speculation import CHANNEL_TOKENS
+
+    gen = torch.Generator().manual_seed(d + g)
+    hkv, n_slots, b, t = 2, 320, 3, 257
+    shared, own = channel_store(gen, 1, hkv, n_slots, d), channel_store(gen, b, hkv, n_slots, d)
+    q = torch.randn(b, hkv, g, d, generator=gen)
+    idx = torch.randint(0, n_slots, (b, t), generator=gen)
+    pairs = torch.randint(0, n_slots, (b, hkv, t), generator=gen)
+    forms = [(q, shared, idx), (q[:1], shared, slice(11, 11 + t)), (q, own, t), (q, shared, pairs), (q, own, pairs)]
+    for split in (1 << 30, 1):
+        for qq, store, at in forms:
+            monkeypatch.setattr(cpu, "SPLIT_WORK", split)
+            n = at if isinstance(at, int) else at.stop - at.start if isinstance(at, slice) else at.shape[-1]
+            got = cpu.score_channel(qq, store.codes[0], store.meta[0], at, n, CHANNEL_TOKENS)
+            with cpu.disabled():
+                torch_path = store.scores_at(0, qq.double(), at).double()
+            assert got is not None and got.shape == torch_path.shape and got.dtype == torch.float32
+            assert ((got.double() - torch_path).norm() / torch_path.norm()).item() < 1e-5
+            assert torch.equal(store.scores_at(0, qq, at), got)  # what a CPU's store runs
+
+
+@needs_kernel
+def test_the_per_channel_kernel_refuses_a_slot_outside_and_shapes_it_does_not_take():
+    from infinigen_rt.policies.speculation import CHANNEL_TOKENS
+
+    store = channel_store(torch.Generator().manual_seed(1), 1, 2, 48, 64)
+    q = torch.randn(1, 2, 3, 64)
+    for bad in (48, -1, 1 << 40):
+        with pytest.raises(IndexError, match="slot outside"):
+            cpu.score_channel(q, store.codes[0], store.meta[0], torch.tensor([[0, 5, bad]]), 3, CHANNEL_TOKENS)
+    with pytest.raises(IndexError, match="slot outside"):
+        cpu.score_channel(q, store.codes[0], store.meta[0], slice(40, 55), 15, CHANNEL_TOKENS)
+    assert cpu.score_channel(q, store.codes[0], store.meta[0], slice(0, 3), 3, 7) is None  # runs that split S unevenly
+    assert cpu.score_channel(q, store.codes[0], store.meta[0].float(), slice(0, 3), 3, CHANNEL_TOKENS) is None
+
+
 @needs_kernel
 def test_a_slot_outside_the_rows_is_an_error_not_a_read():
     gen = torch.Generator().manual_seed(0)
@@ -281,11 +338,12 @@ def test_the_row_gather_kernel_copies_index_selects_rows_and_zeros_the_rest(dtyp
 
 
 @needs_kernel
-@pytest.mark.parametrize("keys", ["int4", "int2"])
+@pytest.mark.parametrize("keys", ["int4", "int2", "int4c"])
 def test_a_cpu_decode_step_scores_and_quantizes_through_the_kernel(keys, bundles, monkeypatch):
-    """The defaults' layout (every key column at low bits, a correction) decoding a batch on a CPU: speculation's
-    and the correction's scores (at 4 bits) and every new key's codes go through the kernels, and the logits are
-    the torch path's up to float32 rounding (the tiny model's margins are wide: the tokens are the same)."""
+    """The defaults' layouts (every key column at low bits, a correction) decoding a batch on a CPU: speculation's
+    and the correction's scores (at 4 bits, per token or per channel) and every new per-token key's codes go through
+    the kernels, and the logits are the torch path's up to float32 rounding (the tiny model's margins are wide: the
+    tokens are the same)."""
     import math
 
     from infinigen_rt.policies import KVOptions
@@ -297,6 +355,7 @@ def test_a_cpu_decode_step_scores_and_quantizes_through_the_kernel(keys, bundles
         ref, ref_toks, _ = greedy_logits(e, pol, PROMPTS, 6)
     calls = {"score": 0, "quantize": 0, "topk": 0, "group_softmax": 0, "correct_pick": 0}
     score, quantize, topk, softmax = cpu.score_codes, cpu.quantize_rows, cpu.topk, cpu.group_softmax
+    channel = cpu.score_channel
     pick = cpu.correct_pick
 
     def counted(name, fn):
@@ -308,14 +367,16 @@ def test_a_cpu_decode_step_scores_and_quantizes_through_the_kernel(keys, bundles
         return run
 
     monkeypatch.setattr(cpu, "score_codes", counted("score", score))
+    monkeypatch.setattr(cpu, "score_channel", counted("score", channel))
     monkeypatch.setattr(cpu, "quantize_rows", counted("quantize", quantize))
     monkeypatch.setattr(cpu, "topk", counted("topk", topk))
     monkeypatch.setattr(cpu, "group_softmax", counted("group_softmax", softmax))
     monkeypatch.setattr(cpu, "correct_pick", counted("correct_pick", pick))
     got, toks, _ = greedy_logits(e, pol, PROMPTS, 6)
     speculated = e.cfg.num_hidden_layers - pol.opts.dense_layers - 1  # layer j's rows chosen at layer j - 1
-    scored = 5 * 2 * speculated if keys == "int4" else 0  # 2 bits: the torch path scores (the faster there)
-    assert speculated > 0 and calls["quantize"] > 0, calls
+    scored = 5 * 2 * speculated if keys != "int2" else 0  # 2 bits: the torch path scores (the faster there)
+    # (int4c's runs are quantized again as they fill, by torch)
+    assert speculated > 0 and (calls["quantize"] > 0) == (keys != "int4c"), calls
     assert calls["score"] >= scored if scored else calls["score"] == 0, calls
     # speculation's selection and the correction's pick (its softmax, mask and top-k in one call) each step
     assert calls["topk"] >= 5 * speculated and calls["group_softmax"] >= 5 * speculated, calls
