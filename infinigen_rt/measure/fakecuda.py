@@ -792,6 +792,9 @@ class FakeCuda:
         import gc
 
         gc.collect()  # what the code left to be collected goes while the fake still stands (pinned pages, blocks)
+        from infinigen_rt.system import reap
+
+        reap(wait=True)  # pools closed under the fake: their pages unregistered now (at exit the fake is gone)
         try:
             self.dispatch.__exit__(*exc)
             self.function.__exit__(*exc)
