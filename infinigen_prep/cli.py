@@ -55,8 +55,8 @@ def convert(
     ] = "auto",
     skew: Annotated[bool, typer.Option(help="SVD skewing; --no-skew writes identity skews (the ablation).")] = True,
     spec_keys: Annotated[str, typer.Option(
-        help="The bundle's default speculation keys: auto (int4 unless partial's perplexity past the calibration "
-        "text is 2 % lower), partial, int4, int2, int4c.")] = "auto",  # fmt: skip
+        help="The bundle's default speculation keys: auto (int4 unless partial's or int4c's KL divergence from full "
+        "past the calibration text is 5 % lower), partial, int4, int2, int4c.")] = "auto",  # fmt: skip
     infinigen: Annotated[
         bool, typer.Option(help="Add the InfiniGen tensors; --no-infinigen converts dense-only (no calibration).")
     ] = True,

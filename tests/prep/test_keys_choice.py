@@ -1,4 +1,4 @@
-"""The bundle's default speculation keys: chosen at convert time by the keys' perplexity past the calibration text
+"""The bundle's default speculation keys: chosen at convert time by the keys' fidelity to full past the calibration text
 (prepare.choose_keys), carried in bundle.json, resolved by the runtime where a run leaves --spec-keys unset."""
 
 from __future__ import annotations
@@ -8,45 +8,55 @@ import json
 import pytest
 
 from infinigen_prep import prepare
-from infinigen_prep.prepare import KEYS_BUDGET, KEYS_MARGIN, PrepOptions, keys_rule
+from infinigen_prep.prepare import KEYS_BUDGET, KEYS_CHOICES, KEYS_MARGIN, PrepOptions, keys_rule
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
-from infinigen_rt.measure.perplexity import perplexity, run_sweep
+from infinigen_rt.measure.perplexity import run_sweep, score
 from infinigen_rt.policies import configure
 from infinigen_rt.policies.options import KVOptions
 from tests.conftest import run_cli, tiny_convert
 
 
-def test_auto_measures_both_keys_and_records_what_chose(checkpoints, tmp_path, calib_file, monkeypatch):
-    seen = []  # the tokens each pass scored
+def test_auto_measures_each_stores_fidelity_and_records_what_chose(checkpoints, tmp_path, calib_file, monkeypatch):
+    seen = []  # what each pass ran and scored
 
-    def spy(engine, run, ids, score_from, progress=None):
-        seen.append((run.opts.spec_keys, list(ids), score_from))
-        return perplexity(engine, run, ids, score_from, progress)
+    def spy(engine, run, ids, score_from, progress=None, keep=False, reference=None):
+        seen.append((run.name, run.opts.spec_keys, list(ids), score_from, keep, reference is not None))
+        return score(engine, run, ids, score_from, progress, keep, reference)
 
-    monkeypatch.setattr("infinigen_rt.measure.perplexity.perplexity", spy)
+    monkeypatch.setattr("infinigen_rt.measure.perplexity.score", spy)
     out = tiny_convert(checkpoints["qwen25"], tmp_path / "auto", calib_file, dtype="float32", spec_keys="auto")
     ig = read_bundle(out).infinigen
     got = ig.spec_keys_choice
     assert got["budget"] == KEYS_BUDGET and got["margin"] == KEYS_MARGIN and got["correct"] == KVOptions.correct
-    (k1, ids, start), (k2, ids2, start2) = seen
-    assert (k1, k2) == ("int4", "partial") and ids == ids2 and start == start2 == len(ids) // 2
+    # full first, its distributions kept; then each store against them, on the same tokens
+    assert [(n, k if n != "full" else None, kp, ref) for n, k, _, _, kp, ref in seen] == [
+        ("full", None, True, False), *(("infinigen", k, False, True) for k in KEYS_CHOICES)]  # fmt: skip
+    ids, start = seen[0][2], seen[0][3]
+    assert all(x[2] == ids and x[3] == start == len(ids) // 2 for x in seen)
     assert got["tokens"] == len(ids) == ig.defaults.layer_alpha_tokens and got["scored"] == len(ids) - start
-    ppl = got["perplexity"]
-    assert set(ppl) == {"int4", "partial"} and all(v > 1 for v in ppl.values())
-    want = "partial" if ppl["partial"] * (1 + KEYS_MARGIN) < ppl["int4"] else "int4"
-    assert ig.defaults.spec_keys == want
+    kl = got["kl"]
+    assert set(kl) == set(KEYS_CHOICES) and all(v > 0 for v in kl.values())
+    assert set(got["perplexity"]) == {"full", *KEYS_CHOICES} and all(v > 1 for v in got["perplexity"].values())
+    assert ig.defaults.spec_keys == keys_rule(kl)
     # the figures are the runtime's own on the bundle as written: its engine reproduces them
     engine = Engine(read_bundle(out), device="cpu")
-    for keys in ppl:
+    ref = score(engine, configure(engine), ids, start, keep=True)
+    assert ref.perplexity == pytest.approx(got["perplexity"]["full"], abs=1e-3)
+    for keys in kl:
         run = configure(engine, "infinigen", KVOptions(budget=KEYS_BUDGET, spec_keys=keys))
-        assert perplexity(engine, run, ids, start)[0] == pytest.approx(ppl[keys], abs=1e-3)
+        s = score(engine, run, ids, start, reference=ref.dists)
+        assert s.mean_kl == pytest.approx(kl[keys], abs=1e-5) and s.perplexity == pytest.approx(
+            got["perplexity"][keys], abs=1e-3)  # fmt: skip
 
 
-@pytest.mark.parametrize("int4, partial, want", [(1.10, 1.05, "partial"), (1.06, 1.05, "int4"), (1.0, 1.2, "int4")])
-def test_the_4bit_keys_stand_unless_beaten_by_the_margin(int4, partial, want):
-    assert keys_rule({"int4": int4, "partial": partial}) == want
+@pytest.mark.parametrize("int4, partial, int4c, want", [
+    (0.10, 0.09, 0.12, "partial"), (0.10, 0.097, 0.099, "int4"), (0.10, 0.2, 0.05, "int4c"), (0.1, 0.2, 0.3, "int4"),
+])  # fmt: skip
+def test_the_4bit_keys_stand_unless_beaten_by_the_margin(int4, partial, int4c, want):
+    assert KEYS_MARGIN == 0.05  # the cases sit either side of it
+    assert keys_rule({"int4": int4, "partial": partial, "int4c": int4c}) == want
 
 
 def test_a_given_store_is_taken_without_measuring(checkpoints, tmp_path, calib_file, monkeypatch):

@@ -496,7 +496,7 @@ def test_the_gather_rate_is_measured_on_256_byte_rows():
 def test_convert_calibrates_on_a_gpu(name, checkpoints, calib_file, tmp_path, bundles, monkeypatch):
     """Defect 1: calibration made masks and index tensors on the CPU and mixed them with CUDA tensors (the identity
     skew, the recall and alpha statistics, partial rows, OPT's fold of a CPU shard with a CUDA skew). On a (fake)
-    GPU the bundle's InfiniGen tensors equal the CPU's. The keys' choice (two teacher-forced runs of the runtime on
+    GPU the bundle's InfiniGen tensors equal the CPU's. The keys' choice (four teacher-forced runs of the runtime on
     the device, every step's kernels in Triton's interpreter) runs for one model, on its first 128 tokens."""
     from safetensors.torch import load_file
 
@@ -518,10 +518,11 @@ def test_convert_calibrates_on_a_gpu(name, checkpoints, calib_file, tmp_path, bu
         assert torch.allclose(got[k].float(), want[k].float(), atol=1e-5), k
     meta, ref = read_bundle(out).meta["infinigen"], read_bundle(bundles[name]).meta["infinigen"]
     assert meta["defaults"]["layer_alpha"] == ref["defaults"]["layer_alpha"]
-    if keys == "auto":  # measured on the device, recorded, and one of the two
-        assert set(meta["spec_keys_choice"]["perplexity"]) == {"int4", "partial"}
+    if keys == "auto":  # measured on the device, recorded, and one of the three
+        assert set(meta["spec_keys_choice"]["kl"]) == {"int4", "partial", "int4c"}
+        assert set(meta["spec_keys_choice"]["perplexity"]) == {"full", "int4", "partial", "int4c"}
         assert meta["spec_keys_choice"]["tokens"] == 128
-        assert meta["defaults"]["spec_keys"] in ("int4", "partial")
+        assert meta["defaults"]["spec_keys"] in ("int4", "partial", "int4c")
 
 
 # ------------------------------------------------------------------------------ real shapes, shapes only
