@@ -163,6 +163,19 @@ def score_codes(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, t:
                 bits: int) -> torch.Tensor | None:  # fmt: skip
     """quant.scores on a CPU through the kernel ([B, Hkv, G, t] float32), or None where it does not apply (no
     kernel, or tensors it does not take): the caller's torch path then runs."""
+    return _score("infinigen_score_codes", "low-bit keys", q, codes, meta, at, t, (group, bits))
+
+
+def score_channel(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, t: int,
+                  run: int) -> torch.Tensor | None:  # fmt: skip
+    """ChannelKeys.scores_at on a CPU through the kernel ([B, Hkv, G, t] float32; `at` an int t, a slice, [B, t] or
+    [B, Hkv, t] slots), or None where it does not apply: the caller's torch path then runs."""
+    return _score("infinigen_score_channel", "per-channel keys", q, codes, meta, at, t, (run,))
+
+
+def _score(kernel: str, what: str, q, codes, meta, at, t: int, layout: tuple) -> torch.Tensor | None:
+    """A scoring kernel's call: q [B, Hkv, G, D] against codes and meta at `at` (an int t: each row's first t
+    slots; a slice: one run; [B, t] or [B, Hkv, t] slots), `layout` the kernel's own shape arguments after D."""
     lib = _taking(codes, meta)
     if lib is None:
         return None
@@ -175,38 +188,13 @@ def score_codes(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, t:
         return out
     pairs = slots is not None and slots.dim() == 3  # [B, Hkv, t]: each (sequence, KV head) its own slots
     args = (q.data_ptr(), codes.data_ptr(), meta.data_ptr(), slots.data_ptr() if slots is not None else None,
-            int(pairs), out.data_ptr(), b, codes.shape[0], hkv, g, d, group, bits, t, codes.shape[2],
+            int(pairs), out.data_ptr(), b, codes.shape[0], hkv, g, d, *layout, t, codes.shape[2],
             start)  # fmt: skip
-    bad = _split(lib.infinigen_score_codes, args, b * hkv, t)
+    bad = _split(getattr(lib, kernel), args, b * hkv, t)
     if bad == -1:
         return None
     if bad:
-        raise IndexError(f"scoring low-bit keys: {ERRORS.get(bad, f'error {bad}')}")
-    return out
-
-
-def score_channel(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, t: int,
-                  run: int) -> torch.Tensor | None:  # fmt: skip
-    """ChannelKeys.scores_at on a CPU through the kernel ([B, Hkv, G, t] float32; `at` an int t, a slice, [B, t] or
-    [B, Hkv, t] slots), or None where it does not apply: the caller's torch path then runs."""
-    lib = _taking(codes, meta)
-    if lib is None:
-        return None
-    b, hkv, g, d = q.shape
-    q = q.float().contiguous()
-    slots = at.to(torch.int64).contiguous() if isinstance(at, torch.Tensor) else None
-    start = at.start if isinstance(at, slice) else 0
-    out = torch.empty(b, hkv, g, t, dtype=torch.float32)
-    if t == 0:
-        return out
-    pairs = slots is not None and slots.dim() == 3
-    args = (q.data_ptr(), codes.data_ptr(), meta.data_ptr(), slots.data_ptr() if slots is not None else None,
-            int(pairs), out.data_ptr(), b, codes.shape[0], hkv, g, d, run, t, codes.shape[2], start)  # fmt: skip
-    bad = _split(lib.infinigen_score_channel, args, b * hkv, t)
-    if bad == -1:
-        return None
-    if bad:
-        raise IndexError(f"scoring per-channel keys: {ERRORS.get(bad, f'error {bad}')}")
+        raise IndexError(f"scoring {what}: {ERRORS.get(bad, f'error {bad}')}")
     return out
 
 
