@@ -339,6 +339,75 @@ int infinigen_quantize_rows(const float *x, const int64_t *rows, uint8_t *codes,
 #endif
 }
 
+/* New keys into per-channel runs (policies/speculation.py's ChannelKeys.write, one new key per run touched): x
+   [P, n_new, D] float32, key i of pair i / n_new into slot slots[i] of that pair's codes [P, S, D / 2] (column 2p
+   in byte p's low nibble, 2p + 1 in its high one), meta [P, S / run, 2, D] fp16 (a run's scale and minimum per
+   column) and held [P, S] (0 or 1). The run's keys dequantized, the new one put in, each column quantized again
+   over the run's held slots (mode 0: as held, with the new slot; 1: and none after the new slot; 2: so where
+   appends[i]) against the fp16 scale and minimum stored, as quant.quantize_channels does it in float32 (the
+   torch path's codes and meta bit for bit for finite keys: the multiply and the add of dequantizing not fused).
+   Returns 0, -1 for shapes it does not take (or no F16C: the torch path then runs), -2 for a slot outside 0 .. S. */
+int infinigen_quantize_channel(const float *x, const int64_t *slots, const uint8_t *appends, int64_t mode,
+                               uint8_t *codes, uint16_t *meta, uint8_t *held, int64_t P, int64_t n_new, int64_t S,
+                               int64_t D, int64_t run, float tiny) {
+#if defined(__F16C__)
+    if (D < 2 || D > MAX_D || D % 2 || run < 1 || run > 64 || S % run || mode < 0 || mode > 2 || P < 0 || n_new < 0)
+        return -1;
+    const int64_t nb = D / 2;
+    for (int64_t i = 0; i < P * n_new; i++) {
+        const int64_t pair = i / n_new, slot = slots[i];
+        if (slot < 0 || slot >= S) return -2;
+        const int64_t off = slot % run, first = pair * S + slot - off;
+        uint8_t h[64];
+        for (int64_t k = 0; k < run; k++) {
+            h[k] = held[first + k] != 0 || k == off;
+            if (mode == 1 || (mode == 2 && appends[i])) h[k] = h[k] && k <= off;
+            held[first + k] = h[k];
+        }
+        uint8_t *c = codes + first * nb;
+        uint16_t *m = meta + (first / run) * 2 * D;
+        const float *v = x + i * D;
+        float col[64];
+        for (int64_t d = 0; d < D; d++) {
+            const int64_t p = d / 2, shift = 4 * (d % 2);
+            const float scale = _cvtsh_ss(m[d]), lo = _cvtsh_ss(m[D + d]);
+            float mn = 0.f, mx = 0.f;
+            int any = 0;
+            for (int64_t k = 0; k < run; k++) {
+                float y = k == off ? v[d] : (float)((c[k * nb + p] >> shift) & 15);
+                if (k != off) {
+                    volatile float prod = y * scale; /* rounded before the add, as torch's mul_ then add_ */
+                    y = prod + lo;
+                }
+                col[k] = y;
+                if (h[k]) {
+                    mn = any && mn <= y ? mn : y, mx = any && mx >= y ? mx : y;
+                    any = 1;
+                }
+            }
+            const uint16_t mn16 = _cvtss_sh(mn, _MM_FROUND_TO_NEAREST_INT);
+            const float mnf = _cvtsh_ss(mn16);
+            float sc = (mx - mnf) / 15.f;
+            sc = sc < tiny ? tiny : sc;
+            const uint16_t sc16 = _cvtss_sh(sc, _MM_FROUND_TO_NEAREST_INT);
+            const float scf = _cvtsh_ss(sc16);
+            for (int64_t k = 0; k < run; k++) {
+                float q = __builtin_nearbyintf((col[k] - mnf) / scf);
+                q = q < 0.f ? 0.f : q > 15.f ? 15.f : q;
+                uint8_t *byte = c + k * nb + p;
+                *byte = (uint8_t)((*byte & ~(15 << shift)) | ((int)q << shift));
+            }
+            m[d] = sc16, m[D + d] = mn16;
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)slots, (void)appends, (void)mode, (void)codes, (void)meta, (void)held, (void)P, (void)n_new;
+    (void)S, (void)D, (void)run, (void)tiny;
+    return -1;
+#endif
+}
+
 /* ---- Selection (policies/speculation.py): a group's softmax summed, and each row's k largest ---- */
 
 #include <stdlib.h>

@@ -106,6 +106,10 @@ def library() -> ctypes.CDLL | None:
         f = lib.infinigen_quantize_rows
         f.restype = ctypes.c_int
         f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5
+        f = lib.infinigen_quantize_channel
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [
+            ctypes.c_float]  # fmt: skip
         f = lib.infinigen_group_softmax
         f.restype = ctypes.c_int
         f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_float] + [ctypes.c_int64] * 2
@@ -298,6 +302,30 @@ def quantize_rows(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, 
         return False
     if rc:
         raise IndexError(f"quantizing keys: {ERRORS.get(rc, f'error {rc}')}")
+    return True
+
+
+def quantize_channel(x: torch.Tensor, starts: torch.Tensor, appends, codes: torch.Tensor, meta: torch.Tensor,
+                     held: torch.Tensor, run: int, tiny: float) -> bool:  # fmt: skip
+    """ChannelKeys.write on a CPU through the kernel, one new key per run touched: keys x [R, Hkv, s, D] into slots
+    starts [R, Hkv, s] of codes [R, Hkv, S, D / 2], meta [R, Hkv, S / run, 2, D] and held [R, Hkv, S] (bool);
+    appends True, False or bool [R, Hkv, s] (the run's slots after an appended key no longer held). False where it
+    does not apply (the torch path then runs); the codes and meta are the torch path's, bit for bit."""
+    lib = _taking(codes, meta)
+    if lib is None or held.dtype != torch.bool or not held.is_contiguous() or x.device.type != "cpu":
+        return False
+    r, hkv, s, d = x.shape
+    mode = 2 if isinstance(appends, torch.Tensor) else int(bool(appends))
+    # held in names through the call (see quantize_rows)
+    x, starts = x.float().contiguous(), starts.to(torch.int64).expand(r, hkv, s).contiguous()
+    flags = appends.expand(r, hkv, s).to(torch.uint8).contiguous() if mode == 2 else None
+    rc = lib.infinigen_quantize_channel(x.data_ptr(), starts.data_ptr(), None if flags is None else flags.data_ptr(),
+                                        mode, codes.data_ptr(), meta.data_ptr(), held.data_ptr(), r * hkv, s,
+                                        codes.shape[2], d, run, tiny)  # fmt: skip
+    if rc == -1:
+        return False
+    if rc:
+        raise IndexError(f"quantizing per-channel keys: {ERRORS.get(rc, f'error {rc}')}")
     return True
 
 

@@ -267,6 +267,10 @@ class ChannelKeys:
                    appends.expand(r, hkv, s).contiguous().view(torch.uint8) if mode == 2 else flags, codes, meta, flags,
                    s, codes.shape[2], D=d, RUN=t, APPENDS=mode, TINY=quant.FP16_TINY)  # fmt: skip
             return
+        if dev.type == "cpu" and (s == 1 or distinct and not isinstance(start, int)) and cpu.quantize_channel(
+                k, torch.full((r, hkv, 1), start, dtype=torch.int64) if isinstance(start, int) else start,
+                appends, codes, meta, held, t, quant.FP16_TINY):  # the CPU's kernel, as the GPU's above
+            return
         if not isinstance(start, int) and not distinct and dev.type != "cpu" and s > WRITE_SPAN:
             for i in range(0, s, WRITE_SPAN):  # (what the sorted runs below hold stays small)
                 self.write(j, k[:, :, i : i + WRITE_SPAN], start[..., i : i + WRITE_SPAN],

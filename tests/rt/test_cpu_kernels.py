@@ -5,6 +5,9 @@ failed build leaves behind."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -112,6 +115,45 @@ def test_the_per_channel_kernel_scores_as_the_torch_path(d, g, monkeypatch):
             assert got is not None and got.shape == torch_path.shape and got.dtype == torch.float32
             assert ((got.double() - torch_path).norm() / torch_path.norm()).item() < 1e-5
             assert torch.equal(store.scores_at(0, qq, at), got)  # what a CPU's store runs
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", [64, 256, 6])
+@pytest.mark.parametrize("appends", [None, True, "mask"])
+def test_new_keys_into_per_channel_runs_through_the_kernel_write_what_torch_writes_bit_for_bit(d, appends, monkeypatch):
+    """int4c's writes on a CPU (a new key per run: the run dequantized, the key put in, each column quantized again
+    over the run's held slots) against the torch path, from a store holding keys with outlier channels and a page
+    another sequence left: a key per (row, KV head) into freed slots (None), appended (True: the run's later slots
+    dropped) or some of each; then a sequence's decode steps, one new key after another, across a run's end.
+    Codes, scales, minimums and held flags equal bit for bit; a slot outside is an error."""
+    from infinigen_rt.policies.speculation import CHANNEL_TOKENS, ChannelKeys
+
+    gen = torch.Generator().manual_seed(d)
+    r, hkv, slots = 2, 3, 64
+    spec = SimpleNamespace(cfg=SimpleNamespace(head_dim=d, num_key_value_heads=hkv))
+    stores = [ChannelKeys(spec, [0], r, slots, "cpu", torch.float32) for _ in range(2)]
+    keys = torch.randn(r, hkv, slots, d, generator=gen) * torch.linspace(0.1, 4, d)
+    keys[..., :2] += 25.0
+    runs = torch.stack([torch.randperm(slots // CHANNEL_TOKENS, generator=gen)[:1] for _ in range(r * hkv)])
+    at = (runs * CHANNEL_TOKENS + torch.randint(0, CHANNEL_TOKENS, (r * hkv, 1), generator=gen)).view(r, hkv, 1)
+    x = torch.randn(r, hkv, 1, d, generator=gen) * 3
+    flags = torch.rand(r, 1, 1, generator=gen) < 0.5 if appends == "mask" else appends
+    taken, kernel = [], cpu.quantize_channel
+    monkeypatch.setattr(cpu, "quantize_channel", lambda *a: taken.append(kernel(*a)) or taken[-1])
+    for i, store in enumerate(stores):
+        with cpu.disabled():  # (the prefill's many keys a write: the torch path either way)
+            store.write(0, keys[:, :, :27], 0)
+            store.write(0, keys[:, :, 48:50] * 9, 48)  # another sequence's keys in the last page
+        with cpu.disabled() if i == 0 else nullcontext():
+            store.write(0, x, at, distinct=True, appends=flags)
+            for t in range(27, 36):  # decode steps: a key a row at slot t, run 1 ending at 31
+                store.write(0, keys[:, :, t : t + 1], t)
+    want, got = stores
+    assert taken == [False] * 10 + [True] * 10  # the second store's ten writes, each through the kernel
+    assert torch.equal(got.held[0], want.held[0]) and torch.equal(got.meta[0], want.meta[0])
+    assert torch.equal(got.codes[0], want.codes[0])
+    with pytest.raises(IndexError, match="slot outside"):
+        got.write(0, x, torch.full((r, hkv, 1), slots), distinct=True)
 
 
 @needs_kernel
