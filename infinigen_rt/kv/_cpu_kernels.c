@@ -233,6 +233,119 @@ int infinigen_score_codes(const float *q, const uint8_t *codes, const uint16_t *
     return score_pairs(q, codes, meta, slots, pairs, out, R, Hkv, G, D, group, bits, T, S, start, lo, hi);
 }
 
+#if defined(__AVX512F__) && defined(__F16C__)
+/* Sixteen vectors' sums, lane i the sum of v[i]'s lanes: pairs interleaved and added, then 128-bit chunks. */
+static inline __m512 sums16(const __m512 *v) {
+    __m512 s[8], w[4];
+    for (int i = 0; i < 8; i++)
+        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(s[2 * i]), b = _mm512_castps_pd(s[2 * i + 1]);
+        w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xdd));
+    const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xdd));
+}
+
+/* infinigen_score_channel's pairs lo .. hi at a head_dim of a multiple of 64, 16 floats a vector. Consecutive
+   slots of one run (up to 16: a run's keys, which every form but a shortlist names in order) share one fold of the
+   run's scales into the query: w = q * scale and b = q . minimum per query head, in code order (a 32-byte block's
+   low nibbles, columns 64i + 2p, then its high ones); each key's codes widened to floats once, then per query
+   head 16 keys' products summed into one vector of their 16 scores. */
+static int score_channel_512(const float *q, const uint8_t *codes, const uint16_t *meta, const int64_t *slots,
+                             int64_t pairs, float *out, int64_t R, int64_t Hkv, int64_t G, int64_t D, int64_t run,
+                             int64_t T, int64_t S, int64_t start, int64_t lo, int64_t hi) {
+    const int64_t nb = D / 2, runs = S / run, V = D / 16;
+    float qp[MAX_G * MAX_D] __attribute__((aligned(64)));  /* the query in code order */
+    float w[MAX_G * MAX_D] __attribute__((aligned(64)));   /* qp * the run's scales */
+    float bias[MAX_G];                                      /* qp . the run's minimums */
+    float cf[16 * MAX_D] __attribute__((aligned(64)));      /* 16 keys' codes as floats, code order */
+    float sc[MAX_D] __attribute__((aligned(64))), mn[MAX_D] __attribute__((aligned(64)));
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int64_t i = 0; i < 16 * D; i++) cf[i] = 0.f;
+    for (int64_t pair = lo; pair < hi; pair++) {
+        const int64_t b = pair / Hkv, row = (R == 1 ? 0 : b) * Hkv + pair % Hkv;
+        for (int64_t x = 0; x < G; x++)
+            for (int64_t blk = 0; blk < D; blk += 64)
+                for (int64_t p = 0; p < 32; p++) {
+                    qp[x * D + blk + p] = q[(pair * G + x) * D + blk + 2 * p];
+                    qp[x * D + blk + 32 + p] = q[(pair * G + x) * D + blk + 2 * p + 1];
+                }
+        const uint8_t *cb = codes + row * S * nb;
+        const uint16_t *mb = meta + row * runs * 2 * D;
+        const int64_t *st = slots ? slots + (pairs ? pair : b) * T : 0;
+        float *o = out + pair * G * T;
+        int64_t have = -1;
+        for (int64_t t = 0; t < T;) {
+            const int64_t first = st ? st[t] : start + t;
+            if (first < 0 || first >= S) return -2;
+            const int64_t r = first / run;
+            int64_t n = 1; /* the keys from t on at consecutive slots of run r, at most 16 */
+            while (n < 16 && t + n < T && (first + n) % run && (st ? st[t + n] : start + t + n) == first + n) n++;
+            if (r != have) { /* the fold */
+                const uint16_t *m = mb + r * 2 * D;
+                for (int64_t blk = 0; blk < D; blk += 64)
+                    for (int h = 0; h < 2; h++) {
+                        const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + blk + 32 * h)));
+                        const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + blk + 32 * h + 16)));
+                        const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + D + blk + 32 * h)));
+                        const __m512 m1 = _mm512_cvtph_ps(
+                            _mm256_loadu_si256((const __m256i *)(m + D + blk + 32 * h + 16)));
+                        _mm512_store_ps(sc + blk + 16 * h, _mm512_permutex2var_ps(s0, even, s1));
+                        _mm512_store_ps(sc + blk + 32 + 16 * h, _mm512_permutex2var_ps(s0, odd, s1));
+                        _mm512_store_ps(mn + blk + 16 * h, _mm512_permutex2var_ps(m0, even, m1));
+                        _mm512_store_ps(mn + blk + 32 + 16 * h, _mm512_permutex2var_ps(m0, odd, m1));
+                    }
+                for (int64_t x = 0; x < G; x++) {
+                    __m512 acc = _mm512_setzero_ps();
+                    for (int64_t i = 0; i < V; i++) {
+                        const __m512 qv = _mm512_load_ps(qp + x * D + 16 * i);
+                        _mm512_store_ps(w + x * D + 16 * i, _mm512_mul_ps(qv, _mm512_load_ps(sc + 16 * i)));
+                        acc = _mm512_fmadd_ps(qv, _mm512_load_ps(mn + 16 * i), acc);
+                    }
+                    bias[x] = _mm512_reduce_add_ps(acc);
+                }
+                have = r;
+            }
+            if (st && t + n + AHEAD < T) { /* scattered slots: their rows requested ahead */
+                const int64_t next = st[t + n + AHEAD];
+                if (next >= 0 && next < S) __builtin_prefetch(cb + next * nb), __builtin_prefetch(mb + next / run * 2 * D);
+            }
+            for (int64_t k = 0; k < n; k++) {
+                const uint8_t *c = cb + (first + k) * nb;
+                for (int64_t blk = 0; blk < D; blk += 64) {
+                    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(c + blk / 2));
+                    const __m256i l = _mm256_and_si256(bytes, low), h = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+                    float *f = cf + k * D + blk;
+                    _mm512_store_ps(f, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(l))));
+                    _mm512_store_ps(f + 16, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(l, 1))));
+                    _mm512_store_ps(f + 32, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(h))));
+                    _mm512_store_ps(f + 48, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(h, 1))));
+                }
+            }
+            for (int64_t x = 0; x < G; x++) { /* (keys n .. 16 sum what cf holds: lanes the store leaves out) */
+                __m512 acc[16];
+                const float *wx = w + x * D;
+#pragma GCC unroll 16
+                for (int k = 0; k < 16; k++) acc[k] = _mm512_mul_ps(_mm512_load_ps(wx), _mm512_load_ps(cf + k * D));
+                for (int64_t i = 1; i < V; i++) {
+                    const __m512 wi = _mm512_load_ps(wx + 16 * i);
+#pragma GCC unroll 16
+                    for (int k = 0; k < 16; k++) acc[k] = _mm512_fmadd_ps(wi, _mm512_load_ps(cf + k * D + 16 * i), acc[k]);
+                }
+                const __m512 v = _mm512_add_ps(sums16(acc), _mm512_set1_ps(bias[x]));
+                _mm512_mask_storeu_ps(o + x * T + t, (__mmask16)((1u << n) - 1), v);
+            }
+            t += n;
+        }
+    }
+    return 0;
+}
+#endif
+
 /* Per-channel 4-bit keys (policies/speculation.py's ChannelKeys): codes [R, Hkv, S, D / 2] (column 2p in byte
    p's low nibble, 2p + 1 in its high one), meta [R, Hkv, S / run, 2, D] fp16 (each run of `run` slots: a scale and
    a minimum per column). A key's column c is code * scale[c] + minimum[c] of its slot's run, formed in a buffer
@@ -247,6 +360,10 @@ int infinigen_score_channel(const float *q, const uint8_t *codes, const uint16_t
     if (G < 1 || G > MAX_G || D < 8 || D > MAX_D || D % 8 || run < 1 || S % run || (R != 1 && R != B) || lo < 0 ||
         hi > B * Hkv)
         return -1;
+#if defined(__AVX512F__) && defined(__F16C__)
+    if (D % 64 == 0)
+        return score_channel_512(q, codes, meta, slots, pairs, out, R, Hkv, G, D, run, T, S, start, lo, hi);
+#endif
     const int64_t nb = D / 2, runs = S / run;
     /* every column in code order, low nibbles (even columns) then high (odd): contiguous loops that vectorise */
     float scale[MAX_D], minimum[MAX_D], kf[MAX_D], qp[MAX_G * MAX_D];
