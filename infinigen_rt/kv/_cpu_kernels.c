@@ -35,7 +35,8 @@ static inline float half_to_float(uint16_t h) {
 #endif
 
 /* Where the (sequence, KV head) pair's keys, their scales, its slots and its scores start: codes [R, Hkv, S, nb],
-   meta [R, Hkv, S, 2, groups], slots [B, T] or, where `pairs`, [B, Hkv, T] (or none), out [B, Hkv, G, T]. */
+   meta [R, Hkv, meta_row] (per slot [S, 2, groups], or per run of slots [S / run, 2, D]), slots [B, T] or, where
+   `pairs`, [B, Hkv, T] (or none), out [B, Hkv, G, T]. */
 typedef struct {
     const uint8_t *codes;
     const uint16_t *meta;
@@ -45,9 +46,9 @@ typedef struct {
 
 static inline Rows rows_of(const uint8_t *codes, const uint16_t *meta, const int64_t *slots, int64_t pairs,
                            float *out, int64_t pair, int64_t R, int64_t Hkv, int64_t G, int64_t T, int64_t S,
-                           int64_t nb, int64_t groups) {
+                           int64_t nb, int64_t meta_row) {
     const int64_t b = pair / Hkv, row = (R == 1 ? 0 : b) * Hkv + pair % Hkv;
-    Rows at = {codes + row * S * nb, meta + row * S * 2 * groups, slots ? slots + (pairs ? pair : b) * T : 0,
+    Rows at = {codes + row * S * nb, meta + row * meta_row, slots ? slots + (pairs ? pair : b) * T : 0,
                out + pair * G * T};
     return at;
 }
@@ -74,7 +75,7 @@ static inline __attribute__((always_inline)) int score_pairs(
                 qs[x * groups + g] = s;
             }
         }
-        const Rows at = rows_of(codes, meta, slots, pairs, out, pair, R, Hkv, G, T, S, nb, groups);
+        const Rows at = rows_of(codes, meta, slots, pairs, out, pair, R, Hkv, G, T, S, nb, S * 2 * groups);
         const uint8_t *cb = at.codes;
         const uint16_t *mb = at.meta;
         const int64_t *st = at.slots;
@@ -134,7 +135,7 @@ static int score_pairs_u4g64(const float *q, const uint8_t *codes, const uint16_
                 }
                 qs[x * groups + g] = sum;
             }
-        const Rows at = rows_of(codes, meta, slots, pairs, out, pair, R, Hkv, G, T, S, nb, groups);
+        const Rows at = rows_of(codes, meta, slots, pairs, out, pair, R, Hkv, G, T, S, nb, S * 2 * groups);
         const uint8_t *cb = at.codes;
         const uint16_t *mb = at.meta;
         const int64_t *st = at.slots;
@@ -267,17 +268,17 @@ static int score_channel_512(const float *q, const uint8_t *codes, const uint16_
     const __m256i low = _mm256_set1_epi8(0x0f);
     for (int64_t i = 0; i < 16 * D; i++) cf[i] = 0.f;
     for (int64_t pair = lo; pair < hi; pair++) {
-        const int64_t b = pair / Hkv, row = (R == 1 ? 0 : b) * Hkv + pair % Hkv;
         for (int64_t x = 0; x < G; x++)
             for (int64_t blk = 0; blk < D; blk += 64)
                 for (int64_t p = 0; p < 32; p++) {
                     qp[x * D + blk + p] = q[(pair * G + x) * D + blk + 2 * p];
                     qp[x * D + blk + 32 + p] = q[(pair * G + x) * D + blk + 2 * p + 1];
                 }
-        const uint8_t *cb = codes + row * S * nb;
-        const uint16_t *mb = meta + row * runs * 2 * D;
-        const int64_t *st = slots ? slots + (pairs ? pair : b) * T : 0;
-        float *o = out + pair * G * T;
+        const Rows at = rows_of(codes, meta, slots, pairs, out, pair, R, Hkv, G, T, S, nb, runs * 2 * D);
+        const uint8_t *cb = at.codes;
+        const uint16_t *mb = at.meta;
+        const int64_t *st = at.slots;
+        float *o = at.out;
         int64_t have = -1;
         for (int64_t t = 0; t < T;) {
             const int64_t first = st ? st[t] : start + t;
@@ -368,15 +369,15 @@ int infinigen_score_channel(const float *q, const uint8_t *codes, const uint16_t
     /* every column in code order, low nibbles (even columns) then high (odd): contiguous loops that vectorise */
     float scale[MAX_D], minimum[MAX_D], kf[MAX_D], qp[MAX_G * MAX_D];
     for (int64_t pair = lo; pair < hi; pair++) {
-        const int64_t b = pair / Hkv, row = (R == 1 ? 0 : b) * Hkv + pair % Hkv;
         const float *qh = qp;
         for (int64_t x = 0; x < G; x++)
             for (int64_t p = 0; p < nb; p++)
                 qp[x * D + p] = q[(pair * G + x) * D + 2 * p], qp[x * D + nb + p] = q[(pair * G + x) * D + 2 * p + 1];
-        const uint8_t *cb = codes + row * S * nb;
-        const uint16_t *mb = meta + row * runs * 2 * D;
-        const int64_t *st = slots ? slots + (pairs ? pair : b) * T : 0;
-        float *o = out + pair * G * T;
+        const Rows at = rows_of(codes, meta, slots, pairs, out, pair, R, Hkv, G, T, S, nb, runs * 2 * D);
+        const uint8_t *cb = at.codes;
+        const uint16_t *mb = at.meta;
+        const int64_t *st = at.slots;
+        float *o = at.out;
         int64_t have = -1; /* the run whose scales `scale` and `minimum` hold */
         for (int64_t t = 0; t < T; t++) {
             const int64_t slot = st ? st[t] : start + t;

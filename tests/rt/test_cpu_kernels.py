@@ -157,6 +157,35 @@ def test_new_keys_into_per_channel_runs_through_the_kernel_write_what_torch_writ
 
 
 @needs_kernel
+def test_the_per_channel_kernel_built_without_avx512_scores_as_the_avx512_one(tmp_path, monkeypatch):
+    """A machine with AVX2 only builds the plain per-channel loop for every head_dim (AVX-512 takes head_dims of a
+    multiple of 64, 16 keys of a run at a time): built here with AVX-512 off, it scores what this build scores, in
+    every slot form, to float32 rounding."""
+    from infinigen_rt.policies.speculation import CHANNEL_TOKENS
+
+    gen = torch.Generator().manual_seed(5)
+    store = channel_store(gen, 2, 2, 96, 64)
+    q = torch.randn(2, 2, 7, 64, generator=gen)
+    forms = [(q, 80), (q, slice(5, 70)), (q, torch.randint(0, 96, (2, 50), generator=gen)),
+             (q, torch.randint(0, 96, (2, 2, 50), generator=gen))]  # fmt: skip
+
+    def scores():
+        return [cpu.score_channel(qq, store.codes[0], store.meta[0], at, at if isinstance(at, int) else
+                                  at.stop - at.start if isinstance(at, slice) else at.shape[-1], CHANNEL_TOKENS)
+                for qq, at in forms]  # fmt: skip
+
+    want = scores()
+    assert all(w is not None for w in want)
+    monkeypatch.setattr(cpu, "FLAGS", [*cpu.FLAGS, "-mno-avx512f"])
+    monkeypatch.setenv("INFINIGEN_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu, "_lib", None)
+    monkeypatch.setattr(cpu, "_failed", None)
+    assert cpu.library() is not None, cpu.reason()
+    for got, w in zip(scores(), want, strict=True):
+        assert got is not None and ((got - w).norm() / w.norm()).item() < 1e-5
+
+
+@needs_kernel
 def test_the_per_channel_kernel_refuses_a_slot_outside_and_shapes_it_does_not_take():
     from infinigen_rt.policies.speculation import CHANNEL_TOKENS
 
