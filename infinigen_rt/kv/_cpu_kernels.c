@@ -464,7 +464,8 @@ int infinigen_quantize_rows(const float *x, const int64_t *rows, uint8_t *codes,
    over the run's held slots (mode 0: as held, with the new slot; 1: and none after the new slot; 2: so where
    appends[i]) against the fp16 scale and minimum stored, as quant.quantize_channels does it in float32 (the
    torch path's codes and meta bit for bit for finite keys: the multiply and the add of dequantizing not fused).
-   Returns 0, -1 for shapes it does not take (or no F16C: the torch path then runs), -2 for a slot outside 0 .. S. */
+   Returns 0, -1 for shapes it does not take (or no F16C: the torch path then runs), -2 for a slot outside 0 .. S
+   (before anything is written). */
 int infinigen_quantize_channel(const float *x, const int64_t *slots, const uint8_t *appends, int64_t mode,
                                uint8_t *codes, uint16_t *meta, uint8_t *held, int64_t P, int64_t n_new, int64_t S,
                                int64_t D, int64_t run, float tiny) {
@@ -472,9 +473,10 @@ int infinigen_quantize_channel(const float *x, const int64_t *slots, const uint8
     if (D < 2 || D > MAX_D || D % 2 || run < 1 || run > 64 || S % run || mode < 0 || mode > 2 || P < 0 || n_new < 0)
         return -1;
     const int64_t nb = D / 2;
+    for (int64_t i = 0; i < P * n_new; i++) /* every slot checked before anything is written */
+        if (slots[i] < 0 || slots[i] >= S) return -2;
     for (int64_t i = 0; i < P * n_new; i++) {
         const int64_t pair = i / n_new, slot = slots[i];
-        if (slot < 0 || slot >= S) return -2;
         const int64_t off = slot % run, first = pair * S + slot - off;
         uint8_t h[64];
         for (int64_t k = 0; k < run; k++) {
@@ -511,7 +513,7 @@ int infinigen_quantize_channel(const float *x, const int64_t *slots, const uint8
             const float scf = _cvtsh_ss(sc16);
             for (int64_t k = 0; k < run; k++) {
                 float q = __builtin_nearbyintf((col[k] - mnf) / scf);
-                q = q < 0.f ? 0.f : q > 15.f ? 15.f : q;
+                q = q >= 0.f ? (q > 15.f ? 15.f : q) : 0.f; /* (a NaN key's codes: 0) */
                 uint8_t *byte = c + k * nb + p;
                 *byte = (uint8_t)((*byte & ~(15 << shift)) | ((int)q << shift));
             }

@@ -152,8 +152,12 @@ def test_new_keys_into_per_channel_runs_through_the_kernel_write_what_torch_writ
     assert taken == [False] * 10 + [True] * 10  # the second store's ten writes, each through the kernel
     assert torch.equal(got.held[0], want.held[0]) and torch.equal(got.meta[0], want.meta[0])
     assert torch.equal(got.codes[0], want.codes[0])
+    before = [t.clone() for t in (got.codes[0], got.meta[0], got.held[0])]
+    bad = at.clone()
+    bad[-1, -1, 0] = slots  # the last key's slot outside: nothing written, the first keys' neither
     with pytest.raises(IndexError, match="slot outside"):
-        got.write(0, x, torch.full((r, hkv, 1), slots), distinct=True)
+        got.write(0, x, bad, distinct=True)
+    assert all(torch.equal(a, b) for a, b in zip(before, (got.codes[0], got.meta[0], got.held[0]), strict=True))
 
 
 @needs_kernel
