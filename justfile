@@ -106,7 +106,9 @@ needle: (setup "gguf,plot") texts smollm2
     o="--task needle --text artifacts/cache/texts/alice.txt --budgets 0.1 --needles 1 --device cpu --resume"
     o="$o --out artifacts/results/needle-smollm2.json"
     infinigen-rt eval {{bundle}} $o --contexts 1024,2048,4096 --policies full,infinigen,h2o,oracle
-    # beside the defaults (4-bit keys, correct 0.25): the partial keys, the 4-bit keys alone, the paper's margin
+    # beside the defaults (the keys convert chose, int4c, correct 0.25): the 4-bit keys per token with the correction
+    # (the defaults before), the partial keys, the 4-bit keys alone, the paper's margin
+    infinigen-rt eval {{bundle}} $o --contexts 1024,2048,4096 --policies full,infinigen --spec-keys int4 --correct 0.25
     infinigen-rt eval {{bundle}} $o --contexts 1024,2048,4096 --policies full,infinigen --spec-keys partial --correct 0
     infinigen-rt eval {{bundle}} $o --contexts 1024,2048,4096 --policies full,infinigen --spec-keys int4 --correct 0
     infinigen-rt eval {{bundle}} $o --contexts 1024,2048,4096 --policies full,infinigen --alphas 8 --spec-keys partial \
