@@ -255,22 +255,21 @@ class ChannelKeys:
         codes, meta, held = self.codes[j], self.meta[j], self.held[j]
         if appends is None:
             appends = isinstance(start, int)
-        if quant.fused(k, d) and (s == 1 or distinct and not isinstance(start, int)):  # one launch, a row a program
-            from infinigen_rt.kv._quant_kernel import quantize_channel_kernel
-            from infinigen_rt.kv.kernels import launch
+        fused = quant.fused(k, d)
+        if (fused or dev.type == "cpu") and (s == 1 or distinct and not isinstance(start, int)):  # a run a key
+            slots = torch.full((r, hkv, 1), start, device=dev, dtype=torch.int64) if isinstance(start, int) else start
+            if fused:  # one launch, a row a program
+                from infinigen_rt.kv._quant_kernel import quantize_channel_kernel
+                from infinigen_rt.kv.kernels import launch
 
-            if isinstance(start, int):
-                start = torch.full((r, hkv, 1), start, device=dev, dtype=torch.int64)
-            mode = 2 if isinstance(appends, torch.Tensor) else int(appends)
-            flags = held.view(torch.uint8)
-            launch(quantize_channel_kernel, (r * hkv * s,), k.contiguous(), start.contiguous(),
-                   appends.expand(r, hkv, s).contiguous().view(torch.uint8) if mode == 2 else flags, codes, meta, flags,
-                   s, codes.shape[2], D=d, RUN=t, APPENDS=mode, TINY=quant.FP16_TINY)  # fmt: skip
-            return
-        if dev.type == "cpu" and (s == 1 or distinct and not isinstance(start, int)) and cpu.quantize_channel(
-                k, torch.full((r, hkv, 1), start, dtype=torch.int64) if isinstance(start, int) else start,
-                appends, codes, meta, held, t, quant.FP16_TINY):  # the CPU's kernel, as the GPU's above
-            return
+                mode = 2 if isinstance(appends, torch.Tensor) else int(appends)
+                flags = held.view(torch.uint8)
+                launch(quantize_channel_kernel, (r * hkv * s,), k.contiguous(), slots.contiguous(),
+                       appends.expand(r, hkv, s).contiguous().view(torch.uint8) if mode == 2 else flags, codes, meta,
+                       flags, s, codes.shape[2], D=d, RUN=t, APPENDS=mode, TINY=quant.FP16_TINY)  # fmt: skip
+                return
+            if cpu.quantize_channel(k, slots, appends, codes, meta, held, t, quant.FP16_TINY):  # the CPU's kernel
+                return
         if not isinstance(start, int) and not distinct and dev.type != "cpu" and s > WRITE_SPAN:
             for i in range(0, s, WRITE_SPAN):  # (what the sorted runs below hold stays small)
                 self.write(j, k[:, :, i : i + WRITE_SPAN], start[..., i : i + WRITE_SPAN],
