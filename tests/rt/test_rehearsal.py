@@ -497,7 +497,7 @@ def test_convert_calibrates_on_a_gpu(name, checkpoints, calib_file, tmp_path, bu
     """Defect 1: calibration made masks and index tensors on the CPU and mixed them with CUDA tensors (the identity
     skew, the recall and alpha statistics, partial rows, OPT's fold of a CPU shard with a CUDA skew). On a (fake)
     GPU the bundle's InfiniGen tensors equal the CPU's. The keys' choice (four teacher-forced runs of the runtime on
-    the device, every step's kernels in Triton's interpreter) runs for one model, on its first 128 tokens."""
+    the device, every step's kernels in Triton's interpreter) runs for one model, on its first 64 tokens."""
     from safetensors.torch import load_file
 
     from infinigen_prep import prepare
@@ -507,7 +507,7 @@ def test_convert_calibrates_on_a_gpu(name, checkpoints, calib_file, tmp_path, bu
     keys = "auto" if name == "llama31_gqa" else "int4"
     choose = prepare.choose_keys
     monkeypatch.setattr(prepare, "choose_keys", lambda folder, device, defaults, ids, progress=None: choose(
-        folder, device, defaults, ids[:128], progress))  # fmt: skip
+        folder, device, defaults, ids[:64], progress))  # fmt: skip
     prep = PrepOptions(calib_text=str(calib_file), calib_tokens=256, device="cuda", spec_keys=keys)
     with FakeCuda() as gpu:
         out = convert(str(checkpoints[name]), tmp_path / name, dtype="float32", prep=prep)
@@ -521,7 +521,7 @@ def test_convert_calibrates_on_a_gpu(name, checkpoints, calib_file, tmp_path, bu
     if keys == "auto":  # measured on the device, recorded, and one of the three
         assert set(meta["spec_keys_choice"]["kl"]) == {"int4", "partial", "int4c"}
         assert set(meta["spec_keys_choice"]["perplexity"]) == {"full", "int4", "partial", "int4c"}
-        assert meta["spec_keys_choice"]["tokens"] == 128
+        assert meta["spec_keys_choice"]["tokens"] == 64
         assert meta["defaults"]["spec_keys"] in ("int4", "partial", "int4c")
 
 
