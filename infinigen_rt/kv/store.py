@@ -178,6 +178,7 @@ class KVStore:
         self.length: dict[int, int] = {}  # pool slots taken per request (host): its tokens, but under a capacity
         self.seen: dict[int, int] = {}  # tokens written per request (host)
         self.ledger = Ledger()
+        self.heads: dict = {}  # Hkv -> arange(Hkv) [1, Hkv, 1] on a CPU (gather's, made once)
         self.rings = Rings(cfg, rows, device, dtype) if cfg.sliding_layers else None  # the sliding layers' KV
         self.sliding = set(cfg.sliding_layers)
         selector.attach(self)
@@ -292,7 +293,12 @@ class KVStore:
             out = [tuple(o[: b * h * (n + extra) * x.shape[-1]].view(b, h, n + extra, x.shape[-1]) for o in pair)
                    for pair, x in zip(out, keys, strict=True)]  # fmt: skip
         got = tuple(o for o, _ in out), tuple(o for _, o in out)
-        head = torch.arange(h, device=slots.device).view(1, h, 1)
+        # each row's KV head [1, Hkv, 1]: a CPU's made once (a GPU's each call, a launch the projection counts)
+        head = self.heads.get(h) if slots.device.type == "cpu" else None
+        if head is None:
+            head = torch.arange(h, device=slots.device).view(1, h, 1)
+            if slots.device.type == "cpu":
+                self.heads[h] = head
         if ok is not None and not self.kernel and bool(ok.all()):  # a CPU reads ok for free: every row counts
             ok = None
         if ok is None or self.kernel:  # the kernel writes zeros where ok is False
@@ -581,13 +587,13 @@ class Selector:
 
     def gather(self, step: StoreStep, j: int, slots, ok, extra: int, turn: int | None = None, counted=None,
                phys=None, room: int = 0, into=None):  # fmt: skip
-        """Rows `slots` [B, Hkv, n] of pooled layer j for every request as stored (store.gather), counted per
-        request: on a GPU the rows that count (`counted`, per request, where `ok` skips some; else all), into device
-        buffers `turn` (two sets, used in turn by consecutive layers: a new tensor per layer, made on the side stream
-        and freed on the compute stream while the host runs ahead of the copies, could not be reused before they
-        caught up); on a CPU the rows it copies: those that count and one for each new token (the `extra` rows).
-        `room`: rows left before the extra ones for the caller to fill (not counted: nothing of the pool's). `into`:
-        where to write them (store.gather's, a CPU)."""
+        """Rows `slots` [B, Hkv, n] of pooled layer j for every request as stored (store.gather), counted per request:
+        on a GPU the rows that count (`counted` per request, a tensor [B] or a CPU's list, where `ok` skips some; else
+        all), into device buffers `turn` (two sets, used in turn by consecutive layers: a new tensor per layer, made on
+        the side stream and freed on the compute stream while the host runs ahead of the copies, could not be reused
+        before they caught up); on a CPU the rows it copies: those that count and one for each new token (the `extra`
+        rows). `room`: rows left before the extra ones for the caller to fill (not counted: nothing of the pool's).
+        `into`: where to write them (store.gather's, a CPU)."""
         store, (b, h, n) = self.store, slots.shape
         out = None
         if store.kernel and turn is not None:
@@ -601,8 +607,11 @@ class Selector:
         if ok is None:
             copied = n * h + (0 if store.kernel else extra * h)
         else:  # what counts (the kernel and a CPU copy only that), and on a CPU the new tokens' rows
-            counted = ok.sum((1, 2)) if counted is None else counted
-            copied = counted if store.kernel else counted + extra * h
+            counted = ok.sum((1, 2)) if counted is None else counted  # (a tensor, or a CPU's list)
+            if store.kernel or not extra:
+                copied = counted
+            else:
+                copied = [c + extra * h for c in counted] if isinstance(counted, list) else counted + extra * h
         store.ledger.add(f"h2d{j}", step.batch.rids, copied, store.row_bytes)
         return k, v
 

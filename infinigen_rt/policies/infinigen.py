@@ -513,7 +513,11 @@ class InfinigenSelector(Selector):
         assert room >= c or not room, "the correction's rows exceed the room left for them"
         # a CPU gathers straight into the room; a GPU's kernel into its own buffers
         into = [(k[:, :, n : n + c], v[:, :, n : n + c])] if room and not self.store.kernel else None
-        kc, vc = self.gather(step, layer, slots, ok, 0, counted=counted, phys=step.physical(slots), into=into)
+        every = ok
+        if not self.store.kernel:  # a CPU reads the counts for free: once, for the ledger and whether all count
+            counted = counted.tolist()
+            every = None if sum(counted) == ok.numel() else ok
+        kc, vc = self.gather(step, layer, slots, every, 0, counted=counted, phys=step.physical(slots), into=into)
         self.store.ledger.add("corrected", step.batch.rids, counted)
         self.store.ledger.add(f"fetched{layer}", step.batch.rids, counted)
         (kc,), (vc,) = kc, vc

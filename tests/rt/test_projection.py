@@ -84,7 +84,7 @@ STEP_LIMITS = {
     ("full", None, None): (1_200, 1.05, 1.05, 1.05),  # 1,141 at batch 1 and 8; 1.02x and 1.01x
     ("offload", None, None): (1_500, 1.05, 1.05, 1.05),  # 1,435 and 1,435; 1.00x and 1.00x
     ("infinigen", "partial", 0.0): (2_300, 1.05, 1.10, 1.05),  # 2,204 and 2,234; 1.05x and 1.01x
-    ("infinigen", "int4", 0.25): (2_850, 1.05, 1.15, 1.10),  # the defaults before int4c: 2,744 and 2,744; 1.09x and 1.05x
+    ("infinigen", "int4", 0.25): (2_850, 1.05, 1.15, 1.10),  # int4c's step is the same; 2,744 and 2,744; 1.09x, 1.05x
     # 1,630 and 1,630; 1.75x and 3.26x in the store (docs/performance.md's table: 2,653 and 13,752, a cache a request)
     ("h2o", None, None): (1_700, 1.05, 1.85, 3.4),
     ("int4", None, None): (3_000, 1.05, 1.10, 1.05),  # 2,907 and 2,907; 1.04x and 1.03x
