@@ -205,7 +205,11 @@ class QuantKeys:
 
 
 CHANNEL_TOKENS = 16  # the slots a channel's scale spans in ChannelKeys (a store page, kv/store.py's BLOCK)
-WRITE_SPAN = 256  # the new keys a GPU's ChannelKeys.write puts in at once where several may share a run
+# the new keys a GPU's ChannelKeys.write puts in at once where several may share a run: as many as keep the runs it
+# forms (one per key at worst, [keys x rows x KV heads, CHANNEL_TOKENS, D] float32) within WRITE_BYTES, at least
+# WRITE_SPAN (a 32k prompt at Llama-3.1-8B's shape: 1,024 keys a write, 32 writes a layer where 256 made 128)
+WRITE_SPAN = 256
+WRITE_BYTES = 64 << 20
 
 
 class ChannelKeys:
@@ -270,10 +274,11 @@ class ChannelKeys:
                 return
             if cpu.quantize_channel(k, slots, appends, codes, meta, held, t, quant.FP16_TINY):  # the CPU's kernel
                 return
-        if not isinstance(start, int) and not distinct and dev.type != "cpu" and s > WRITE_SPAN:
-            for i in range(0, s, WRITE_SPAN):  # (what the sorted runs below hold stays small)
-                self.write(j, k[:, :, i : i + WRITE_SPAN], start[..., i : i + WRITE_SPAN],
-                           appends=appends[..., i : i + WRITE_SPAN] if isinstance(appends, torch.Tensor) else appends)
+        span = max(WRITE_SPAN, WRITE_BYTES // (r * hkv * t * d * 4))
+        if not isinstance(start, int) and not distinct and dev.type != "cpu" and s > span:
+            for i in range(0, s, span):  # (what the sorted runs below hold stays small)
+                self.write(j, k[:, :, i : i + span], start[..., i : i + span],
+                           appends=appends[..., i : i + span] if isinstance(appends, torch.Tensor) else appends)
             return
         pair = (torch.arange(r, device=dev)[:, None] * hkv + torch.arange(hkv, device=dev)[None]).view(r, hkv, 1)
         at, touched, which, lead = self._runs(pair, start, s, meta.shape[2], distinct)
