@@ -212,6 +212,13 @@ WRITE_SPAN = 256
 WRITE_BYTES = 64 << 20
 
 
+def write_span(pairs: int, head_dim: int) -> int:
+    """ChannelKeys.write's keys a write on a GPU for `pairs` (row, KV head) pairs: whole runs (a span that ended
+    inside a run would quantize it twice, once with part of its keys), at least WRITE_SPAN."""
+    fit = WRITE_BYTES // (pairs * CHANNEL_TOKENS * head_dim * 4)
+    return max(WRITE_SPAN, fit // CHANNEL_TOKENS * CHANNEL_TOKENS)
+
+
 class ChannelKeys:
     """Every key column at 4 bits with a scale and minimum per channel over each run of CHANNEL_TOKENS slots (KIVI's
     layout for keys: a channel keeps its offset, so that a few huge channels, as Qwen's key biases make, cost the
@@ -274,7 +281,7 @@ class ChannelKeys:
                 return
             if cpu.quantize_channel(k, slots, appends, codes, meta, held, t, quant.FP16_TINY):  # the CPU's kernel
                 return
-        span = max(WRITE_SPAN, WRITE_BYTES // (r * hkv * t * d * 4))
+        span = write_span(r * hkv, d)
         if not isinstance(start, int) and not distinct and dev.type != "cpu" and s > span:
             for i in range(0, s, span):  # (what the sorted runs below hold stays small)
                 self.write(j, k[:, :, i : i + span], start[..., i : i + span],

@@ -297,3 +297,15 @@ def test_per_channel_keys_on_the_gpu_path_write_in_one_launch_and_score_in_one()
     launches = [o for o in ops if o.kind == "triton"]
     assert [o.name for o in launches] == ["quantize_channel_kernel", "score_codes_kernel"]
     assert launches[0].hbm_bytes < 2 * b * hkv * (16 * d + 4 * d)  # three runs a head, not the 4096 slots
+
+
+def test_a_gpu_prefill_writes_int4c_keys_in_whole_runs_within_the_bound():
+    """ChannelKeys.write on a GPU puts a prompt's keys in a span at a time: whole runs of CHANNEL_TOKENS (else the
+    run at a span's end would be quantized twice), at least WRITE_SPAN, the runs it forms within WRITE_BYTES."""
+    from infinigen_rt.policies.speculation import CHANNEL_TOKENS, WRITE_BYTES, WRITE_SPAN, write_span
+
+    # SmolLM2 (3 KV heads, 64), Qwen 0.5B (2, 64), Gemma 3 270M (1, 256), Llama-3.1-8B (8, 128), Llama-2-7B (32, 128)
+    for pairs, d, want in ((3, 64, 5456), (2, 64, 8192), (1, 256, 4096), (8, 128, 1024), (32, 128, 256)):
+        span = write_span(pairs, d)
+        assert span == want and span % CHANNEL_TOKENS == 0 and span >= WRITE_SPAN
+        assert span == WRITE_SPAN or span * pairs * CHANNEL_TOKENS * d * 4 <= WRITE_BYTES
