@@ -774,30 +774,46 @@ int infinigen_topk(const float *x, int64_t *idx, float *val, int64_t R, int64_t 
    -inf, then the k largest (as infinigen_topk): the same values as those steps one after another, without the
    [R, T] tensors between them. Returns 0, -1 for shapes it does not take, -2 for a taken column outside 0 .. T,
    -3 when its buffers could not be allocated. */
+/* One row r of infinigen_correct_pick (a, e, keys, at: room for T each; sk, sa for k, where sorted). */
+static void pick_row(const float *s, const int64_t *taken, const uint8_t *taken_ok, int64_t n, const uint8_t *held,
+                     int64_t *idx, float *val, int64_t r, int64_t G, int64_t T, int64_t k, int sorted, float *a,
+                     float *e, uint32_t *keys, int32_t *at, uint32_t *sk, int32_t *sa) {
+    softmax_row(s + r * G * T, a, e, 0, G, T, __builtin_inff(), 0);
+    if (held)
+        for (int64_t t = 0; t < T; t++) a[t] = held[r * T + t] ? a[t] : -__builtin_inff();
+    for (int64_t i = 0; i < n; i++)
+        if (!taken_ok || taken_ok[r * n + i]) a[taken[r * n + i]] = -__builtin_inff();
+    topk_row(a, idx + r * k, val + r * k, T, k, sorted, keys, at, sk, sa);
+}
+
+/* The buffers pick_row takes, for T slots and k picks: one allocation; NULL when it fails. */
+typedef struct {
+    float *a, *e;
+    uint32_t *keys, *sk;
+    int32_t *at, *sa;
+} PickRoom;
+
+static void *pick_room(PickRoom *p, int64_t T, int64_t k) {
+    const size_t t = (size_t)T, kk = (size_t)k;
+    char *m = malloc(t * (2 * sizeof(float) + sizeof(uint32_t) + sizeof(int32_t)) + kk * (sizeof(uint32_t) + sizeof(int32_t)));
+    if (!m) return 0;
+    p->a = (float *)m, p->e = p->a + t, p->keys = (uint32_t *)(p->e + t), p->at = (int32_t *)(p->keys + t);
+    p->sk = (uint32_t *)(p->at + t), p->sa = (int32_t *)(p->sk + kk);
+    return m;
+}
+
 int infinigen_correct_pick(const float *s, const int64_t *taken, const uint8_t *taken_ok, int64_t n,
                            const uint8_t *held, int64_t *idx, float *val, int64_t R, int64_t G, int64_t T, int64_t k,
                            int sorted, int64_t lo, int64_t hi) {
     if (G < 1 || T < 1 || k < 1 || k > T || T > 0x7fffffff || n < 0 || lo < 0 || hi > R) return -1;
     for (int64_t i = lo * n; i < hi * n; i++)
         if (taken[i] < 0 || taken[i] >= T) return -2;
-    float *a = malloc(sizeof(float) * (size_t)T), *e = malloc(sizeof(float) * (size_t)T);
-    uint32_t *keys = malloc(sizeof(uint32_t) * (size_t)T);
-    int32_t *at = malloc(sizeof(int32_t) * (size_t)T);
-    uint32_t *sk = sorted ? malloc(sizeof(uint32_t) * (size_t)k) : 0;
-    int32_t *sa = sorted ? malloc(sizeof(int32_t) * (size_t)k) : 0;
-    if (!a || !e || !keys || !at || (sorted && (!sk || !sa))) {
-        free(a), free(e), free(keys), free(at), free(sk), free(sa);
-        return -3;
-    }
-    for (int64_t r = lo; r < hi; r++) {
-        softmax_row(s + r * G * T, a, e, 0, G, T, __builtin_inff(), 0);
-        if (held)
-            for (int64_t t = 0; t < T; t++) a[t] = held[r * T + t] ? a[t] : -__builtin_inff();
-        for (int64_t i = 0; i < n; i++)
-            if (!taken_ok || taken_ok[r * n + i]) a[taken[r * n + i]] = -__builtin_inff();
-        topk_row(a, idx + r * k, val + r * k, T, k, sorted, keys, at, sk, sa);
-    }
-    free(a), free(e), free(keys), free(at), free(sk), free(sa);
+    PickRoom p;
+    void *m = pick_room(&p, T, k);
+    if (!m) return -3;
+    for (int64_t r = lo; r < hi; r++)
+        pick_row(s, taken, taken_ok, n, held, idx, val, r, G, T, k, sorted, p.a, p.e, p.keys, p.at, p.sk, p.sa);
+    free(m);
     return 0;
 }
 
@@ -839,4 +855,63 @@ int infinigen_gather_rows(const uint8_t *src_k, const uint8_t *src_v, const int6
     else if (rb == 128) copy_pairs(src_k, src_v, rows, dst_k, dst_v, n, width, stride, 128, lo, hi);
     else copy_pairs(src_k, src_v, rows, dst_k, dst_v, n, width, stride, rb, lo, hi);
     return 0;
+}
+
+/* The correction step on a CPU with per-channel keys (policies/infinigen.py, InfinigenSelector.correct), pairs lo ..
+   hi of R = B x Hkv in one call, each while its scores are in cache: the true query q [B, Hkv, G, D] scored as
+   infinigen_score_channel does (codes, meta [1, Hkv, ..]; each row's held slots `slots` [B, T], or start .. start +
+   T) into s [R, G, T], -inf where held [R, T] is zero (NULL: every slot held); the pick as infinigen_correct_pick's
+   (taken [R, n], taken_ok; k, sorted) into idx [R, k] (token slots, below T) and val [R, k]; ok [R, k] where a pick
+   counts (a finite value, and i below its sequence's limit[b]), got [R] how many do; and their K and V rows (row:
+   the token's flat slot x Hkv + the KV head, of src_k, src_v [n_src, rb bytes]) copied as infinigen_gather_rows
+   does into dst_k, dst_v [R, width, rb] (pairs `stride` rows apart, width >= k): a row that does not count and rows
+   k .. width zeros. The same scores, picks and rows as those calls one after another, without the Python between
+   them. Returns 0, -1 for shapes it does not take (nothing written), -2 for a slot or row outside its buffer, -3
+   when its buffers could not be allocated. */
+int infinigen_correct_channel(const float *q, const uint8_t *codes, const uint16_t *meta, const int64_t *slots,
+                              float *s, const int64_t *taken, const uint8_t *taken_ok, int64_t n, const uint8_t *held,
+                              int64_t *idx, float *val, uint8_t *ok, int64_t *got, const int64_t *limit,
+                              const uint8_t *src_k, const uint8_t *src_v, uint8_t *dst_k, uint8_t *dst_v,
+                              int64_t width, int64_t stride, int64_t rb, int64_t n_src, int64_t B, int64_t Hkv,
+                              int64_t G, int64_t D, int64_t run, int64_t T, int64_t S, int64_t start, int64_t k,
+                              int sorted, int64_t lo, int64_t hi) {
+    if (G < 1 || T < 1 || k < 1 || k > T || T > 0x7fffffff || n < 0 || width < k || stride < width || rb < 1 ||
+        lo < 0 || hi > B * Hkv)
+        return -1;
+    for (int64_t i = lo * n; i < hi * n; i++)
+        if (taken[i] < 0 || taken[i] >= T) return -2;
+    PickRoom p;
+    void *m = pick_room(&p, T, k);
+    if (!m) return -3;
+    int rc = 0;
+    for (int64_t r = lo; r < hi && !rc; r++) {
+        rc = infinigen_score_channel(q, codes, meta, slots, 0, s, B, 1, Hkv, G, D, run, T, S, start, r, r + 1);
+        if (rc) break;
+        if (held) /* the slots a shorter row does not hold: out of its softmax, as a masked fill before the pick */
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t t = 0; t < T; t++)
+                    if (!held[r * T + t]) s[(r * G + g) * T + t] = -__builtin_inff();
+        pick_row(s, taken, taken_ok, n, held, idx, val, r, G, T, k, sorted, p.a, p.e, p.keys, p.at, p.sk, p.sa);
+        const int64_t b = r / Hkv, h = r % Hkv, *ir = idx + r * k;
+        uint8_t *dk = dst_k + r * stride * rb, *dv = dst_v + r * stride * rb, *okr = ok + r * k;
+        int64_t count = 0;
+        for (int64_t i = 0; i < k; i++) {
+            okr[i] = val[r * k + i] > -__builtin_inff() && i < limit[b];
+            if (!okr[i]) {
+                memset(dk + i * rb, 0, (size_t)rb), memset(dv + i * rb, 0, (size_t)rb);
+                continue;
+            }
+            const int64_t row = (slots ? slots[b * T + ir[i]] : start + ir[i]) * Hkv + h;
+            if (row < 0 || row >= n_src) {
+                rc = -2;
+                break;
+            }
+            memcpy(dk + i * rb, src_k + row * rb, (size_t)rb), memcpy(dv + i * rb, src_v + row * rb, (size_t)rb);
+            count++;
+        }
+        got[r] = count;
+        memset(dk + k * rb, 0, (size_t)((width - k) * rb)), memset(dv + k * rb, 0, (size_t)((width - k) * rb));
+    }
+    free(m);
+    return rc;
 }

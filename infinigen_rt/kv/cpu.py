@@ -123,6 +123,10 @@ def library() -> ctypes.CDLL | None:
         f = lib.infinigen_gather_rows
         f.restype = ctypes.c_int
         f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8
+        f = lib.infinigen_correct_channel
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] + [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 13 + [
+            ctypes.c_int] + [ctypes.c_int64] * 2  # fmt: skip
         _lib = lib
     return _lib
 
@@ -354,6 +358,59 @@ def gather_rows(src_k: torch.Tensor, src_v: torch.Tensor, rows: torch.Tensor, ou
     if rc == -2:
         raise IndexError(f"gathering rows: {ERRORS[-2]}")
     return rc == 0
+
+
+def correct_channel(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, t: int, run: int,
+                    taken: torch.Tensor, taken_ok: torch.Tensor | None, held: torch.Tensor | None, k: int,
+                    sorted: bool, limit: list[int], src_k: torch.Tensor, src_v: torch.Tensor, out_k: torch.Tensor,
+                    out_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    """The correction step with per-channel keys in one call (the kernel's infinigen_correct_channel): q [B, Hkv,
+    G, D] scored as score_channel against each row's first t held slots (`at` [B, t] flat slots, or a slice), the
+    pick as correct_pick's (taken [B, Hkv, n] token slots, taken_ok, held [B, Hkv, t]; k, sorted), the picks past
+    each sequence's `limit` not counting, and the rows that count copied as gather_rows does into out_k, out_v
+    [B, Hkv, k', X] (k' >= k: rows after k zeros; a window of a contiguous tensor) from the pool src_k, src_v (rows
+    flat slot x Hkv + KV head). (slots [B, Hkv, k] int64, ok [B, Hkv, k] bool, the rows that count per (sequence,
+    KV head) [B, Hkv] int64), or None where it does not apply: the caller's steps then run one after another."""
+    lib = _taking(codes, meta)
+    b, hkv, g, d = q.shape
+    if (lib is None or codes.shape[0] != 1 or isinstance(at, int) or not 0 < k <= t
+            or any(x.device.type != "cpu" for x in (src_k, src_v, out_k, out_v))
+            or not (src_k.is_contiguous() and src_v.is_contiguous()) or out_k.stride() != out_v.stride()
+            or len({x.dtype for x in (src_k, src_v, out_k, out_v)}) > 1 or out_k.shape != out_v.shape
+            or out_k.shape[:2] != (b, hkv) or out_k.shape[2] < k or out_k.shape[-1] != src_k.shape[-1]):  # fmt: skip
+        return None
+    stride = _window(out_k)
+    if stride is None:
+        return None
+    x = src_k.shape[-1]
+    n = taken.shape[-1]
+    # held in names through the call (see quantize_rows)
+    q = q.float().contiguous()
+    slots = at.to(torch.int64).contiguous() if isinstance(at, torch.Tensor) else None
+    start = at.start if isinstance(at, slice) else 0
+    s = torch.empty(b, hkv, g, t, dtype=torch.float32)
+    taken = taken.to(torch.int64).expand(b, hkv, n).contiguous()
+    ok_in = None if taken_ok is None else taken_ok.expand(b, hkv, n).to(torch.uint8).contiguous()
+    held = None if held is None else held.expand(b, hkv, t).to(torch.uint8).contiguous()
+    idx = torch.empty(b, hkv, k, dtype=torch.int64)
+    val = torch.empty(b, hkv, k, dtype=torch.float32)
+    ok = torch.empty(b, hkv, k, dtype=torch.uint8)
+    got = torch.empty(b, hkv, dtype=torch.int64)
+    lim = torch.tensor(limit, dtype=torch.int64)
+    ptr = lambda y: None if y is None else y.data_ptr()  # noqa: E731
+    rc = lib.infinigen_correct_channel(
+        q.data_ptr(), codes.data_ptr(), meta.data_ptr(), ptr(slots), s.data_ptr(), taken.data_ptr(), ptr(ok_in), n,
+        ptr(held), idx.data_ptr(), val.data_ptr(), ok.data_ptr(), got.data_ptr(), lim.data_ptr(), src_k.data_ptr(),
+        src_v.data_ptr(), out_k.data_ptr(), out_v.data_ptr(), out_k.shape[2], stride, x * src_k.element_size(),
+        src_k.numel() // x, b, hkv, g, d, run, t, codes.shape[2], start, k, int(sorted), 0, b * hkv,
+    )  # fmt: skip
+    if rc == -1:
+        return None
+    if rc == -3:
+        raise MemoryError("the CPU correction kernel could not allocate its buffers")
+    if rc:
+        raise IndexError(f"the correction's slots or rows: {ERRORS.get(rc, f'error {rc}')}")
+    return idx, ok.view(torch.bool), got
 
 
 def _window(out: torch.Tensor) -> int | None:

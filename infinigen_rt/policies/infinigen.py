@@ -37,6 +37,7 @@ from infinigen_rt.policies.speculation import (
     Selection,
     Speculator,
     correction_counts,
+    correction_gathered,
     correction_rows,
     fetch_width,
     joined,
@@ -503,33 +504,50 @@ class InfinigenSelector(Selector):
             return sel, k, v
         b, hkv = sel.slots.shape[:2]
         at = step.span or step.idx if sel.cand is None else step.physical(sel.cand)  # every held slot, or a shortlist
-        s = self.keys.scores_at(layer, self.spec.keys_side(layer, q.reshape(b, hkv, -1, q.shape[-1]), self.keys.full),
-                                at)  # fmt: skip
-        slots, ok = correction_rows(s, sel, self.held(step, layer)[0], per_row, self.opts.group_agg)
-        counted = ok.sum((1, 2))
+        qk = self.spec.keys_side(layer, q.reshape(b, hkv, -1, q.shape[-1]), self.keys.full)
+        held = self.held(step, layer)[0]
         (k,), (v,) = k, v  # plain rows: one part each
-        n, c = sel.slots.shape[-1], slots.shape[-1]
+        n = sel.slots.shape[-1]
         room = k.shape[2] - n - 1  # what speculation's gather left free (see room)
-        assert room >= c or not room, "the correction's rows exceed the room left for them"
-        # a CPU gathers straight into the room; a GPU's kernel into its own buffers
-        into = [(k[:, :, n : n + c], v[:, :, n : n + c])] if room and not self.store.kernel else None
-        every = ok
-        if not self.store.kernel:  # a CPU reads the counts for free: once, for the ledger and whether all count
-            counted = counted.tolist()
-            every = None if sum(counted) == ok.numel() else ok
-        kc, vc = self.gather(step, layer, slots, every, 0, counted=counted, phys=step.physical(slots), into=into)
+        got = None
+        if room and not self.store.kernel and sel.cand is None and self.opts.group_agg == "sum":
+            # a CPU's kernel scores, picks and copies into the room in one call, where it takes the keys
+            (src_k,), (src_v,) = self.store.k[layer], self.store.v[layer]
+            got = correction_gathered(self.keys, layer, qk, at, step.held[0], sel, held, per_row,
+                                      k[:, :, n : n + room], v[:, :, n : n + room], src_k, src_v)  # fmt: skip
+        if got is not None:
+            slots, ok, pairs = got
+            counted = pairs.sum(1).tolist()
+            self.store.ledger.add(f"h2d{layer}", step.batch.rids, counted, self.store.row_bytes)
+            c = slots.shape[-1]
+        else:
+            s = self.keys.scores_at(layer, qk, at)
+            slots, ok = correction_rows(s, sel, held, per_row, self.opts.group_agg)
+            counted = ok.sum((1, 2))
+            c = slots.shape[-1]
+            assert room >= c or not room, "the correction's rows exceed the room left for them"
+            # a CPU gathers straight into the room; a GPU's kernel into its own buffers
+            into = [(k[:, :, n : n + c], v[:, :, n : n + c])] if room and not self.store.kernel else None
+            every = ok
+            if not self.store.kernel:  # a CPU reads the counts for free: once, for the ledger and whether all count
+                counted = counted.tolist()
+                every = None if sum(counted) == ok.numel() else ok
+            kc, vc = self.gather(step, layer, slots, every, 0, counted=counted, phys=step.physical(slots), into=into)
+            (kc,), (vc,) = kc, vc
+            if not room:
+                self.store.ledger.add("corrected", step.batch.rids, counted)
+                self.store.ledger.add(f"fetched{layer}", step.batch.rids, counted)
+                sel, k, v = joined(sel, slots, ok, k, v, kc, vc)
+                return sel, (k,), (v,)
+            if into is None:
+                k[:, :, n : n + c], v[:, :, n : n + c] = kc, vc
         self.store.ledger.add("corrected", step.batch.rids, counted)
         self.store.ledger.add(f"fetched{layer}", step.batch.rids, counted)
-        (kc,), (vc,) = kc, vc
-        if not room:
-            sel, k, v = joined(sel, slots, ok, k, v, kc, vc)
-            return sel, (k,), (v,)
-        if into is None:
-            k[:, :, n : n + c], v[:, :, n : n + c] = kc, vc
         pad = room - c  # rows of the room no sequence took: never attended (and never NaN bits: zeros)
         more_slots, more_ok = [slots], [ok]
         if pad:
-            k[:, :, n + c : n + room], v[:, :, n + c : n + room] = 0, 0
+            if got is None:  # (the kernel's call wrote them)
+                k[:, :, n + c : n + room], v[:, :, n + c : n + room] = 0, 0
             more_slots.append(slots.new_zeros(b, hkv, pad))
             more_ok.append(ok.new_zeros(b, hkv, pad))
         sel = Selection(torch.cat([sel.slots, *more_slots], -1), torch.cat([sel.ok.expand(b, hkv, n), *more_ok], -1),

@@ -383,6 +383,60 @@ def test_the_corrections_pick_is_its_softmax_mask_and_top_k_in_one_call(t, k, so
 
 
 @needs_kernel
+@pytest.mark.parametrize("d, g, span, uneven", [(64, 3, False, True), (64, 3, True, False), (128, 4, False, False),
+                                                (96, 2, False, True)])  # fmt: skip
+def test_the_corrections_one_call_scores_picks_and_copies_what_its_steps_do(d, g, span, uneven):
+    """correction_gathered (per-channel keys, a CPU): the same slots, the same rows that count and the same rows
+    copied into the room (zeros after them and where a pick does not count) as the steps one after another
+    (score_channel, correction_rows, the row gather), through each row's flat slots or one span, with sequences of
+    other lengths (held, and each its own count) or not; a row past the pool is an error, not a read."""
+    from infinigen_rt.policies.speculation import Selection, correction_gathered, correction_rows
+
+    gen = torch.Generator().manual_seed(d + g)
+    b, hkv, t, slots_n = (1 if span else 3), 2, 1000, 1024
+    keys = channel_store(gen, 1, hkv, slots_n, d)
+    q = torch.randn(b, hkv, g, d, generator=gen)
+    at = slice(16, 16 + t) if span else torch.stack([torch.randperm(slots_n, generator=gen)[:t] for _ in range(b)])
+    phys = (torch.arange(16, 16 + t)[None] if span else at)  # [B, t] flat slots
+    n = 100
+    taken = torch.stack([torch.randperm(t, generator=gen)[:n] for _ in range(b * hkv)]).view(b, hkv, n)
+    sel = Selection(taken, torch.rand(b, hkv, n, generator=gen) > 0.1, False, 0.1)
+    held = None
+    per_row = [40] * b
+    if uneven:
+        held = torch.ones(b, t, dtype=torch.bool)
+        held[1, 700:] = False
+        held = held[:, None].expand(b, hkv, t)
+        per_row = [40, 28, 40]
+    src_k, src_v = (torch.randn(slots_n * hkv, d, generator=gen) for _ in "kv")
+    room = 45
+    out = {}
+    for fused in (True, False):
+        big_k, big_v = (torch.full((b, hkv, n + room + 1, d), 7.0) for _ in "kv")
+        win_k, win_v = big_k[:, :, n : n + room], big_v[:, :, n : n + room]
+        if fused:
+            slots, ok, pairs = correction_gathered(keys, 0, q, at, t, sel, held, per_row, win_k, win_v, src_k, src_v)
+        else:
+            slots, ok = correction_rows(keys.scores_at(0, q, at), sel, held, per_row, "sum")
+            rows = torch.gather(phys, 1, slots.reshape(b, -1)).view(slots.shape) * hkv + torch.arange(hkv)[:, None]
+            win_k[:, :, : slots.shape[-1]] = torch.where(ok[..., None], src_k[rows], 0)
+            win_v[:, :, : slots.shape[-1]] = torch.where(ok[..., None], src_v[rows], 0)
+            win_k[:, :, slots.shape[-1] :], win_v[:, :, slots.shape[-1] :] = 0, 0
+            pairs = ok.sum(-1)
+        out[fused] = slots, ok, pairs, big_k, big_v
+    for x, y in zip(out[True], out[False], strict=True):
+        assert torch.equal(x, y)
+    slots, ok, pairs, big_k, _ = out[True]
+    assert 0 < int(pairs.sum()) < ok.numel() if uneven else int(pairs.sum()) == ok.numel()
+    assert (big_k[:, :, :n] == 7).all() and (big_k[:, :, -1] == 7).all()  # only the room written
+    if not span:
+        at[0, 5] = slots_n  # a slot past the keys' rows
+        with pytest.raises(IndexError):
+            correction_gathered(keys, 0, q, at, t, sel, held, per_row, win_k, win_v, src_k, src_v)
+    assert correction_gathered(keys, 0, q.double(), at, 0, sel, held, per_row, win_k, win_v, src_k, src_v) is None
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype, x", [(torch.float32, 64), (torch.bfloat16, 128), (torch.uint8, 40)])
 def test_the_row_gather_kernel_copies_index_selects_rows_and_zeros_the_rest(dtype, x):
     """pool.copy_rows on a CPU: the chosen rows of K and V as index_select copies them, the rows left for the new
