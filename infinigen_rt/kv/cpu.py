@@ -398,12 +398,11 @@ def correct_channel(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at
     got = torch.empty(b, hkv, dtype=torch.int64)
     lim = torch.tensor(limit, dtype=torch.int64)
     ptr = lambda y: None if y is None else y.data_ptr()  # noqa: E731
-    rc = lib.infinigen_correct_channel(
-        q.data_ptr(), codes.data_ptr(), meta.data_ptr(), ptr(slots), s.data_ptr(), taken.data_ptr(), ptr(ok_in), n,
-        ptr(held), idx.data_ptr(), val.data_ptr(), ok.data_ptr(), got.data_ptr(), lim.data_ptr(), src_k.data_ptr(),
-        src_v.data_ptr(), out_k.data_ptr(), out_v.data_ptr(), out_k.shape[2], stride, x * src_k.element_size(),
-        src_k.numel() // x, b, hkv, g, d, run, t, codes.shape[2], start, k, int(sorted), 0, b * hkv,
-    )  # fmt: skip
+    args = (q.data_ptr(), codes.data_ptr(), meta.data_ptr(), ptr(slots), s.data_ptr(), taken.data_ptr(), ptr(ok_in), n,
+            ptr(held), idx.data_ptr(), val.data_ptr(), ok.data_ptr(), got.data_ptr(), lim.data_ptr(), src_k.data_ptr(),
+            src_v.data_ptr(), out_k.data_ptr(), out_v.data_ptr(), out_k.shape[2], stride, x * src_k.element_size(),
+            src_k.numel() // x, b, hkv, g, d, run, t, codes.shape[2], start, k, int(sorted))  # fmt: skip
+    rc = _split(lib.infinigen_correct_channel, args, b * hkv, t)
     if rc == -1:
         return None
     if rc == -3:
