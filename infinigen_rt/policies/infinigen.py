@@ -498,7 +498,8 @@ class InfinigenSelector(Selector):
     def correct(self, step, layer: int, q: torch.Tensor, sel: Selection, k, v) -> tuple:
         """The correction step for every request: layer j's true query q [B, H, 1, D] scored against the same keys;
         each request's best rows speculation did not fetch, up to the rest of its budget, gathered and joined to the
-        speculated ones (before the new token's row)."""
+        speculated ones (before the new token's row). On a CPU with per-channel keys the scoring, the pick and the
+        copy into the room are one kernel call (correction_gathered); elsewhere they are steps of their own."""
         per_row = self.counts(step, layer)
         if max(per_row) <= 0:
             return sel, k, v
@@ -533,16 +534,15 @@ class InfinigenSelector(Selector):
                 counted = counted.tolist()
                 every = None if sum(counted) == ok.numel() else ok
             kc, vc = self.gather(step, layer, slots, every, 0, counted=counted, phys=step.physical(slots), into=into)
+        self.store.ledger.add("corrected", step.batch.rids, counted)
+        self.store.ledger.add(f"fetched{layer}", step.batch.rids, counted)
+        if got is None:
             (kc,), (vc,) = kc, vc
             if not room:
-                self.store.ledger.add("corrected", step.batch.rids, counted)
-                self.store.ledger.add(f"fetched{layer}", step.batch.rids, counted)
                 sel, k, v = joined(sel, slots, ok, k, v, kc, vc)
                 return sel, (k,), (v,)
             if into is None:
                 k[:, :, n : n + c], v[:, :, n : n + c] = kc, vc
-        self.store.ledger.add("corrected", step.batch.rids, counted)
-        self.store.ledger.add(f"fetched{layer}", step.batch.rids, counted)
         pad = room - c  # rows of the room no sequence took: never attended (and never NaN bits: zeros)
         more_slots, more_ok = [slots], [ok]
         if pad:
