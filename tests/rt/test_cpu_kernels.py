@@ -385,11 +385,12 @@ def test_the_corrections_pick_is_its_softmax_mask_and_top_k_in_one_call(t, k, so
 @needs_kernel
 @pytest.mark.parametrize("d, g, span, uneven", [(64, 3, False, True), (64, 3, True, False), (128, 4, False, False),
                                                 (96, 2, False, True)])  # fmt: skip
-def test_the_corrections_one_call_scores_picks_and_copies_what_its_steps_do(d, g, span, uneven):
+def test_the_corrections_one_call_scores_picks_and_copies_what_its_steps_do(d, g, span, uneven, monkeypatch):
     """correction_gathered (per-channel keys, a CPU): the same slots, the same rows that count and the same rows
     copied into the room (zeros after them and where a pick does not count) as the steps one after another
     (score_channel, correction_rows, the row gather), through each row's flat slots or one span, with sequences of
-    other lengths (held, and each its own count) or not; a row past the pool is an error, not a read."""
+    other lengths (held, and each its own count) or not, and with its pairs shared over torch's threads; a row past
+    the pool is an error, not a read."""
     from infinigen_rt.policies.speculation import Selection, correction_gathered, correction_rows
 
     gen = torch.Generator().manual_seed(d + g)
@@ -411,9 +412,17 @@ def test_the_corrections_one_call_scores_picks_and_copies_what_its_steps_do(d, g
     src_k, src_v = (torch.randn(slots_n * hkv, d, generator=gen) for _ in "kv")
     room = 45
     out = {}
-    for fused in (True, False):
+    for fused in ("shared", True, False):
         big_k, big_v = (torch.full((b, hkv, n + room + 1, d), 7.0) for _ in "kv")
         win_k, win_v = big_k[:, :, n : n + room], big_v[:, :, n : n + room]
+        with monkeypatch.context() as m:
+            if fused == "shared":  # every call over torch's threads (a pair each, at most)
+                m.setattr(cpu, "SPLIT_WORK", 0)
+                m.setattr(torch, "get_num_threads", lambda: 2)
+                slots, ok, pairs = correction_gathered(keys, 0, q, at, t, sel, held, per_row, win_k, win_v, src_k,
+                                                       src_v)  # fmt: skip
+                out[fused] = slots, ok, pairs, big_k, big_v
+                continue
         if fused:
             slots, ok, pairs = correction_gathered(keys, 0, q, at, t, sel, held, per_row, win_k, win_v, src_k, src_v)
         else:
@@ -424,8 +433,8 @@ def test_the_corrections_one_call_scores_picks_and_copies_what_its_steps_do(d, g
             win_k[:, :, slots.shape[-1] :], win_v[:, :, slots.shape[-1] :] = 0, 0
             pairs = ok.sum(-1)
         out[fused] = slots, ok, pairs, big_k, big_v
-    for x, y in zip(out[True], out[False], strict=True):
-        assert torch.equal(x, y)
+    for x, y, z in zip(out[True], out["shared"], out[False], strict=True):
+        assert torch.equal(x, z) and torch.equal(y, z)
     slots, ok, pairs, big_k, _ = out[True]
     assert 0 < int(pairs.sum()) < ok.numel() if uneven else int(pairs.sum()) == ok.numel()
     assert (big_k[:, :, :n] == 7).all() and (big_k[:, :, -1] == 7).all()  # only the room written
