@@ -341,16 +341,10 @@ def gather_rows(src_k: torch.Tensor, src_v: torch.Tensor, rows: torch.Tensor, ou
     apply (the caller's index_select then runs); IndexError for a row outside the pool."""
     lib = None if _off else library()
     b, h, n = rows.shape
-    if (lib is None or any(t.device.type != "cpu" for t in (src_k, src_v, out_k, out_v))
-            or not (src_k.is_contiguous() and src_v.is_contiguous()) or out_k.stride() != out_v.stride()
-            or len({t.dtype for t in (src_k, src_v, out_k, out_v)}) > 1 or out_k.shape != out_v.shape
-            or src_k.shape != src_v.shape or out_k.shape[:2] != (b, h)
-            or out_k.shape[-1] != src_k.shape[-1]):  # fmt: skip
-        return False
-    x = src_k.shape[-1]
-    stride = _window(out_k)
+    stride = None if lib is None else _rows_window(src_k, src_v, out_k, out_v, b, h)
     if stride is None:
         return False
+    x = src_k.shape[-1]
     rows = rows.to(torch.int64).contiguous()  # held through the call (see quantize_rows)
     rc = lib.infinigen_gather_rows(src_k.data_ptr(), src_v.data_ptr(), rows.data_ptr(), out_k.data_ptr(),
                                    out_v.data_ptr(), b * h, n, out_k.shape[2], stride, x * src_k.element_size(),
@@ -373,13 +367,9 @@ def correct_channel(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at
     KV head) [B, Hkv] int64), or None where it does not apply: the caller's steps then run one after another."""
     lib = _taking(codes, meta)
     b, hkv, g, d = q.shape
-    if (lib is None or codes.shape[0] != 1 or isinstance(at, int) or not 0 < k <= t
-            or any(x.device.type != "cpu" for x in (src_k, src_v, out_k, out_v))
-            or not (src_k.is_contiguous() and src_v.is_contiguous()) or out_k.stride() != out_v.stride()
-            or len({x.dtype for x in (src_k, src_v, out_k, out_v)}) > 1 or out_k.shape != out_v.shape
-            or out_k.shape[:2] != (b, hkv) or out_k.shape[2] < k or out_k.shape[-1] != src_k.shape[-1]):  # fmt: skip
+    if lib is None or codes.shape[0] != 1 or isinstance(at, int) or not 0 < k <= t or out_k.shape[2] < k:
         return None
-    stride = _window(out_k)
+    stride = _rows_window(src_k, src_v, out_k, out_v, b, hkv)
     if stride is None:
         return None
     x = src_k.shape[-1]
@@ -410,6 +400,19 @@ def correct_channel(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at
     if rc:
         raise IndexError(f"the correction's slots or rows: {ERRORS.get(rc, f'error {rc}')}")
     return idx, ok.view(torch.bool), got
+
+
+def _rows_window(src_k, src_v, out_k, out_v, b: int, h: int) -> int | None:
+    """Where the row kernels take a pool src_k, src_v ([..., X], contiguous, alike) and outputs out_k, out_v
+    [B, Hkv, n', X] (alike, each a window of a contiguous tensor), all CPU tensors of one dtype: the outputs' pair
+    stride (_window); else None."""
+    if (any(t.device.type != "cpu" for t in (src_k, src_v, out_k, out_v))
+            or not (src_k.is_contiguous() and src_v.is_contiguous()) or out_k.stride() != out_v.stride()
+            or len({t.dtype for t in (src_k, src_v, out_k, out_v)}) > 1 or out_k.shape != out_v.shape
+            or src_k.shape != src_v.shape or out_k.shape[:2] != (b, h)
+            or out_k.shape[-1] != src_k.shape[-1]):  # fmt: skip
+        return None
+    return _window(out_k)
 
 
 def _window(out: torch.Tensor) -> int | None:
