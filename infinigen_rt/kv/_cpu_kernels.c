@@ -866,15 +866,16 @@ int infinigen_gather_rows(const uint8_t *src_k, const uint8_t *src_v, const int6
    the token's flat slot x Hkv + the KV head, of src_k, src_v [n_src, rb bytes]) copied as infinigen_gather_rows
    does into dst_k, dst_v [R, width, rb] (pairs `stride` rows apart, width >= k): a row that does not count and rows
    k .. width zeros. The same scores, picks and rows as those calls one after another, without the Python between
-   them. Returns 0, -1 for shapes it does not take (nothing written), -2 for a slot or row outside its buffer, -3
-   when its buffers could not be allocated. */
+   them. `next` NULL: pairs lo .. hi in order; else a counter shared by the threads that call this at once, each
+   taking pair lo + (*next)++ until hi (the pairs go to whichever thread is free). Returns 0, -1 for shapes it does
+   not take (nothing written), -2 for a slot or row outside its buffer, -3 when its buffers could not be allocated. */
 int infinigen_correct_channel(const float *q, const uint8_t *codes, const uint16_t *meta, const int64_t *slots,
                               float *s, const int64_t *taken, const uint8_t *taken_ok, int64_t n, const uint8_t *held,
                               int64_t *idx, float *val, uint8_t *ok, int64_t *got, const int64_t *limit,
                               const uint8_t *src_k, const uint8_t *src_v, uint8_t *dst_k, uint8_t *dst_v,
                               int64_t width, int64_t stride, int64_t rb, int64_t n_src, int64_t B, int64_t Hkv,
                               int64_t G, int64_t D, int64_t run, int64_t T, int64_t S, int64_t start, int64_t k,
-                              int sorted, int64_t lo, int64_t hi) {
+                              int sorted, int64_t *next, int64_t lo, int64_t hi) {
     if (G < 1 || T < 1 || k < 1 || k > T || T > 0x7fffffff || n < 0 || width < k || stride < width || rb < 1 ||
         lo < 0 || hi > B * Hkv)
         return -1;
@@ -884,7 +885,8 @@ int infinigen_correct_channel(const float *q, const uint8_t *codes, const uint16
     void *m = pick_room(&p, T, k);
     if (!m) return -3;
     int rc = 0;
-    for (int64_t r = lo; r < hi && !rc; r++) {
+    for (int64_t r = next ? lo + __atomic_fetch_add(next, 1, __ATOMIC_RELAXED) : lo; r < hi && !rc;
+         r = next ? lo + __atomic_fetch_add(next, 1, __ATOMIC_RELAXED) : r + 1) {
         rc = infinigen_score_channel(q, codes, meta, slots, 0, s, B, 1, Hkv, G, D, run, T, S, start, r, r + 1);
         if (rc) break;
         if (held) /* the slots a shorter row does not hold: out of its softmax, as a masked fill before the pick */

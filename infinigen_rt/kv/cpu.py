@@ -126,7 +126,7 @@ def library() -> ctypes.CDLL | None:
         f = lib.infinigen_correct_channel
         f.restype = ctypes.c_int
         f.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] + [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 13 + [
-            ctypes.c_int] + [ctypes.c_int64] * 2  # fmt: skip
+            ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int64] * 2  # fmt: skip
         _lib = lib
     return _lib
 
@@ -357,14 +357,17 @@ def gather_rows(src_k: torch.Tensor, src_v: torch.Tensor, rows: torch.Tensor, ou
 def correct_channel(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, t: int, run: int,
                     taken: torch.Tensor, taken_ok: torch.Tensor | None, held: torch.Tensor | None, k: int,
                     sorted: bool, limit: list[int], src_k: torch.Tensor, src_v: torch.Tensor, out_k: torch.Tensor,
-                    out_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:  # fmt: skip
+                    out_v: torch.Tensor,
+                    beside=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:  # fmt: skip
     """The correction step with per-channel keys in one call (the kernel's infinigen_correct_channel): q [B, Hkv,
     G, D] scored as score_channel against each row's first t held slots (`at` [B, t] flat slots, or a slice), the
     pick as correct_pick's (taken [B, Hkv, n] token slots, taken_ok, held [B, Hkv, t]; k, sorted), the picks past
     each sequence's `limit` not counting, and the rows that count copied as gather_rows does into out_k, out_v
     [B, Hkv, k', X] (k' >= k: rows after k zeros; a window of a contiguous tensor) from the pool src_k, src_v (rows
     flat slot x Hkv + KV head). (slots [B, Hkv, k] int64, ok [B, Hkv, k] bool, the rows that count per (sequence,
-    KV head) [B, Hkv] int64), or None where it does not apply: the caller's steps then run one after another."""
+    KV head) [B, Hkv] int64), or None where it does not apply: the caller's steps then run one after another.
+    `beside`: prefetch's `beside` (a worker thread that takes a share of the pairs), or None: the pairs split as
+    `_split` does."""
     lib = _taking(codes, meta)
     b, hkv, g, d = q.shape
     if lib is None or codes.shape[0] != 1 or isinstance(at, int) or not 0 < k <= t or out_k.shape[2] < k:
@@ -392,7 +395,16 @@ def correct_channel(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at
             ptr(held), idx.data_ptr(), val.data_ptr(), ok.data_ptr(), got.data_ptr(), lim.data_ptr(), src_k.data_ptr(),
             src_v.data_ptr(), out_k.data_ptr(), out_v.data_ptr(), out_k.shape[2], stride, x * src_k.element_size(),
             src_k.numel() // x, b, hkv, g, d, run, t, codes.shape[2], start, k, int(sorted))  # fmt: skip
-    rc = _split(lib.infinigen_correct_channel, args, b * hkv, t)
+    f, pairs = lib.infinigen_correct_channel, b * hkv
+    share = None
+    if beside is not None and pairs > 1:  # the pairs shared with the thread beside: whichever is free takes the next
+        nxt = torch.zeros(1, dtype=torch.int64)
+        share = beside(lambda: f(*args, nxt.data_ptr(), 0, pairs))
+    if share is None:
+        rc = _split(f, (*args, None), pairs, t)
+    else:
+        rc = f(*args, nxt.data_ptr(), 0, pairs)
+        rc = rc or (0 if share.cancel() else share.result())  # (not started: the pairs ran out here)
     if rc == -1:
         return None
     if rc == -3:

@@ -18,7 +18,10 @@ and runs each decode step inside its `sharing()` (a worker thread's core is then
 layer j+1's copy then queues on the link behind layer j's correction (issued just before the flush), instead of
 ahead of it, where the correction, and with it layer j and the next selection, waited for the whole of j+1's rows
 while the link then idled through layer j's compute (the defaults projected at Llama-3.1-8B 32k: 1.35x the floor
-at batch 1 so, 1.10x deferred). A worker thread or inline prefetcher runs every stage at once.
+at batch 1 so, 1.10x deferred). A worker thread holds both stages back: `beside(fn)` hands it a share of the
+correction first (the two threads take its pairs from one counter), then the held stages start; the worker, idle
+while layer j's correction waited on the compute thread alone, now shares it. An inline prefetcher runs every
+stage at once.
 """
 
 from __future__ import annotations
@@ -55,6 +58,12 @@ class Prefetch:
     def flush(self) -> None:
         """Start the copies held back (`defer`)."""
 
+    def beside(self, fn) -> Future | None:
+        """Hand fn (a share of work on the critical path that the compute thread also takes part in) to the thread
+        beside the compute thread, ahead of the stages held back (`defer`), which then start: its Future, or None where
+        no thread is beside it (inline, a side stream: then nothing starts)."""
+        return None
+
     def sharing(self):
         """Around a decode step: what the compute thread may use while this prefetcher works beside it (nothing to
         change but for a worker thread, below)."""
@@ -77,11 +86,28 @@ class WorkerThread(Prefetch):
         super().__init__()
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinigen-prefetch")
         self.used = False  # has been given work (see sharing)
+        self.held: dict[Any, tuple] = {}  # the stages deferred: layer -> (fn, its arguments, copy)
         self._finalizer = weakref.finalize(self, self.pool.shutdown, wait=False)
 
     def start(self, layer: int, fn, *args, copy=None, defer: bool = False) -> None:
         self.used = True
+        if defer:  # both stages wait for `flush` or `beside`: the share of the critical path goes first
+            self.held[layer] = (fn, args, copy)
+            return
         self.pending[layer] = self.pool.submit(_staged, fn, args, copy)
+
+    def flush(self) -> None:
+        for layer, (fn, args, copy) in list(self.held.items()):
+            self.pending[layer] = self.pool.submit(_staged, fn, args, copy)
+        self.held.clear()
+
+    def beside(self, fn) -> Future:
+        share = self.pool.submit(fn)
+        self.flush()
+        return share
+
+    def __contains__(self, layer) -> bool:
+        return layer in self.pending or layer in self.held
 
     @contextmanager
     def sharing(self):
@@ -100,11 +126,14 @@ class WorkerThread(Prefetch):
             torch.set_num_threads(n)
 
     def result(self, layer: int):
+        if layer in self.held:
+            self.flush()
         out = self.pending.pop(layer)
         return out.result() if isinstance(out, Future) else out
 
     def drop(self, keys) -> None:
         for k in keys:
+            self.held.pop(k, None)
             f = self.pending.pop(k, None)
             if isinstance(f, Future):
                 f.cancel()
@@ -112,6 +141,7 @@ class WorkerThread(Prefetch):
     def close(self) -> None:
         for f in self.pending.values():
             f.cancel()
+        self.held.clear()
         super().close()
         self._finalizer()
 
@@ -192,6 +222,9 @@ class Lane:
 
     def flush(self) -> None:
         self.base.flush()
+
+    def beside(self, fn) -> Future | None:
+        return self.base.beside(fn)
 
     def result(self, layer: int):
         self.keys.discard((self, layer))

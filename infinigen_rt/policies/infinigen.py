@@ -499,7 +499,8 @@ class InfinigenSelector(Selector):
         """The correction step for every request: layer j's true query q [B, H, 1, D] scored against the same keys;
         each request's best rows speculation did not fetch, up to the rest of its budget, gathered and joined to the
         speculated ones (before the new token's row). On a CPU with per-channel keys the scoring, the pick and the
-        copy into the room are one kernel call (correction_gathered); elsewhere they are steps of their own."""
+        copy into the room are one kernel call (correction_gathered), its (sequence, KV head) pairs shared with the
+        worker thread, which then starts layer j+1's speculation; elsewhere they are steps of their own."""
         per_row = self.counts(step, layer)
         if max(per_row) <= 0:
             return sel, k, v
@@ -515,44 +516,61 @@ class InfinigenSelector(Selector):
             # a CPU's kernel scores, picks and copies into the room in one call, where it takes the keys
             (src_k,), (src_v,) = self.store.k[layer], self.store.v[layer]
             got = correction_gathered(self.keys, layer, qk, at, step.held[0], sel, held, per_row,
-                                      k[:, :, n : n + room], v[:, :, n : n + room], src_k, src_v)  # fmt: skip
-        if got is not None:
-            slots, ok, pairs = got
-            counted = pairs.sum(1).tolist()
-            self.store.ledger.add(f"h2d{layer}", step.batch.rids, counted, self.store.row_bytes)
-            c = slots.shape[-1]
-        else:
-            s = self.keys.scores_at(layer, qk, at)
-            slots, ok = correction_rows(s, sel, held, per_row, self.opts.group_agg)
-            counted = ok.sum((1, 2))
-            c = slots.shape[-1]
-            assert room >= c or not room, "the correction's rows exceed the room left for them"
-            # a CPU gathers straight into the room; a GPU's kernel into its own buffers
-            into = [(k[:, :, n : n + c], v[:, :, n : n + c])] if room and not self.store.kernel else None
-            every = ok
-            if not self.store.kernel:  # a CPU reads the counts for free: once, for the ledger and whether all count
-                counted = counted.tolist()
-                every = None if sum(counted) == ok.numel() else ok
-            kc, vc = self.gather(step, layer, slots, every, 0, counted=counted, phys=step.physical(slots), into=into)
+                                      k[:, :, n : n + room], v[:, :, n : n + room], src_k, src_v,
+                                      self.prefetch.beside)  # fmt: skip
+        if got is None:
+            return self.correct_steps(step, layer, qk, at, held, sel, per_row, k, v)
+        slots, ok, pairs = got  # (the call wrote zeros in the room's rows no pick took)
+        counted = pairs.sum(1).tolist()
+        self.store.ledger.add(f"h2d{layer}", step.batch.rids, counted, self.store.row_bytes)  # (the gather's, there)
+        self.count_corrected(step, layer, counted)
+        return self.padded(sel, slots, ok, room), (k,), (v,)
+
+    def correct_steps(self, step, layer: int, qk, at, held, sel: Selection, per_row: list[int], k, v) -> tuple:
+        """`correct` one step after another: the scores, the pick (correction_rows), the gather; into the room
+        speculation's gather left (or, with none, joined to its rows)."""
+        if not self.prefetch.side_stream:  # nothing here for a worker thread: the next layer's speculation goes now
+            self.prefetch.flush()
+        n = sel.slots.shape[-1]
+        room = k.shape[2] - n - 1
+        s = self.keys.scores_at(layer, qk, at)
+        slots, ok = correction_rows(s, sel, held, per_row, self.opts.group_agg)
+        counted = ok.sum((1, 2))
+        c = slots.shape[-1]
+        assert room >= c or not room, "the correction's rows exceed the room left for them"
+        # a CPU gathers straight into the room; a GPU's kernel into its own buffers
+        into = [(k[:, :, n : n + c], v[:, :, n : n + c])] if room and not self.store.kernel else None
+        every = ok
+        if not self.store.kernel:  # a CPU reads the counts for free: once, for the ledger and whether all count
+            counted = counted.tolist()
+            every = None if sum(counted) == ok.numel() else ok
+        (kc,), (vc,) = self.gather(step, layer, slots, every, 0, counted=counted, phys=step.physical(slots), into=into)
+        self.count_corrected(step, layer, counted)
+        if not room:
+            sel, k, v = joined(sel, slots, ok, k, v, kc, vc)
+            return sel, (k,), (v,)
+        if into is None:
+            k[:, :, n : n + c], v[:, :, n : n + c] = kc, vc
+        k[:, :, n + c : n + room], v[:, :, n + c : n + room] = 0, 0  # never attended (and never NaN bits)
+        return self.padded(sel, slots, ok, room), (k,), (v,)
+
+    def count_corrected(self, step, layer: int, counted) -> None:
+        """The correction's rows per request (a list, or [B] on the device) in the ledger: fetched and corrected."""
         self.store.ledger.add("corrected", step.batch.rids, counted)
         self.store.ledger.add(f"fetched{layer}", step.batch.rids, counted)
-        if got is None:
-            (kc,), (vc,) = kc, vc
-            if not room:
-                sel, k, v = joined(sel, slots, ok, k, v, kc, vc)
-                return sel, (k,), (v,)
-            if into is None:
-                k[:, :, n : n + c], v[:, :, n : n + c] = kc, vc
-        pad = room - c  # rows of the room no sequence took: never attended (and never NaN bits: zeros)
+
+    @staticmethod
+    def padded(sel: Selection, slots: torch.Tensor, ok: torch.Tensor, room: int) -> Selection:
+        """Speculation's selection with the correction's slots and ok [B, Hkv, c] after it, and the rest of the
+        room (rows no sequence took) as slots that do not count."""
+        b, hkv, n = sel.slots.shape
         more_slots, more_ok = [slots], [ok]
-        if pad:
-            if got is None:  # (the kernel's call wrote them)
-                k[:, :, n + c : n + room], v[:, :, n + c : n + room] = 0, 0
+        if room > slots.shape[-1]:
+            pad = room - slots.shape[-1]
             more_slots.append(slots.new_zeros(b, hkv, pad))
             more_ok.append(ok.new_zeros(b, hkv, pad))
-        sel = Selection(torch.cat([sel.slots, *more_slots], -1), torch.cat([sel.ok.expand(b, hkv, n), *more_ok], -1),
-                        False, sel.per_row)  # fmt: skip
-        return sel, (k,), (v,)
+        return Selection(torch.cat([sel.slots, *more_slots], -1), torch.cat([sel.ok.expand(b, hkv, n), *more_ok], -1),
+                         False, sel.per_row)  # fmt: skip
 
     def report(self, rid: int, r: KVReport) -> None:
         led = self.store.ledger

@@ -592,19 +592,20 @@ def correction_rows(s: torch.Tensor, sel: Selection, held: torch.Tensor | None, 
 
 def correction_gathered(keys, j: int, q: torch.Tensor, at, t: int, sel: Selection, held: torch.Tensor | None,
                         per_row: list[int], out_k: torch.Tensor, out_v: torch.Tensor, src_k: torch.Tensor,
-                        src_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:  # fmt: skip
+                        src_v: torch.Tensor,
+                        beside=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:  # fmt: skip
     """correction_rows over every held slot (no shortlist, the group softmax summed) and the gather of the rows it
     picks, in one call of a CPU's kernel where the keys are per-channel ones (ChannelKeys): q [B, Hkv, G, D] scored
     against layer j's keys at `at` (each row's first t held slots), the rows that count copied from the pool's
     src_k, src_v into out_k, out_v [B, Hkv, room, X] (the room speculation's gather left; rows after the picks
     zeros). (slots, ok, the rows that count per (sequence, KV head) [B, Hkv]) as correction_rows' and the gather's,
-    or None where the kernel does not apply."""
+    or None where the kernel does not apply. `beside`: see cpu.correct_channel."""
     if not isinstance(keys, ChannelKeys) or q.device.type != "cpu" or not t:
         return None
     n = max(per_row)
     return cpu.correct_channel(q, keys.codes[j], keys.meta[j], at, t, CHANNEL_TOKENS, sel.slots,
                                None if sel.every else sel.ok, held, min(n, t), min(per_row) < n, per_row, src_k, src_v,
-                               out_k, out_v)  # fmt: skip
+                               out_k, out_v, beside=beside)  # fmt: skip
 
 
 def _counted(values, slots, cand, per_row) -> tuple[torch.Tensor, torch.Tensor]:

@@ -389,8 +389,11 @@ def test_the_corrections_one_call_scores_picks_and_copies_what_its_steps_do(d, g
     """correction_gathered (per-channel keys, a CPU): the same slots, the same rows that count and the same rows
     copied into the room (zeros after them and where a pick does not count) as the steps one after another
     (score_channel, correction_rows, the row gather), through each row's flat slots or one span, with sequences of
-    other lengths (held, and each its own count) or not, and with its pairs shared over torch's threads; a row past
-    the pool is an error, not a read."""
+    other lengths (held, and each its own count) or not, with its pairs shared over torch's threads, or taken from
+    one counter by a worker thread beside it (at any pace: all of them first, or none); a row past the pool is an
+    error, not a read."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
     from infinigen_rt.policies.speculation import Selection, correction_gathered, correction_rows
 
     gen = torch.Generator().manual_seed(d + g)
@@ -412,7 +415,17 @@ def test_the_corrections_one_call_scores_picks_and_copies_what_its_steps_do(d, g
     src_k, src_v = (torch.randn(slots_n * hkv, d, generator=gen) for _ in "kv")
     room = 45
     out = {}
-    for fused in ("shared", True, False):
+    worker = ThreadPoolExecutor(1)
+    took = []
+
+    def first(fn):  # the thread beside takes every pair before the caller starts
+        f = Future()
+        took.append(fn())
+        f.set_result(took[-1])
+        return f
+
+    besides = {"worker": worker.submit, "first": first, "never": lambda fn: Future()}  # never: never starts
+    for fused in ("shared", *besides, True, False):
         big_k, big_v = (torch.full((b, hkv, n + room + 1, d), 7.0) for _ in "kv")
         win_k, win_v = big_k[:, :, n : n + room], big_v[:, :, n : n + room]
         with monkeypatch.context() as m:
@@ -423,7 +436,10 @@ def test_the_corrections_one_call_scores_picks_and_copies_what_its_steps_do(d, g
                                                        src_v)  # fmt: skip
                 out[fused] = slots, ok, pairs, big_k, big_v
                 continue
-        if fused:
+        if fused in besides:
+            slots, ok, pairs = correction_gathered(keys, 0, q, at, t, sel, held, per_row, win_k, win_v, src_k, src_v,
+                                                   besides[fused])  # fmt: skip
+        elif fused:
             slots, ok, pairs = correction_gathered(keys, 0, q, at, t, sel, held, per_row, win_k, win_v, src_k, src_v)
         else:
             slots, ok = correction_rows(keys.scores_at(0, q, at), sel, held, per_row, "sum")
@@ -433,8 +449,10 @@ def test_the_corrections_one_call_scores_picks_and_copies_what_its_steps_do(d, g
             win_k[:, :, slots.shape[-1] :], win_v[:, :, slots.shape[-1] :] = 0, 0
             pairs = ok.sum(-1)
         out[fused] = slots, ok, pairs, big_k, big_v
-    for x, y, z in zip(out[True], out["shared"], out[False], strict=True):
-        assert torch.equal(x, z) and torch.equal(y, z)
+    worker.shutdown()
+    assert took == ([0] if b * hkv > 1 else [])  # (one pair: nothing to share)
+    for x, *ys, z in zip(out[True], *(out[k] for k in ("shared", *besides)), out[False], strict=True):
+        assert torch.equal(x, z) and all(torch.equal(y, z) for y in ys)
     slots, ok, pairs, big_k, _ = out[True]
     assert 0 < int(pairs.sum()) < ok.numel() if uneven else int(pairs.sum()) == ok.numel()
     assert (big_k[:, :, :n] == 7).all() and (big_k[:, :, -1] == 7).all()  # only the room written

@@ -153,6 +153,26 @@ def test_speculating_on_a_worker_thread_changes_nothing(batch, bundles):
     assert all(torch.equal(a, b) for a, b in zip(h0, h1, strict=True))
 
 
+def test_a_worker_threads_held_stages_start_after_the_share_handed_beside_it():
+    """WorkerThread: stages started with `defer` wait; `beside(fn)` runs fn on the worker ahead of them, then they
+    start; a held layer's result starts it; a lane hands its share to its base; close forgets what is held."""
+    import time
+
+    w = WorkerThread()
+    order = []
+    w.start(1, lambda: order.append("spec") or 1, copy=lambda x: order.append("copy") or x + 1, defer=True)
+    time.sleep(0.05)
+    assert 1 in w and order == []
+    share = w.lane().beside(lambda: order.append("share") or 7)
+    assert w.result(1) == 2 and share.result() == 7 and order == ["share", "spec", "copy"]
+    w.start(2, lambda: 2, defer=True)
+    assert w.result(2) == 2  # (started by its result)
+    w.start(3, lambda: order.append("never"), defer=True)
+    w.close()
+    assert 3 not in w and "never" not in order
+    assert Inline().beside(lambda: 1) is None  # nothing beside an inline prefetcher
+
+
 def test_a_runners_decode_step_leaves_the_speculation_worker_a_core(bundles, monkeypatch):
     """On a CPU with two threads, a runner's decode steps compute on one thread once its worker thread speculates
     (the worker takes the other core), torch's two restored between steps; `full` never gives its worker work and

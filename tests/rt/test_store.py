@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from infinigen_rt.kv import cpu
 from infinigen_rt.kv.paged import PagedStore, PoolFull
+from infinigen_rt.kv.prefetch import WorkerThread
 from infinigen_rt.kv.store import BLOCK, KVStore, Selector
 from infinigen_rt.policies.int4 import group_size
 
@@ -360,7 +361,8 @@ def test_per_channel_keys_run_in_the_store_with_the_tokens_and_report_of_each_re
     again as a page fills) in the runner's store, one row of codes for the batch's pages: each request's tokens
     and report are those of its own cache alone, with and without a capacity (new tokens in freed slots); then,
     with the pages the first batch used free again, a second batch gets the same. The correction on this CPU: the
-    kernel's one call (cpu.correct_channel), where it is built."""
+    kernel's one call (cpu.correct_channel), where it is built, its pairs shared with the runner's worker thread
+    (on two threads or more)."""
     from infinigen_rt.bundle import read_bundle
     from infinigen_rt.engine import Engine
     from infinigen_rt.policies import KVOptions, configure
@@ -370,10 +372,17 @@ def test_per_channel_keys_run_in_the_store_with_the_tokens_and_report_of_each_re
     pol = configure(e, "infinigen", KVOptions(budget=0.4, capacity=capacity, window=4, prefill_chunk=8,
                                               spec_keys="int4c", correct=0.25))  # fmt: skip
     prompts = [list(range(5, 42)), list(range(50, 57)), list(range(60, 83))]
-    calls, fused = [], cpu.correct_channel
-    monkeypatch.setattr(cpu, "correct_channel", lambda *a, **k: calls.append(out := fused(*a, **k)) or out)
+    calls, besides, fused = [], set(), cpu.correct_channel
+
+    def counted(*a, beside=None):
+        besides.add(beside is not None)
+        calls.append(out := fused(*a, beside=beside))
+        return out
+
+    monkeypatch.setattr(cpu, "correct_channel", counted)
     solo, joined, run = _alone_then_joined(e, pol, prompts, 9)
     assert calls and None not in calls or cpu.library() is None
+    assert besides == {isinstance(run.prefetch, WorkerThread)} or cpu.library() is None
     alone = [(o.generation.token_ids, o.report.to_dict()) for o in solo]
     assert [(o.generation.token_ids, o.report.to_dict()) for o in joined] == alone
     assert all(0 < r["kv_fetched_share"] < 1 for _, r in alone)
