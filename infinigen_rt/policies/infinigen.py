@@ -524,7 +524,7 @@ class InfinigenSelector(Selector):
         counted = pairs.sum(1).tolist()
         self.store.ledger.add(f"h2d{layer}", step.batch.rids, counted, self.store.row_bytes)  # (the gather's, there)
         self.count_corrected(step, layer, counted)
-        return self.padded(sel, slots, ok, room), (k,), (v,)
+        return self.padded(sel, slots, ok, room, counted), (k,), (v,)
 
     def correct_steps(self, step, layer: int, qk, at, held, sel: Selection, per_row: list[int], k, v) -> tuple:
         """`correct` one step after another: the scores, the pick (correction_rows), the gather; into the room
@@ -552,7 +552,7 @@ class InfinigenSelector(Selector):
         if into is None:
             k[:, :, n : n + c], v[:, :, n : n + c] = kc, vc
         k[:, :, n + c : n + room], v[:, :, n + c : n + room] = 0, 0  # never attended (and never NaN bits)
-        return self.padded(sel, slots, ok, room), (k,), (v,)
+        return self.padded(sel, slots, ok, room, counted), (k,), (v,)
 
     def count_corrected(self, step, layer: int, counted) -> None:
         """The correction's rows per request (a list, or [B] on the device) in the ledger: fetched and corrected."""
@@ -560,17 +560,19 @@ class InfinigenSelector(Selector):
         self.store.ledger.add(f"fetched{layer}", step.batch.rids, counted)
 
     @staticmethod
-    def padded(sel: Selection, slots: torch.Tensor, ok: torch.Tensor, room: int) -> Selection:
+    def padded(sel: Selection, slots: torch.Tensor, ok: torch.Tensor, room: int, counted) -> Selection:
         """Speculation's selection with the correction's slots and ok [B, Hkv, c] after it, and the rest of the
-        room (rows no sequence took) as slots that do not count."""
+        room (rows no sequence took) as slots that do not count. Every row counts (attention takes no mask) where
+        every speculated one did and `counted` (a CPU's list per request; on a GPU a tensor, unread) fills the room."""
         b, hkv, n = sel.slots.shape
+        every = sel.every and isinstance(counted, list) and sum(counted) == b * hkv * room
         more_slots, more_ok = [slots], [ok]
         if room > slots.shape[-1]:
             pad = room - slots.shape[-1]
             more_slots.append(slots.new_zeros(b, hkv, pad))
             more_ok.append(ok.new_zeros(b, hkv, pad))
         return Selection(torch.cat([sel.slots, *more_slots], -1), torch.cat([sel.ok.expand(b, hkv, n), *more_ok], -1),
-                         False, sel.per_row)  # fmt: skip
+                         every, sel.per_row)  # fmt: skip
 
     def report(self, rid: int, r: KVReport) -> None:
         led = self.store.ledger
