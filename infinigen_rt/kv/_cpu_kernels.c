@@ -866,7 +866,8 @@ int infinigen_gather_rows(const uint8_t *src_k, const uint8_t *src_v, const int6
    the token's flat slot x Hkv + the KV head, of src_k, src_v [n_src, rb bytes]) copied as infinigen_gather_rows
    does into dst_k, dst_v [R, width, rb] (pairs `stride` rows apart, width >= k): a row that does not count and rows
    k .. width zeros. The same scores, picks and rows as those calls one after another, without the Python between
-   them. `next` NULL: pairs lo .. hi in order; else a counter shared by the threads that call this at once, each
+   them. With dst_k NULL nothing is copied: rows [R, k] gets each pick's pool row (-1 where it does not count), for
+   attention to read where the pool holds it (infinigen_attend_rows). `next` NULL: pairs lo .. hi in order; else a counter shared by the threads that call this at once, each
    taking pair lo + (*next)++ until hi (the pairs go to whichever thread is free). Returns 0, -1 for shapes it does
    not take (nothing written), -2 for a slot or row outside its buffer, -3 when its buffers could not be allocated. */
 int infinigen_correct_channel(const float *q, const uint8_t *codes, const uint16_t *meta, const int64_t *slots,
@@ -875,9 +876,9 @@ int infinigen_correct_channel(const float *q, const uint8_t *codes, const uint16
                               const uint8_t *src_k, const uint8_t *src_v, uint8_t *dst_k, uint8_t *dst_v,
                               int64_t width, int64_t stride, int64_t rb, int64_t n_src, int64_t B, int64_t Hkv,
                               int64_t G, int64_t D, int64_t run, int64_t T, int64_t S, int64_t start, int64_t k,
-                              int sorted, int64_t *next, int64_t lo, int64_t hi) {
-    if (G < 1 || T < 1 || k < 1 || k > T || T > 0x7fffffff || n < 0 || width < k || stride < width || rb < 1 ||
-        lo < 0 || hi > B * Hkv)
+                              int sorted, int64_t *rows, int64_t *next, int64_t lo, int64_t hi) {
+    if (G < 1 || T < 1 || k < 1 || k > T || T > 0x7fffffff || n < 0 || (dst_k && (width < k || stride < width)) ||
+        rb < 1 || lo < 0 || hi > B * Hkv || (!dst_k && !rows))
         return -1;
     for (int64_t i = lo * n; i < hi * n; i++)
         if (taken[i] < 0 || taken[i] >= T) return -2;
@@ -895,12 +896,13 @@ int infinigen_correct_channel(const float *q, const uint8_t *codes, const uint16
                     if (!held[r * T + t]) s[(r * G + g) * T + t] = -__builtin_inff();
         pick_row(s, taken, taken_ok, n, held, idx, val, r, G, T, k, sorted, p.a, p.e, p.keys, p.at, p.sk, p.sa);
         const int64_t b = r / Hkv, h = r % Hkv, *ir = idx + r * k;
-        uint8_t *dk = dst_k + r * stride * rb, *dv = dst_v + r * stride * rb, *okr = ok + r * k;
-        int64_t count = 0;
+        uint8_t *dk = dst_k ? dst_k + r * stride * rb : 0, *dv = dst_k ? dst_v + r * stride * rb : 0, *okr = ok + r * k;
+        int64_t count = 0, *rr = rows ? rows + r * k : 0;
         for (int64_t i = 0; i < k; i++) {
             okr[i] = val[r * k + i] > -__builtin_inff() && i < limit[b];
+            if (rr) rr[i] = -1;
             if (!okr[i]) {
-                memset(dk + i * rb, 0, (size_t)rb), memset(dv + i * rb, 0, (size_t)rb);
+                if (dk) memset(dk + i * rb, 0, (size_t)rb), memset(dv + i * rb, 0, (size_t)rb);
                 continue;
             }
             const int64_t row = (slots ? slots[b * T + ir[i]] : start + ir[i]) * Hkv + h;
@@ -908,12 +910,162 @@ int infinigen_correct_channel(const float *q, const uint8_t *codes, const uint16
                 rc = -2;
                 break;
             }
-            memcpy(dk + i * rb, src_k + row * rb, (size_t)rb), memcpy(dv + i * rb, src_v + row * rb, (size_t)rb);
+            if (rr) rr[i] = row;
+            if (dk) memcpy(dk + i * rb, src_k + row * rb, (size_t)rb), memcpy(dv + i * rb, src_v + row * rb, (size_t)rb);
             count++;
         }
         got[r] = count;
-        memset(dk + k * rb, 0, (size_t)((width - k) * rb)), memset(dv + k * rb, 0, (size_t)((width - k) * rb));
+        if (dk) memset(dk + k * rb, 0, (size_t)((width - k) * rb)), memset(dv + k * rb, 0, (size_t)((width - k) * rb));
     }
     free(m);
+    return rc;
+}
+
+/* ---- Attention over the chosen rows where the pool holds them (a CPU's decode step, policies/infinigen.py) ---- */
+
+#define ROWS_AHEAD 8 /* a random row's lines on their way while eight others are read */
+
+static inline void prefetch_row(const float *row, int64_t D) {
+    for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(row + d);
+}
+
+#if defined(__AVX512F__)
+/* attend_pair at D = 64 with G <= 4: the heads' queries and sums in registers. */
+static int attend_pair_64(const float *q, const float *K, const float *V, const int64_t *ra, int64_t na,
+                          const int64_t *rb, int64_t nb, const float *kn, const float *vn, float *out, int64_t n_src,
+                          int64_t G, float *s) {
+    const int64_t n = na + nb + 1;
+    __m512 qv[4][4], o[4][4];
+    float top[4], inv[4];
+    for (int64_t g = 0; g < G; g++) {
+        top[g] = -__builtin_inff();
+        for (int c = 0; c < 4; c++) qv[g][c] = _mm512_loadu_ps(q + g * 64 + 16 * c), o[g][c] = _mm512_setzero_ps();
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r = i < na ? ra[i] : i < na + nb ? rb[i - na] : -2;
+        if (r == -1) {
+            for (int64_t g = 0; g < G; g++) s[g * n + i] = -__builtin_inff();
+            continue;
+        }
+        if (r >= n_src || r < -2) return -2;
+        if (i + ROWS_AHEAD < na && ra[i + ROWS_AHEAD] >= 0) prefetch_row(K + ra[i + ROWS_AHEAD] * 64, 64);
+        const float *k = r == -2 ? kn : K + r * 64;
+        const __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16), k2 = _mm512_loadu_ps(k + 32),
+                     k3 = _mm512_loadu_ps(k + 48);
+        for (int64_t g = 0; g < G; g++) {
+            __m512 a = _mm512_mul_ps(qv[g][0], k0);
+            a = _mm512_fmadd_ps(qv[g][1], k1, a);
+            a = _mm512_fmadd_ps(qv[g][2], k2, a);
+            a = _mm512_fmadd_ps(qv[g][3], k3, a);
+            const float dot = _mm512_reduce_add_ps(a);
+            s[g * n + i] = dot;
+            top[g] = dot > top[g] ? dot : top[g];
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float sum = 0.0f, *x = s + g * n;
+        for (int64_t i = 0; i < n; i++) {
+            x[i] = exp_neg(x[i] - top[g]);
+            sum += x[i];
+        }
+        inv[g] = 1.0f / sum;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r = i < na ? ra[i] : i < na + nb ? rb[i - na] : -2;
+        if (r == -1) continue;
+        if (i + ROWS_AHEAD < na && ra[i + ROWS_AHEAD] >= 0) prefetch_row(V + ra[i + ROWS_AHEAD] * 64, 64);
+        const float *v = r == -2 ? vn : V + r * 64;
+        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                     v3 = _mm512_loadu_ps(v + 48);
+        for (int64_t g = 0; g < G; g++) {
+            const __m512 w = _mm512_set1_ps(s[g * n + i]);
+            o[g][0] = _mm512_fmadd_ps(w, v0, o[g][0]), o[g][1] = _mm512_fmadd_ps(w, v1, o[g][1]);
+            o[g][2] = _mm512_fmadd_ps(w, v2, o[g][2]), o[g][3] = _mm512_fmadd_ps(w, v3, o[g][3]);
+        }
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + g * 64 + 16 * c, _mm512_mul_ps(o[g][c], _mm512_set1_ps(inv[g])));
+    return 0;
+}
+#endif
+
+/* One (sequence, KV head) pair p: its G query heads q [G, D] (scaled) against the rows of K, V [n_src, D] float32
+   listed in ra [na] and rb [nb] (-1: a row that does not count), then its new token's kn, vn [D], into out [G, D]: a
+   softmax over the rows of each head's scores, and the sum of the V rows it weighs. Each row's K and V read once
+   for the G heads. s: room for G x (na + nb + 1) floats. -2 for a row outside the pool. */
+static inline __attribute__((always_inline)) int attend_pair(const float *q, const float *K, const float *V, const int64_t *ra, int64_t na,
+                       const int64_t *rb, int64_t nb, const float *kn, const float *vn, float *out, int64_t n_src,
+                       int64_t G, int64_t D, float *s) {
+    const int64_t n = na + nb + 1;
+    float top[16];
+    for (int64_t g = 0; g < G; g++) top[g] = -__builtin_inff();
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r = i < na ? ra[i] : i < na + nb ? rb[i - na] : -2;
+        const float *k = r == -2 ? kn : K + r * D;
+        if (r == -1) {
+            for (int64_t g = 0; g < G; g++) s[g * n + i] = -__builtin_inff();
+            continue;
+        }
+        if (r >= n_src || r < -2) return -2;
+        if (i + ROWS_AHEAD < na && ra[i + ROWS_AHEAD] >= 0) prefetch_row(K + ra[i + ROWS_AHEAD] * D, D);
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = q + g * D;
+            float dot = 0.0f;
+            for (int64_t d = 0; d < D; d++) dot += qg[d] * k[d];
+            s[g * n + i] = dot;
+            top[g] = dot > top[g] ? dot : top[g];
+        }
+    }
+    float inv[16];
+    for (int64_t g = 0; g < G; g++) {
+        float sum = 0.0f, *x = s + g * n;
+        for (int64_t i = 0; i < n; i++) {
+            x[i] = exp_neg(x[i] - top[g]);
+            sum += x[i];
+        }
+        inv[g] = 1.0f / sum;
+    }
+    for (int64_t g = 0; g < G * D; g++) out[g] = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r = i < na ? ra[i] : i < na + nb ? rb[i - na] : -2;
+        if (r == -1) continue;
+        const float *v = r == -2 ? vn : V + r * D;
+        if (i + ROWS_AHEAD < na && ra[i + ROWS_AHEAD] >= 0) prefetch_row(V + ra[i + ROWS_AHEAD] * D, D);
+        for (int64_t g = 0; g < G; g++) {
+            const float w = s[g * n + i];
+            float *o = out + g * D;
+            for (int64_t d = 0; d < D; d++) o[d] += w * v[d];
+        }
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t d = 0; d < D; d++) out[g * D + d] *= inv[g];
+    return 0;
+}
+
+/* A decode step's attention for pairs lo .. hi of P = B x Hkv: q [P, G, D] (scaled), the rows ra [P, na] and rb
+   [P, nb] (rb NULL: none) of K, V [n_src, D] float32 (-1: a row that does not count), the new tokens' kn, vn [P, D],
+   into out [P, G, D]; `next` as infinigen_correct_channel's (NULL: pairs lo .. hi in order; else a counter the
+   threads calling at once share). Returns 0, -1 for shapes it does not take, -2 for a row outside the pool, -3 when
+   its buffer could not be allocated. */
+int infinigen_attend_rows(const float *q, const float *K, const float *V, const int64_t *ra, int64_t na,
+                          const int64_t *rb, int64_t nb, const float *kn, const float *vn, float *out, int64_t n_src,
+                          int64_t P, int64_t G, int64_t D, int64_t *next, int64_t lo, int64_t hi) {
+    if (G < 1 || G > 16 || D < 1 || na < 0 || nb < 0 || (nb && !rb) || lo < 0 || hi > P) return -1;
+    float *s = malloc(sizeof(float) * (size_t)(G * (na + nb + 1)));
+    if (!s) return -3;
+    int rc = 0;
+    for (int64_t p = next ? lo + __atomic_fetch_add(next, 1, __ATOMIC_RELAXED) : lo; p < hi && !rc;
+         p = next ? lo + __atomic_fetch_add(next, 1, __ATOMIC_RELAXED) : p + 1)
+#if defined(__AVX512F__)
+        if (D == 64 && G <= 4)
+            rc = attend_pair_64(q + p * G * 64, K, V, ra + p * na, na, rb ? rb + p * nb : 0, nb, kn + p * 64,
+                                vn + p * 64, out + p * G * 64, n_src, G, s);
+        else
+#endif
+        rc = D == 64 ? attend_pair(q + p * G * 64, K, V, ra + p * na, na, rb ? rb + p * nb : 0, nb, kn + p * 64,
+                                   vn + p * 64, out + p * G * 64, n_src, G, 64, s)
+                     : attend_pair(q + p * G * D, K, V, ra + p * na, na, rb ? rb + p * nb : 0, nb, kn + p * D,
+                                   vn + p * D, out + p * G * D, n_src, G, D, s);
+    free(s);
     return rc;
 }

@@ -126,7 +126,11 @@ def library() -> ctypes.CDLL | None:
         f = lib.infinigen_correct_channel
         f.restype = ctypes.c_int
         f.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] + [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 13 + [
-            ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int64] * 2  # fmt: skip
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 2  # fmt: skip
+        f = lib.infinigen_attend_rows
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64] + [
+            ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] + [ctypes.c_int64] * 2  # fmt: skip
         _lib = lib
     return _lib
 
@@ -215,6 +219,20 @@ def _split(f, args: tuple, rows: int, per_row: int) -> int:
     cuts = [rows * i // min(n, rows) for i in range(min(n, rows) + 1)]
     rcs = list(_threads().map(lambda lo_hi: f(*args, *lo_hi), zip(cuts, cuts[1:], strict=False)))
     return next((rc for rc in rcs if rc), 0)
+
+
+def _shared(f, args: tuple, pairs: int, per_pair: int, beside) -> int:
+    """f(*args, next, lo, hi) over pairs 0 .. pairs, a kernel whose pairs the threads calling it at once take from
+    the counter `next` (NULL: lo .. hi in order): with `beside` (prefetch's: a worker thread) the worker takes them
+    beside the calling thread, whichever is free taking the next; without it, _split's shares. Its return code."""
+    share = None
+    if beside is not None and pairs > 1:
+        nxt = torch.zeros(1, dtype=torch.int64)  # (held through the calls)
+        share = beside(lambda: f(*args, nxt.data_ptr(), 0, pairs))
+    if share is None:
+        return _split(f, (*args, None), pairs, per_pair)
+    rc = f(*args, nxt.data_ptr(), 0, pairs)
+    return rc or (0 if share.cancel() else share.result())  # (not started: the pairs ran out here)
 
 
 def _floats(x: torch.Tensor) -> ctypes.CDLL | None:
@@ -356,23 +374,31 @@ def gather_rows(src_k: torch.Tensor, src_v: torch.Tensor, rows: torch.Tensor, ou
 
 def correct_channel(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, t: int, run: int,
                     taken: torch.Tensor, taken_ok: torch.Tensor | None, held: torch.Tensor | None, k: int,
-                    sorted: bool, limit: list[int], src_k: torch.Tensor, src_v: torch.Tensor, out_k: torch.Tensor,
-                    out_v: torch.Tensor,
-                    beside=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:  # fmt: skip
+                    sorted: bool, limit: list[int], src_k: torch.Tensor, src_v: torch.Tensor,
+                    out_k: torch.Tensor | None, out_v: torch.Tensor | None, beside=None) -> tuple | None:  # fmt: skip
     """The correction step with per-channel keys in one call (the kernel's infinigen_correct_channel): q [B, Hkv,
     G, D] scored as score_channel against each row's first t held slots (`at` [B, t] flat slots, or a slice), the
     pick as correct_pick's (taken [B, Hkv, n] token slots, taken_ok, held [B, Hkv, t]; k, sorted), the picks past
     each sequence's `limit` not counting, and the rows that count copied as gather_rows does into out_k, out_v
     [B, Hkv, k', X] (k' >= k: rows after k zeros; a window of a contiguous tensor) from the pool src_k, src_v (rows
-    flat slot x Hkv + KV head). (slots [B, Hkv, k] int64, ok [B, Hkv, k] bool, the rows that count per (sequence,
-    KV head) [B, Hkv] int64), or None where it does not apply: the caller's steps then run one after another.
+    flat slot x Hkv + KV head); out_k None: nothing copied, each pick's pool row (-1 where it does not count)
+    returned for attention to read it there (attend_rows). (slots [B, Hkv, k] int64, ok [B, Hkv, k] bool, the rows
+    that count per (sequence, KV head) [B, Hkv] int64, those pool rows [B, Hkv, k] int64 or None where they were
+    copied), or None where it does not apply: the caller's steps then run one after another.
     `beside`: prefetch's `beside` (a worker thread that takes a share of the pairs), or None: the pairs split as
     `_split` does."""
     lib = _taking(codes, meta)
     b, hkv, g, d = q.shape
-    if lib is None or codes.shape[0] != 1 or isinstance(at, int) or not 0 < k <= t or out_k.shape[2] < k:
+    if lib is None or codes.shape[0] != 1 or isinstance(at, int) or not 0 < k <= t:
         return None
-    stride = _rows_window(src_k, src_v, out_k, out_v, b, hkv)
+    rows = None
+    if out_k is None:  # the picks' pool rows, nothing copied
+        if not _pool_pair(src_k, src_v):
+            return None
+        out_k = out_v = rows = torch.empty(b, hkv, k, dtype=torch.int64)
+        stride = k
+    else:
+        stride = _rows_window(src_k, src_v, out_k, out_v, b, hkv) if out_k.shape[2] >= k else None
     if stride is None:
         return None
     x = src_k.shape[-1]
@@ -393,25 +419,57 @@ def correct_channel(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at
     ptr = lambda y: None if y is None else y.data_ptr()  # noqa: E731
     args = (q.data_ptr(), codes.data_ptr(), meta.data_ptr(), ptr(slots), s.data_ptr(), taken.data_ptr(), ptr(ok_in), n,
             ptr(held), idx.data_ptr(), val.data_ptr(), ok.data_ptr(), got.data_ptr(), lim.data_ptr(), src_k.data_ptr(),
-            src_v.data_ptr(), out_k.data_ptr(), out_v.data_ptr(), out_k.shape[2], stride, x * src_k.element_size(),
-            src_k.numel() // x, b, hkv, g, d, run, t, codes.shape[2], start, k, int(sorted))  # fmt: skip
-    f, pairs = lib.infinigen_correct_channel, b * hkv
-    share = None
-    if beside is not None and pairs > 1:  # the pairs shared with the thread beside: whichever is free takes the next
-        nxt = torch.zeros(1, dtype=torch.int64)
-        share = beside(lambda: f(*args, nxt.data_ptr(), 0, pairs))
-    if share is None:
-        rc = _split(f, (*args, None), pairs, t)
-    else:
-        rc = f(*args, nxt.data_ptr(), 0, pairs)
-        rc = rc or (0 if share.cancel() else share.result())  # (not started: the pairs ran out here)
+            src_v.data_ptr(), None if rows is not None else out_k.data_ptr(), out_v.data_ptr(), out_k.shape[2], stride,
+            x * src_k.element_size(), src_k.numel() // x, b, hkv, g, d, run, t, codes.shape[2], start, k, int(sorted),
+            ptr(rows))  # fmt: skip
+    rc = _shared(lib.infinigen_correct_channel, args, b * hkv, t, beside)
     if rc == -1:
         return None
     if rc == -3:
         raise MemoryError("the CPU correction kernel could not allocate its buffers")
     if rc:
         raise IndexError(f"the correction's slots or rows: {ERRORS.get(rc, f'error {rc}')}")
-    return idx, ok.view(torch.bool), got
+    return idx, ok.view(torch.bool), got, rows
+
+
+def _pool_pair(src_k: torch.Tensor, src_v: torch.Tensor) -> bool:
+    """A pool's K and V ([..., X]) as the row kernels read them: CPU tensors, contiguous, alike."""
+    return (src_k.device.type == "cpu" and src_v.device.type == "cpu" and src_k.is_contiguous()
+            and src_v.is_contiguous() and src_k.shape == src_v.shape and src_k.dtype == src_v.dtype)  # fmt: skip
+
+
+def attend_rows(q: torch.Tensor, src_k: torch.Tensor, src_v: torch.Tensor, rows: list[torch.Tensor],
+                k_new: torch.Tensor, v_new: torch.Tensor, beside=None) -> torch.Tensor | None:  # fmt: skip
+    """A decode step's attention over the rows where the pool holds them (the kernel's infinigen_attend_rows): q
+    [B, H, 1, D] (a KV head's H / Hkv query heads together), the pool's rows `rows` (one or two [B, Hkv, n_i] int64,
+    flat slot x Hkv + KV head, -1 where a row does not count) of src_k, src_v ([..., D] float32), then each pair's
+    new token k_new, v_new [B, Hkv, 1, D]: [B, H, 1, D], SDPA's over those rows up to float32 rounding (its scale,
+    1 / sqrt(D)). None where it does not apply (the caller gathers the rows and runs SDPA); IndexError for a row
+    outside the pool. `beside`: as correct_channel's."""
+    lib = None if _off else library()
+    b, h, _, d = q.shape
+    hkv = k_new.shape[1]
+    if (lib is None or not _pool_pair(src_k, src_v) or src_k.dtype != torch.float32 or src_k.shape[-1] != d
+            or q.dtype != torch.float32 or h % hkv or h // hkv > 16 or len(rows) not in (1, 2)
+            or q.device.type != "cpu"):  # fmt: skip
+        return None
+    # held in names through the call (see quantize_rows)
+    qs = (q * d**-0.5).contiguous()
+    kn, vn = k_new.float().contiguous(), v_new.float().contiguous()
+    ra = rows[0].to(torch.int64).contiguous()
+    rb = rows[1].to(torch.int64).contiguous() if len(rows) > 1 else None
+    out = torch.empty_like(qs)
+    args = (qs.data_ptr(), src_k.data_ptr(), src_v.data_ptr(), ra.data_ptr(), ra.shape[-1],
+            None if rb is None else rb.data_ptr(), 0 if rb is None else rb.shape[-1], kn.data_ptr(), vn.data_ptr(),
+            out.data_ptr(), src_k.numel() // d, b * hkv, h // hkv, d)  # fmt: skip
+    rc = _shared(lib.infinigen_attend_rows, args, b * hkv, ra.shape[-1] * h, beside)
+    if rc == -1:
+        return None
+    if rc == -3:
+        raise MemoryError("the CPU attention kernel could not allocate its buffer")
+    if rc:
+        raise IndexError(f"attending rows: {ERRORS[-2]}")
+    return out
 
 
 def _rows_window(src_k, src_v, out_k, out_v, b: int, h: int) -> int | None:

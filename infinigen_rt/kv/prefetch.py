@@ -58,10 +58,11 @@ class Prefetch:
     def flush(self) -> None:
         """Start the copies held back (`defer`)."""
 
-    def beside(self, fn) -> Future | None:
+    def beside(self, fn, then: bool = True) -> Future | None:
         """Hand fn (a share of work on the critical path that the compute thread also takes part in) to the thread
-        beside the compute thread, ahead of the stages held back (`defer`), which then start: its Future, or None where
-        no thread is beside it (inline, a side stream: then nothing starts)."""
+        beside the compute thread, ahead of the stages held back (`defer`), which then start (`then` False: they
+        wait for a later share, or `flush`): its Future, or None where no thread is beside it (inline, a side
+        stream: then nothing starts)."""
         return None
 
     def sharing(self):
@@ -101,9 +102,10 @@ class WorkerThread(Prefetch):
             self.pending[layer] = self.pool.submit(_staged, fn, args, copy)
         self.held.clear()
 
-    def beside(self, fn) -> Future:
+    def beside(self, fn, then: bool = True) -> Future:
         share = self.pool.submit(fn)
-        self.flush()
+        if then:
+            self.flush()
         return share
 
     def __contains__(self, layer) -> bool:
@@ -223,8 +225,8 @@ class Lane:
     def flush(self) -> None:
         self.base.flush()
 
-    def beside(self, fn) -> Future | None:
-        return self.base.beside(fn)
+    def beside(self, fn, then: bool = True) -> Future | None:
+        return self.base.beside(fn, then)
 
     def result(self, layer: int):
         self.keys.discard((self, layer))

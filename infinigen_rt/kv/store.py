@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from infinigen_rt.kv import cpu
 from infinigen_rt.kv.attention import decode_sdpa, paged_decode
 from infinigen_rt.kv.cache import KVCache, KVReport, causal_mask
 from infinigen_rt.kv.kernels import scatter_rows
@@ -524,6 +525,38 @@ class Evicting:
         store.ledger.add("evictions", rids, over * store.n_kv * len(self.at))
 
 
+@dataclass
+class PoolRows:
+    """What a CPU's decode step attends in a pooled layer, read where the pool holds it (no copy: on a CPU the
+    host pool is the memory attention reads): the layer's pool src_k, src_v (one part each: Plain) and `rows`, one or
+    two [B, Hkv, n_i] int64 (flat slot x Hkv + KV head, -1 where a row does not count), then each row's new token.
+    `prefetch`: the selector's, whose worker thread takes a share of the (sequence, KV head) pairs before the next
+    layer's speculation held for it starts (prefetch.beside)."""
+
+    src_k: torch.Tensor
+    src_v: torch.Tensor
+    rows: list[torch.Tensor]
+    prefetch: object = None
+
+    def attend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+        """q [B, H, 1, D] over the rows and then k_new, v_new [B, Hkv, 1, D]: the kernel's, or where it does not
+        apply the rows gathered and SDPA (masked where a row does not count)."""
+        lend = self.prefetch
+        out = cpu.attend_rows(q, self.src_k, self.src_v, self.rows, k_new, v_new, lend and lend.beside)
+        if lend is not None:
+            lend.flush()  # (what a share did not start)
+        if out is not None:
+            return out
+        d = self.src_k.shape[-1]
+        rows = torch.cat(self.rows, -1)
+        ok = rows >= 0
+        flat_k, flat_v = self.src_k.view(-1, d), self.src_v.view(-1, d)
+        keys = torch.cat([flat_k[rows.clamp(min=0)], k_new.to(flat_k.dtype)], 2)
+        values = torch.cat([flat_v[rows.clamp(min=0)], v_new.to(flat_v.dtype)], 2)
+        mask = torch.cat([ok, torch.ones_like(ok[..., :1])], -1)[:, :, None]
+        return decode_sdpa(q, keys.to(q.dtype), values.to(q.dtype), mask)
+
+
 class Selector:
     """A policy as the store runs it: which layers keep their KV on the device (`device_layers`), which are pooled in
     host memory (`pooled_layers`), which rows of a pooled layer a decode step reads, and how its host rows hold them
@@ -640,6 +673,8 @@ class Selector:
         new = store.write(layer, slots, k, v)
         store.ledger.add("d2h", step.rids, k.shape[1] * store.row_bytes)
         self.written(step.batch, layer, k, slots, None if self.evicting is None else step.reusing)
+        if isinstance(keys, PoolRows):  # read where the pool holds them
+            return keys.attend(q, *(store.layout.decode(x) for x in new))
         for held, parts in zip((keys, values), new, strict=True):
             for x, y in zip(held, parts, strict=True):
                 x[:, :, -1:] = y

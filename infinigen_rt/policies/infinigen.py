@@ -26,14 +26,16 @@ import torch
 
 from infinigen_rt.bundle import InfinigenDefaults
 from infinigen_rt.errors import InfinigenError
+from infinigen_rt.kv import cpu
 from infinigen_rt.kv.cache import KVReport, kv_layers
 from infinigen_rt.kv.kernels import gather_reused
 from infinigen_rt.kv.prefetch import prefetcher
-from infinigen_rt.kv.store import BLOCK, Evicting, Selector
+from infinigen_rt.kv.store import BLOCK, Evicting, Plain, PoolRows, Selector
 from infinigen_rt.policies.offload import POOL_KNOBS, OffloadCache, device_pairs
 from infinigen_rt.policies.options import KVOptions
 from infinigen_rt.policies.speculation import (
     BUCKET,
+    ChannelKeys,
     Selection,
     Speculator,
     correction_counts,
@@ -401,6 +403,12 @@ class InfinigenSelector(Selector):
         self.sync_free = store.device.type == "cuda"  # no device read for the fetch size
         # rows reused across steps: the kernel's (a CPU's host memory is its device memory: nothing to save)
         self.last_rows = LastRows(self.store) if self.opts.reuse and store.kernel else None
+        # on a CPU, attention reads the chosen rows where the pool holds them (PoolRows), copying none: the rows as
+        # they are (Plain, float32), and no correction or its one call (which then returns the picks' pool rows)
+        one_call = isinstance(self.keys, ChannelKeys) and not self.opts.shortlist and self.opts.group_agg == "sum"
+        self.in_place = (not store.kernel and store.device.type == "cpu" and type(store.layout) is Plain
+                         and store.layout.dtype == torch.float32 and cpu.library() is not None
+                         and (not self.opts.correct or one_call))  # fmt: skip
 
     def written(self, batch, layer, k, phys, reusing=None) -> None:
         b, h, s, d = k.shape  # the batch's new keys as one sequence of the store's, at their flat slots
@@ -435,9 +443,10 @@ class InfinigenSelector(Selector):
     def observe(self, step, layer, x) -> None:
         j = layer + 1
         if j in self.store.pooled:  # while layer j-1 computes (the pooled layers are the speculated ones)
-            # with a correction at layer j-1, j's copy waits for it (prefetch.py: the link's order)
-            self.prefetch.start(j, self.speculate, step, j, x, copy=self.copy,
-                                defer=bool(self.opts.correct) and layer in self.prefetch)  # fmt: skip
+            # with a correction at layer j-1, j's copy waits for it (prefetch.py: the link's order); in place, j's
+            # speculation waits for the worker's shares of j-1's correction and attention (PoolRows)
+            later = (bool(self.opts.correct) or self.in_place) and layer in self.prefetch
+            self.prefetch.start(j, self.speculate, step, j, x, copy=self.copy, defer=later)
 
     @torch.inference_mode()
     def speculate(self, step, j: int, x: torch.Tensor):
@@ -459,10 +468,25 @@ class InfinigenSelector(Selector):
         [B, Hkv, n + 1, D] each (store.Plain)."""
         step, j, sel = chosen
         sel.counted = None if sel.every else sel.ok.sum((1, 2))  # rows per request (its fetch, its bytes)
+        if self.in_place:  # their pool rows, for attention to read there (PoolRows)
+            return sel, self.pool_rows(step, j, sel.slots, None if sel.every else sel.ok, sel.counted, 1), None
         if self.last_rows is not None:
             return sel, *self.last_rows.gather(step, j, sel, self.room(step, j))
         return sel, *self.gather(step, j, sel.slots, None if sel.every else sel.ok, 1, j % 2, sel.counted,
                                  step.physical(sel.slots), room=self.room(step, j))  # fmt: skip
+
+    def pool_rows(self, step, j: int, slots: torch.Tensor, ok: torch.Tensor | None, counted,
+                  extra: int = 0) -> torch.Tensor:  # fmt: skip
+        """The pool rows [B, Hkv, n] (flat slot x Hkv + KV head) of layer j's token slots [B, Hkv, n], -1 where ok
+        is False. The rows that count (`counted` per request, or every one) and `extra` new tokens' a KV head go in
+        the ledger as a CPU's gather counts them (the rows read from the host pool, and the new token's)."""
+        h, n = self.store.n_kv, slots.shape[-1]
+        rows = step.physical(slots) * h + torch.arange(h, device=slots.device).view(1, h, 1)
+        if ok is not None:
+            rows = rows.masked_fill(~ok, -1)
+        read = h * (n + extra) if counted is None else counted if not extra else counted + extra * h  # (a tensor)
+        self.store.ledger.add(f"h2d{j}", step.batch.rids, read, self.store.row_bytes)
+        return rows
 
     def counts(self, step, j: int) -> list[int]:
         """What layer j's correction fetches per request this step (correction_counts): worked out once a step and
@@ -487,12 +511,16 @@ class InfinigenSelector(Selector):
         led.add(f"fetched{layer}", rids, sel.slots.shape[-1] * self.store.n_kv if sel.every else sel.counted)
         if self.opts.correct:
             sel, k, v = self.correct(step, layer, q, sel, k, v)
-            self.prefetch.flush()  # the next layer's copy, after this correction's
+            if not self.in_place:  # (in place: after attention's share, PoolRows)
+                self.prefetch.flush()  # the next layer's copy, after this correction's
         if self.evicting is not None:
             self.evicting.mark(step, layer, sel.slots, None if sel.every else sel.ok)
         led.add(f"held{layer}", rids, self.kept(step) * self.store.n_kv)
         led.add("per_row", rids, sel.per_row)
         led.add("per_row_n", rids, 1)
+        if self.in_place:  # k: the speculated rows' pool rows, v: the correction's (or None)
+            (src_k,), (src_v,) = self.store.k[layer], self.store.v[layer]
+            return PoolRows(src_k, src_v, [k] if v is None else [k, v], self.prefetch), None, None
         return k, v, None if sel.every else sel.ok
 
     def correct(self, step, layer: int, q: torch.Tensor, sel: Selection, k, v) -> tuple:
@@ -508,6 +536,8 @@ class InfinigenSelector(Selector):
         at = step.span or step.idx if sel.cand is None else step.physical(sel.cand)  # every held slot, or a shortlist
         qk = self.spec.keys_side(layer, q.reshape(b, hkv, -1, q.shape[-1]), self.keys.full)
         held = self.held(step, layer)[0]
+        if self.in_place:
+            return self.correct_in_place(step, layer, qk, at, held, sel, per_row, k)
         (k,), (v,) = k, v  # plain rows: one part each
         n = sel.slots.shape[-1]
         room = k.shape[2] - n - 1  # what speculation's gather left free (see room)
@@ -520,11 +550,29 @@ class InfinigenSelector(Selector):
                                       self.prefetch.beside)  # fmt: skip
         if got is None:
             return self.correct_steps(step, layer, qk, at, held, sel, per_row, k, v)
-        slots, ok, pairs = got  # (the call wrote zeros in the room's rows no pick took)
+        slots, ok, pairs, _ = got  # (the call wrote zeros in the room's rows no pick took)
         counted = pairs.sum(1).tolist()
         self.store.ledger.add(f"h2d{layer}", step.batch.rids, counted, self.store.row_bytes)  # (the gather's, there)
         self.count_corrected(step, layer, counted)
         return self.padded(sel, slots, ok, room, counted), (k,), (v,)
+
+    def correct_in_place(self, step, layer: int, qk, at, held, sel: Selection, per_row: list[int], rows) -> tuple:
+        """`correct` where attention reads the rows in the pool (in_place): the kernel's one call picks and returns
+        the picks' pool rows, copying none (else the scores and the pick, then their rows); (the selection with the
+        picks, the speculated rows' pool rows, the picks')."""
+        (src_k,), (src_v,) = self.store.k[layer], self.store.v[layer]
+        got = correction_gathered(self.keys, layer, qk, at, step.held[0], sel, held, per_row, None, None, src_k, src_v,
+                                  lambda fn: self.prefetch.beside(fn, then=False))  # (then attention's share)
+        if got is None:
+            slots, ok = correction_rows(self.keys.scores_at(layer, qk, at), sel, held, per_row, self.opts.group_agg)
+            counted = ok.sum((1, 2)).tolist()
+            more = self.pool_rows(step, layer, slots, ok, counted)
+        else:
+            slots, ok, pairs, more = got
+            counted = pairs.sum(1).tolist()
+            self.store.ledger.add(f"h2d{layer}", step.batch.rids, counted, self.store.row_bytes)
+        self.count_corrected(step, layer, counted)
+        return self.padded(sel, slots, ok, slots.shape[-1], counted), rows, more
 
     def correct_steps(self, step, layer: int, qk, at, held, sel: Selection, per_row: list[int], k, v) -> tuple:
         """`correct` one step after another: the scores, the pick (correction_rows), the gather; into the room

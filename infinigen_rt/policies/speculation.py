@@ -591,15 +591,15 @@ def correction_rows(s: torch.Tensor, sel: Selection, held: torch.Tensor | None, 
 
 
 def correction_gathered(keys, j: int, q: torch.Tensor, at, t: int, sel: Selection, held: torch.Tensor | None,
-                        per_row: list[int], out_k: torch.Tensor, out_v: torch.Tensor, src_k: torch.Tensor,
-                        src_v: torch.Tensor,
-                        beside=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:  # fmt: skip
+                        per_row: list[int], out_k: torch.Tensor | None, out_v: torch.Tensor | None,
+                        src_k: torch.Tensor, src_v: torch.Tensor, beside=None) -> tuple | None:  # fmt: skip
     """correction_rows over every held slot (no shortlist, the group softmax summed) and the gather of the rows it
     picks, in one call of a CPU's kernel where the keys are per-channel ones (ChannelKeys): q [B, Hkv, G, D] scored
     against layer j's keys at `at` (each row's first t held slots), the rows that count copied from the pool's
     src_k, src_v into out_k, out_v [B, Hkv, room, X] (the room speculation's gather left; rows after the picks
-    zeros). (slots, ok, the rows that count per (sequence, KV head) [B, Hkv]) as correction_rows' and the gather's,
-    or None where the kernel does not apply. `beside`: see cpu.correct_channel."""
+    zeros; out_k None: nothing copied). (slots, ok, the rows that count per (sequence, KV head) [B, Hkv], and with
+    out_k None each pick's pool row, -1 where it does not count) as correction_rows' and the gather's, or None
+    where the kernel does not apply. `beside`: see cpu.correct_channel."""
     if not isinstance(keys, ChannelKeys) or q.device.type != "cpu" or not t:
         return None
     n = max(per_row)

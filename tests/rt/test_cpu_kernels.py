@@ -432,15 +432,15 @@ def test_the_corrections_one_call_scores_picks_and_copies_what_its_steps_do(d, g
             if fused == "shared":  # every call over torch's threads (a pair each, at most)
                 m.setattr(cpu, "SPLIT_WORK", 0)
                 m.setattr(torch, "get_num_threads", lambda: 2)
-                slots, ok, pairs = correction_gathered(keys, 0, q, at, t, sel, held, per_row, win_k, win_v, src_k,
+                slots, ok, pairs, _ = correction_gathered(keys, 0, q, at, t, sel, held, per_row, win_k, win_v, src_k,
                                                        src_v)  # fmt: skip
                 out[fused] = slots, ok, pairs, big_k, big_v
                 continue
         if fused in besides:
-            slots, ok, pairs = correction_gathered(keys, 0, q, at, t, sel, held, per_row, win_k, win_v, src_k, src_v,
+            slots, ok, pairs, _ = correction_gathered(keys, 0, q, at, t, sel, held, per_row, win_k, win_v, src_k, src_v,
                                                    besides[fused])  # fmt: skip
         elif fused:
-            slots, ok, pairs = correction_gathered(keys, 0, q, at, t, sel, held, per_row, win_k, win_v, src_k, src_v)
+            slots, ok, pairs, _ = correction_gathered(keys, 0, q, at, t, sel, held, per_row, win_k, win_v, src_k, src_v)
         else:
             slots, ok = correction_rows(keys.scores_at(0, q, at), sel, held, per_row, "sum")
             rows = torch.gather(phys, 1, slots.reshape(b, -1)).view(slots.shape) * hkv + torch.arange(hkv)[:, None]
@@ -456,6 +456,11 @@ def test_the_corrections_one_call_scores_picks_and_copies_what_its_steps_do(d, g
     slots, ok, pairs, big_k, _ = out[True]
     assert 0 < int(pairs.sum()) < ok.numel() if uneven else int(pairs.sum()) == ok.numel()
     assert (big_k[:, :, :n] == 7).all() and (big_k[:, :, -1] == 7).all()  # only the room written
+    # nothing copied: the picks' pool rows instead (-1 where a pick does not count), for attention to read there
+    slots_r, ok_r, pairs_r, rows = correction_gathered(keys, 0, q, at, t, sel, held, per_row, None, None, src_k, src_v)
+    assert torch.equal(slots_r, slots) and torch.equal(ok_r, ok) and torch.equal(pairs_r, pairs)
+    want = torch.gather(phys, 1, slots.reshape(b, -1)).view(slots.shape) * hkv + torch.arange(hkv)[:, None]
+    assert torch.equal(rows, torch.where(ok, want, -1))
     if not span:
         at[0, 5] = slots_n  # a slot past the keys' rows
         with pytest.raises(IndexError):
@@ -539,3 +544,57 @@ def test_a_cpu_decode_step_scores_and_quantizes_through_the_kernel(keys, bundles
     assert calls["correct_pick"] >= 5 * speculated, calls
     assert torch.equal(toks, ref_toks)
     assert (got - ref).abs().max().item() <= 1e-3
+
+
+@needs_kernel
+@pytest.mark.parametrize("d, g, two", [(64, 3, True), (64, 1, False), (64, 7, True), (96, 2, False), (32, 4, True)])
+def test_attention_over_the_rows_in_the_pool_is_sdpa_over_those_rows_gathered(d, g, two):
+    """cpu.attend_rows (a CPU's decode step reading the chosen rows where the pool holds them): SDPA's output over
+    the same rows gathered and then the new token's, up to float32 rounding, with rows that do not count (-1)
+    skipped, one list of rows or two (speculation's and the correction's), the pairs in order, over torch's threads,
+    or taken with a worker thread beside (at any pace); PoolRows gives the same with the kernels off (the rows
+    gathered, SDPA masked); a row past the pool is an error, not a read."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    from infinigen_rt.kv.attention import decode_sdpa
+    from infinigen_rt.kv.store import PoolRows
+
+    gen = torch.Generator().manual_seed(d * g)
+    b, hkv, slots = 3, 2, 300
+    src_k, src_v = (torch.randn(slots * hkv, d, generator=gen) for _ in "kv")
+    q = torch.randn(b, hkv * g, 1, d, generator=gen)
+    kn, vn = (torch.randn(b, hkv, 1, d, generator=gen) for _ in "kv")
+    rows = [torch.randint(0, slots * hkv, (b, hkv, n), generator=gen) for n in ((40, 9) if two else (45,))]
+    for r in rows:
+        r[torch.rand(r.shape, generator=gen) < 0.2] = -1
+    rows[0][1, 0] = -1  # a pair none of whose first rows count (its others and the new token do)
+    every = torch.cat(rows, -1)
+    ok = every >= 0
+    keys = torch.cat([src_k[every.clamp(min=0)], kn], 2)
+    values = torch.cat([src_v[every.clamp(min=0)], vn], 2)
+    mask = torch.cat([ok, torch.ones_like(ok[..., :1])], -1)[:, :, None]
+    ref = decode_sdpa(q, keys, values, mask)
+    worker = ThreadPoolExecutor(1)
+
+    def first(fn):
+        f = Future()
+        f.set_result(fn())
+        return f
+
+    try:
+        for beside in (None, worker.submit, first, lambda fn: Future()):
+            got = cpu.attend_rows(q, src_k, src_v, rows, kn, vn, beside)
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        with pytest.MonkeyPatch.context() as m:  # over torch's threads, a pair each at most
+            m.setattr(cpu, "SPLIT_WORK", 0)
+            m.setattr(torch, "get_num_threads", lambda: 2)
+            torch.testing.assert_close(cpu.attend_rows(q, src_k, src_v, rows, kn, vn), ref, rtol=1e-5, atol=1e-6)
+    finally:
+        worker.shutdown()
+    with cpu.disabled():
+        assert cpu.attend_rows(q, src_k, src_v, rows, kn, vn) is None
+        torch.testing.assert_close(PoolRows(src_k, src_v, rows).attend(q, kn, vn), ref, rtol=1e-5, atol=1e-6)
+    assert cpu.attend_rows(q.double(), src_k, src_v, rows, kn, vn) is None  # not its dtype: the caller's SDPA
+    rows[-1][2, 1, 3] = slots * hkv
+    with pytest.raises(IndexError):
+        cpu.attend_rows(q, src_k, src_v, rows, kn, vn)
