@@ -18,10 +18,10 @@ and runs each decode step inside its `sharing()` (a worker thread's core is then
 layer j+1's copy then queues on the link behind layer j's correction (issued just before the flush), instead of
 ahead of it, where the correction, and with it layer j and the next selection, waited for the whole of j+1's rows
 while the link then idled through layer j's compute (the defaults projected at Llama-3.1-8B 32k: 1.35x the floor
-at batch 1 so, 1.10x deferred). A worker thread holds both stages back: `beside(fn)` hands it a share of the
-correction first (the two threads take its pairs from one counter), then the held stages start; the worker, idle
-while layer j's correction waited on the compute thread alone, now shares it. An inline prefetcher runs every
-stage at once.
+at batch 1 so, 1.10x deferred). A worker thread holds both stages back: `beside(fn)` hands it a share of
+layer j's correction first, and where attention reads the rows in the pool (a CPU: store.PoolRows) a share of
+layer j's attention (the two threads take the pairs from one counter), then the held stages start; the worker,
+idle while the compute thread did those alone, now shares them. An inline prefetcher runs every stage at once.
 """
 
 from __future__ import annotations

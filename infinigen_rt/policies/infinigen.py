@@ -384,7 +384,9 @@ class InfinigenSelector(Selector):
     tables, one selection, one gather), on the compute stream while layer j-1 computes, the copy on the side stream
     (or the runner's worker thread on a CPU). Under a capacity (store.Evicting) a speculated layer scores the slots
     each request took and selects among those still holding a token, and its selections count for the eviction
-    (counter, lru); the dense layers keep every token."""
+    (counter, lru); the dense layers keep every token. On a CPU (`in_place`) nothing is gathered: attention reads the
+    chosen rows where the pool holds them (store.PoolRows), and the worker's copy stage only turns the slots into
+    pool rows."""
 
     def __init__(self, engine, opts: KVOptions, prefetch):
         cfg, dense = engine.cfg, opts.dense_layers
