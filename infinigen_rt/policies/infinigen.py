@@ -601,7 +601,8 @@ class InfinigenSelector(Selector):
             return sel, (k,), (v,)
         if into is None:
             k[:, :, n : n + c], v[:, :, n : n + c] = kc, vc
-        k[:, :, n + c : n + room], v[:, :, n + c : n + room] = 0, 0  # never attended (and never NaN bits)
+        if room > c:  # never attended (and never NaN bits); (an empty fill is still a launch on a GPU)
+            k[:, :, n + c : n + room], v[:, :, n + c : n + room] = 0, 0
         return self.padded(sel, slots, ok, room, counted), (k,), (v,)
 
     def count_corrected(self, step, layer: int, counted) -> None:
