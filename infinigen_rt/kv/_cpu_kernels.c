@@ -929,6 +929,18 @@ static inline void prefetch_row(const float *row, int64_t D) {
     for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(row + d);
 }
 
+/* Each of G heads' n scores s [G, n] (row max top [G]) to exp(s - top), in place, and the inverse of their sum. */
+static inline void softmax_heads(float *s, const float *top, float *inv, int64_t G, int64_t n) {
+    for (int64_t g = 0; g < G; g++) {
+        float sum = 0.0f, *x = s + g * n;
+        for (int64_t i = 0; i < n; i++) {
+            x[i] = exp_neg(x[i] - top[g]);
+            sum += x[i];
+        }
+        inv[g] = 1.0f / sum;
+    }
+}
+
 #if defined(__AVX512F__)
 /* attend_pair at D = 64 with G <= 4: the heads' queries and sums in registers. */
 static int attend_pair_64(const float *q, const float *K, const float *V, const int64_t *ra, int64_t na,
@@ -962,14 +974,7 @@ static int attend_pair_64(const float *q, const float *K, const float *V, const 
             top[g] = dot > top[g] ? dot : top[g];
         }
     }
-    for (int64_t g = 0; g < G; g++) {
-        float sum = 0.0f, *x = s + g * n;
-        for (int64_t i = 0; i < n; i++) {
-            x[i] = exp_neg(x[i] - top[g]);
-            sum += x[i];
-        }
-        inv[g] = 1.0f / sum;
-    }
+    softmax_heads(s, top, inv, G, n);
     for (int64_t i = 0; i < n; i++) {
         const int64_t r = i < na ? ra[i] : i < na + nb ? rb[i - na] : -2;
         if (r == -1) continue;
@@ -1017,14 +1022,7 @@ static inline __attribute__((always_inline)) int attend_pair(const float *q, con
         }
     }
     float inv[16];
-    for (int64_t g = 0; g < G; g++) {
-        float sum = 0.0f, *x = s + g * n;
-        for (int64_t i = 0; i < n; i++) {
-            x[i] = exp_neg(x[i] - top[g]);
-            sum += x[i];
-        }
-        inv[g] = 1.0f / sum;
-    }
+    softmax_heads(s, top, inv, G, n);
     for (int64_t g = 0; g < G * D; g++) out[g] = 0.0f;
     for (int64_t i = 0; i < n; i++) {
         const int64_t r = i < na ? ra[i] : i < na + nb ? rb[i - na] : -2;

@@ -221,18 +221,25 @@ def _split(f, args: tuple, rows: int, per_row: int) -> int:
     return next((rc for rc in rcs if rc), 0)
 
 
-def _shared(f, args: tuple, pairs: int, per_pair: int, beside) -> int:
+def _shared(f, args: tuple, pairs: int, per_pair: int, beside, what: str) -> bool:
     """f(*args, next, lo, hi) over pairs 0 .. pairs, a kernel whose pairs the threads calling it at once take from
     the counter `next` (NULL: lo .. hi in order): with `beside` (prefetch's: a worker thread) the worker takes them
-    beside the calling thread, whichever is free taking the next; without it, _split's shares. Its return code."""
+    beside the calling thread, whichever is free taking the next; without it, _split's shares. True where it ran,
+    False for shapes it does not take (-1); MemoryError or IndexError (a row outside the pool), named by `what`."""
     share = None
     if beside is not None and pairs > 1:
         nxt = torch.zeros(1, dtype=torch.int64)  # (held through the calls)
         share = beside(lambda: f(*args, nxt.data_ptr(), 0, pairs))
     if share is None:
-        return _split(f, (*args, None), pairs, per_pair)
-    rc = f(*args, nxt.data_ptr(), 0, pairs)
-    return rc or (0 if share.cancel() else share.result())  # (not started: the pairs ran out here)
+        rc = _split(f, (*args, None), pairs, per_pair)
+    else:
+        rc = f(*args, nxt.data_ptr(), 0, pairs)
+        rc = rc or (0 if share.cancel() else share.result())  # (not started: the pairs ran out here)
+    if rc == -3:
+        raise MemoryError(f"the CPU {what} kernel could not allocate its buffers")
+    if rc not in (0, -1):
+        raise IndexError(f"the {what}'s rows: {ERRORS.get(rc, f'error {rc}')}")
+    return rc == 0
 
 
 def _floats(x: torch.Tensor) -> ctypes.CDLL | None:
@@ -422,13 +429,8 @@ def correct_channel(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at
             src_v.data_ptr(), None if rows is not None else out_k.data_ptr(), out_v.data_ptr(), out_k.shape[2], stride,
             x * src_k.element_size(), src_k.numel() // x, b, hkv, g, d, run, t, codes.shape[2], start, k, int(sorted),
             ptr(rows))  # fmt: skip
-    rc = _shared(lib.infinigen_correct_channel, args, b * hkv, t, beside)
-    if rc == -1:
+    if not _shared(lib.infinigen_correct_channel, args, b * hkv, t, beside, "correction"):
         return None
-    if rc == -3:
-        raise MemoryError("the CPU correction kernel could not allocate its buffers")
-    if rc:
-        raise IndexError(f"the correction's slots or rows: {ERRORS.get(rc, f'error {rc}')}")
     return idx, ok.view(torch.bool), got, rows
 
 
@@ -462,24 +464,16 @@ def attend_rows(q: torch.Tensor, src_k: torch.Tensor, src_v: torch.Tensor, rows:
     args = (qs.data_ptr(), src_k.data_ptr(), src_v.data_ptr(), ra.data_ptr(), ra.shape[-1],
             None if rb is None else rb.data_ptr(), 0 if rb is None else rb.shape[-1], kn.data_ptr(), vn.data_ptr(),
             out.data_ptr(), src_k.numel() // d, b * hkv, h // hkv, d)  # fmt: skip
-    rc = _shared(lib.infinigen_attend_rows, args, b * hkv, ra.shape[-1] * h, beside)
-    if rc == -1:
-        return None
-    if rc == -3:
-        raise MemoryError("the CPU attention kernel could not allocate its buffer")
-    if rc:
-        raise IndexError(f"attending rows: {ERRORS[-2]}")
-    return out
+    return out if _shared(lib.infinigen_attend_rows, args, b * hkv, ra.shape[-1] * h, beside, "attention") else None
 
 
 def _rows_window(src_k, src_v, out_k, out_v, b: int, h: int) -> int | None:
     """Where the row kernels take a pool src_k, src_v ([..., X], contiguous, alike) and outputs out_k, out_v
     [B, Hkv, n', X] (alike, each a window of a contiguous tensor), all CPU tensors of one dtype: the outputs' pair
     stride (_window); else None."""
-    if (any(t.device.type != "cpu" for t in (src_k, src_v, out_k, out_v))
-            or not (src_k.is_contiguous() and src_v.is_contiguous()) or out_k.stride() != out_v.stride()
-            or len({t.dtype for t in (src_k, src_v, out_k, out_v)}) > 1 or out_k.shape != out_v.shape
-            or src_k.shape != src_v.shape or out_k.shape[:2] != (b, h)
+    if (not _pool_pair(src_k, src_v) or out_k.device.type != "cpu" or out_v.device.type != "cpu"
+            or out_k.stride() != out_v.stride() or out_k.dtype != src_k.dtype or out_v.dtype != src_k.dtype
+            or out_k.shape != out_v.shape or out_k.shape[:2] != (b, h)
             or out_k.shape[-1] != src_k.shape[-1]):  # fmt: skip
         return None
     return _window(out_k)

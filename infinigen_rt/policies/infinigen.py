@@ -486,7 +486,8 @@ class InfinigenSelector(Selector):
         rows = step.physical(slots) * h + torch.arange(h, device=slots.device).view(1, h, 1)
         if ok is not None:
             rows = rows.masked_fill(~ok, -1)
-        read = h * (n + extra) if counted is None else counted if not extra else counted + extra * h  # (a tensor)
+        read = h * n if counted is None else counted  # a number, or one per request (a tensor)
+        read = read + extra * h if extra else read
         self.store.ledger.add(f"h2d{j}", step.batch.rids, read, self.store.row_bytes)
         return rows
 

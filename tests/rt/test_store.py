@@ -354,15 +354,17 @@ def _alone_then_joined(e, policy, prompts, new: int):
 
 
 
-@pytest.mark.parametrize("capacity", [None, 12])
-def test_per_channel_keys_run_in_the_store_with_the_tokens_and_report_of_each_request_alone(capacity, bundles,
-                                                                                            monkeypatch):  # fmt: skip
+@pytest.mark.parametrize("capacity,one_call", [(None, True), (12, True), (None, False)])
+def test_per_channel_keys_run_in_the_store_with_the_tokens_and_report_of_each_request_alone(
+    capacity, one_call, bundles, monkeypatch,
+):  # fmt: skip
     """infinigen's per-channel speculation keys (int4c: a scale per channel over each page's 16 slots, quantized
     again as a page fills) in the runner's store, one row of codes for the batch's pages: each request's tokens
     and report are those of its own cache alone, with and without a capacity (new tokens in freed slots); then,
     with the pages the first batch used free again, a second batch gets the same. The correction on this CPU: the
     kernel's one call (cpu.correct_channel), where it is built, its pairs shared with the runner's worker thread
-    (on two threads or more)."""
+    (on two threads or more); without it (`one_call` False: the call declines), its steps one after another, with
+    attention still reading the rows in the pool."""
     from infinigen_rt.bundle import read_bundle
     from infinigen_rt.engine import Engine
     from infinigen_rt.policies import KVOptions, configure
@@ -376,12 +378,13 @@ def test_per_channel_keys_run_in_the_store_with_the_tokens_and_report_of_each_re
 
     def counted(*a, beside=None):
         besides.add(beside is not None)
-        calls.append(out := fused(*a, beside=beside))
+        calls.append(out := fused(*a, beside=beside) if one_call else None)
         return out
 
     monkeypatch.setattr(cpu, "correct_channel", counted)
     solo, joined, run = _alone_then_joined(e, pol, prompts, 9)
-    assert calls and None not in calls or cpu.library() is None
+    assert run.kv.selector.in_place == (cpu.library() is not None)
+    assert calls and (None not in calls) == one_call or cpu.library() is None
     assert besides == {isinstance(run.prefetch, WorkerThread)} or cpu.library() is None
     alone = [(o.generation.token_ids, o.report.to_dict()) for o in solo]
     assert [(o.generation.token_ids, o.report.to_dict()) for o in joined] == alone
