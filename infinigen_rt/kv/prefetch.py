@@ -85,7 +85,11 @@ class WorkerThread(Prefetch):
 
     def __init__(self):
         super().__init__()
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinigen-prefetch")
+        # its torch ops on its own thread alone: torch's thread count is each thread's own (OpenMP's), so the worker
+        # kept the two it started with, and its ops (the speculated query's matmul, the scoring split in two)
+        # ran a second team of threads beside the compute thread's (SmolLM2 8k, batch 8: 4 % of the step, twice)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinigen-prefetch",
+                                       initializer=torch.set_num_threads, initargs=(1,))  # fmt: skip
         self.used = False  # has been given work (see sharing)
         self.held: dict[Any, tuple] = {}  # the stages deferred: layer -> (fn, its arguments, copy)
         self._finalizer = weakref.finalize(self, self.pool.shutdown, wait=False)

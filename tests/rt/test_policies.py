@@ -176,7 +176,9 @@ def test_a_worker_threads_held_stages_start_after_the_share_handed_beside_it():
 def test_a_runners_decode_step_leaves_the_speculation_worker_a_core(bundles, monkeypatch):
     """On a CPU with two threads, a runner's decode steps compute on one thread once its worker thread speculates
     (the worker takes the other core), torch's two restored between steps; `full` never gives its worker work and
-    keeps both; the tokens are those of speculation run inline."""
+    keeps both; the worker's own torch ops run on one thread (each thread has its count: with the two it started
+    with, its ops ran a second team of threads beside the step's); the tokens are those of speculation run
+    inline."""
     from infinigen_rt import runner as runner_mod
     from infinigen_rt.runner import Request, Runner
 
@@ -202,6 +204,7 @@ def test_a_runners_decode_step_leaves_the_speculation_worker_a_core(bundles, mon
                 done.update({o.id: o for o in run.step() if o.finished})
                 assert torch.get_num_threads() == 2
             got[name] = [done[i].generation.token_ids for i in ids]
+            assert run.prefetch.pool.submit(torch.get_num_threads).result() == 1 and torch.get_num_threads() == 2
             # infinigen: the first decode step's worker starts inside it, on two threads; every later one on one
             assert seen == [2] * len(seen) if name == "full" else seen[0] == 2 and set(seen[1:]) == {1}, seen
             run.close()
