@@ -562,7 +562,7 @@ class InfinigenSelector(Selector):
     def correct_in_place(self, step, layer: int, qk, at, held, sel: Selection, per_row: list[int], rows) -> tuple:
         """`correct` where attention reads the rows in the pool (in_place): the kernel's one call picks and returns
         the picks' pool rows, copying none (else the scores and the pick, then their rows); (the selection with the
-        picks, the speculated rows' pool rows, the picks')."""
+        picks, or speculation's alone where no capacity marks them; the speculated rows' pool rows, the picks')."""
         (src_k,), (src_v,) = self.store.k[layer], self.store.v[layer]
         got = correction_gathered(self.keys, layer, qk, at, step.held[0], sel, held, per_row, None, None, src_k, src_v,
                                   lambda fn: self.prefetch.beside(fn, then=False))  # (then attention's share)
@@ -575,6 +575,8 @@ class InfinigenSelector(Selector):
             counted = pairs.sum(1).tolist()
             self.store.ledger.add(f"h2d{layer}", step.batch.rids, counted, self.store.row_bytes)
         self.count_corrected(step, layer, counted)
+        if self.evicting is None:  # attention reads the rows (PoolRows): only a capacity's marks read the slots
+            return sel, rows, more
         return self.padded(sel, slots, ok, slots.shape[-1], counted), rows, more
 
     def correct_steps(self, step, layer: int, qk, at, held, sel: Selection, per_row: list[int], k, v) -> tuple:
