@@ -15,12 +15,20 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from infinigen_rt.config import ModelConfig
 from infinigen_rt.kv.cache import KVCache
-from infinigen_rt.models.llama import MLP, Attention, SpeculationTaps, identity, rope_cos_sin, rope_inv_freq
+from infinigen_rt.models.llama import (
+    MLP,
+    Attention,
+    Linear,
+    SpeculationTaps,
+    identity,
+    linear,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -61,7 +69,7 @@ class Gemma3(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i, reduce) for i in range(cfg.num_hidden_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.norm_eps)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.register_buffer("inv_freq_local", rope_inv_freq(cfg, local=True), persistent=False)
 
@@ -99,4 +107,4 @@ class Gemma3(nn.Module):
         cache.end()
         if last_only:
             x = x[:, -1:]
-        return F.linear(self.norm(x), self.head_weight())
+        return linear(self.norm(x), self.head_weight())

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infinigen_rt.config import ModelConfig
+from infinigen_rt.kv import cpu
 from infinigen_rt.kv.cache import KVCache
 
 ACT = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
@@ -34,6 +35,20 @@ class SpeculationTaps:
     normalised_input: bool
     q_norm: list[Callable | None] | None = None
     query_scale: float = 1.0
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, a decode step's few rows on a CPU through the kernel (kv/cpu.py's linear: the weights read at the
+    memory's speed, and a request's outputs the same in any batch)."""
+    out = cpu.linear(x, weight, bias)
+    return F.linear(x, weight, bias) if out is None else out
+
+
+class Linear(nn.Linear):
+    """nn.Linear (the same parameters) through `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -98,10 +113,10 @@ class Attention(nn.Module):
         self.layer, self.reduce, self.query_scale = layer, reduce, cfg.query_scale
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         d = cfg.hidden_size
-        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=cfg.attention_out_bias)
+        self.q_proj = Linear(d, self.n_heads * self.head_dim, bias=cfg.attention_bias)
+        self.k_proj = Linear(d, self.n_kv * self.head_dim, bias=cfg.attention_bias)
+        self.v_proj = Linear(d, self.n_kv * self.head_dim, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, d, bias=cfg.attention_out_bias)
         if cfg.qk_norm:
             self.q_norm, self.k_norm = norm(self.head_dim, cfg.norm_eps), norm(self.head_dim, cfg.norm_eps)
 
@@ -124,9 +139,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, reduce: Callable = identity):
         super().__init__()
         self.reduce = reduce
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = ACT[cfg.hidden_act]
 
     def forward(self, x):
@@ -155,7 +170,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i, reduce) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def head_weight(self) -> torch.Tensor:
@@ -181,4 +196,4 @@ class Llama(nn.Module):
         cache.end()
         if last_only:
             x = x[:, -1:]
-        return F.linear(self.norm(x), self.head_weight())
+        return linear(self.norm(x), self.head_weight())

@@ -9,12 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from infinigen_rt.config import ModelConfig
 from infinigen_rt.kv.cache import KVCache
-from infinigen_rt.models.llama import ACT, SpeculationTaps, identity
+from infinigen_rt.models.llama import ACT, Linear, SpeculationTaps, identity, linear
 
 
 class Attention(nn.Module):
@@ -23,10 +22,10 @@ class Attention(nn.Module):
         self.layer, self.reduce = layer, reduce
         self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         d, inner = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim  # inner < d: a rank's heads
-        self.q_proj = nn.Linear(d, inner, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(d, inner, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(d, inner, bias=cfg.attention_bias)
-        self.out_proj = nn.Linear(inner, d, bias=cfg.attention_out_bias)
+        self.q_proj = Linear(d, inner, bias=cfg.attention_bias)
+        self.k_proj = Linear(d, inner, bias=cfg.attention_bias)
+        self.v_proj = Linear(d, inner, bias=cfg.attention_bias)
+        self.out_proj = Linear(inner, d, bias=cfg.attention_out_bias)
 
     def forward(self, x, cache: KVCache):
         b, s, _ = x.shape
@@ -46,8 +45,8 @@ class Block(nn.Module):
         self.self_attn_layer_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.self_attn = Attention(cfg, layer, reduce)
         self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.fc1 = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.fc2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = ACT[cfg.hidden_act]
 
     def forward(self, x, cache):
@@ -68,13 +67,13 @@ class OPT(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, proj_dim)
         self.embed_positions = nn.Embedding(cfg.max_position_embeddings + cfg.position_offset, cfg.hidden_size)
         if proj_dim != cfg.hidden_size:
-            self.project_in = nn.Linear(proj_dim, cfg.hidden_size, bias=False)
-            self.project_out = nn.Linear(cfg.hidden_size, proj_dim, bias=False)
+            self.project_in = Linear(proj_dim, cfg.hidden_size, bias=False)
+            self.project_out = Linear(cfg.hidden_size, proj_dim, bias=False)
         self.layers = nn.ModuleList(Block(cfg, i, reduce) for i in range(cfg.num_hidden_layers))
         if cfg.do_layer_norm_before:
             self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(proj_dim, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(proj_dim, cfg.vocab_size, bias=False)
 
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
@@ -104,4 +103,4 @@ class OPT(nn.Module):
             x = self.final_layer_norm(x)
         if hasattr(self, "project_out"):
             x = self.project_out(x)
-        return F.linear(x, self.head_weight())
+        return linear(x, self.head_weight())

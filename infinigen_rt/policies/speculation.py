@@ -20,13 +20,12 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from infinigen_rt.bundle import partial_idx_name, partial_q_name, skew_name
 from infinigen_rt.config import ModelConfig
 from infinigen_rt.kv import cpu, quant
 from infinigen_rt.kv.quant import code_bytes
-from infinigen_rt.models.llama import SpeculationTaps, apply_rope
+from infinigen_rt.models.llama import SpeculationTaps, apply_rope, linear
 from infinigen_rt.system import to_device
 
 if TYPE_CHECKING:  # the policies import this module
@@ -97,9 +96,9 @@ class Speculator:
         b, hkv, g, d = x.shape[0], self.cfg.num_key_value_heads, self.group, self.cfg.head_dim
         if self.taps.rope is None and not full:  # OPT: the folded partial rows, a real smaller matmul
             w, bias = self.pq[j]
-            return F.linear(x, w, bias).view(b, hkv, g, -1)
+            return linear(x, w, bias).view(b, hkv, g, -1)
         weight, bias = self.taps.q_proj[j]  # RoPE sits between projection and dot product: full query, rotate
-        q = F.linear(x, weight, bias).view(b, 1, hkv * g, d).transpose(1, 2)
+        q = linear(x, weight, bias).view(b, 1, hkv * g, d).transpose(1, 2)
         if self.taps.q_norm is not None and self.taps.q_norm[j] is not None:  # the head's norm, as layer j's own
             q = self.taps.q_norm[j](q)
         if self.taps.rope is not None:

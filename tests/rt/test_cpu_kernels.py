@@ -598,3 +598,62 @@ def test_attention_over_the_rows_in_the_pool_is_sdpa_over_those_rows_gathered(d,
     rows[-1][2, 1, 3] = slots * hkv
     with pytest.raises(IndexError):
         cpu.attend_rows(q, src_k, src_v, rows, kn, vn)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m, k, n", [(1, 576, 1536), (8, 576, 577), (3, 100, 33), (5, 7, 4), (8, 16, 1)])
+def test_a_decode_steps_linear_layer_is_f_linear_and_the_same_in_any_batch(m, k, n):
+    """The linear kernel gives F.linear's outputs to float32 rounding (head dims with a tail past 16 columns, a
+    bias, any leading shape), and each row's exactly as alone or in the batch."""
+    gen = torch.Generator().manual_seed(m * 1000 + k)
+    x, w, b = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    got = cpu.linear(x, w, b)
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double()).float()
+    assert got is not None and got.shape == (m, n)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert all(torch.equal(cpu.linear(x[i : i + 1], w, b)[0], got[i]) for i in range(m))
+    lead = cpu.linear(x[None], w)
+    assert lead is not None and lead.shape == (1, m, n) and torch.equal(lead[0] + b, got)
+
+
+@needs_kernel
+def test_the_linear_kernel_declines_what_it_does_not_take():
+    """More rows than a decode step's, another dtype, a weight not contiguous, or autograd recording: torch's
+    matmul runs (None)."""
+    w = torch.randn(8, 16)
+    assert cpu.linear(torch.randn(cpu.LINEAR_ROWS + 1, 16), w) is None
+    assert cpu.linear(torch.randn(2, 16).double(), w.double()) is None
+    assert cpu.linear(torch.randn(2, 16), torch.randn(16, 8).t()) is None
+    assert cpu.linear(torch.randn(2, 16, requires_grad=True), w) is None
+    with torch.no_grad():
+        assert cpu.linear(torch.randn(2, 16, requires_grad=True), w) is not None
+    with cpu.disabled():
+        assert cpu.linear(torch.randn(2, 16), w) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["llama31_gqa", "opt", "gemma3"])
+def test_a_cpu_decode_steps_linear_layers_and_head_go_through_the_kernel(name, bundles, monkeypatch):
+    """Every projection, MLP layer and the head of a decode step (a batch of three) runs the linear kernel, the
+    prefill's many rows torch's matmul; the logits are the torch path's up to float32 rounding."""
+    from tests.rt.test_policies import PROMPTS, engines, greedy_logits
+
+    e, pol = engines(bundles[name])["full"]
+    with cpu.disabled():
+        ref, ref_toks, _ = greedy_logits(e, pol, PROMPTS, 3)
+    ran = []
+    linear = cpu.linear
+
+    def counted(x, *a):
+        out = linear(x, *a)
+        ran.append((x.numel() // x.shape[-1], out is not None))
+        return out
+
+    monkeypatch.setattr(cpu, "linear", counted)
+    got, toks, _ = greedy_logits(e, pol, PROMPTS, 3)
+    per_layer = 6 if name == "opt" else 7  # q, k, v, out; fc1, fc2 / gate, up, down
+    decode = [took for rows, took in ran if rows == len(PROMPTS)]
+    assert len(decode) >= 3 * (per_layer * e.cfg.num_hidden_layers + 1) and all(decode), ran
+    assert not any(took for rows, took in ran if rows > cpu.LINEAR_ROWS)
+    assert torch.equal(toks, ref_toks)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
