@@ -1072,7 +1072,7 @@ int infinigen_attend_rows(const float *q, const float *K, const float *V, const 
    lo .. hi of w, M at most 8. Each row of w is read once, in order, and meets every row of x: eight accumulators of
    16 lanes, the rows of x past M reading the same 16 zeros, then each summed across its lanes. torch's matmul at
    these shapes reads the weights at about half the memory's speed (SmolLM2's layers at batch 1 on this repo's VM:
-   12 GB/s on one thread or two, this loop 18-22 on one); at batch 8 both are bound by the multiply-adds. An
+   12 GB/s on one thread or two, this loop 17-22 on one); at batch 8 both are bound by the multiply-adds. An
    output's sum does not depend on M or the rows' share: a request's logits are the same in any batch. Returns 0,
    -1 for shapes it does not take (or a machine without AVX-512: torch's then runs). */
 int infinigen_linear(const float *x, const float *w, float *out, int64_t M, int64_t N, int64_t K, int64_t lo,

@@ -251,10 +251,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     float32 on a CPU, weight [N, K] contiguous), on the calling thread: the same sums whatever the batch, up to
     float32 rounding of F.linear's; None where it does not apply.
 
-    On one thread it reads SmolLM2's weights at 18-22 GB/s where torch's matmul reads 12 on one thread or two (this
+    On one thread it reads SmolLM2's weights at 17-22 GB/s where torch's matmul reads 12 on one thread or two (this
     repo's 2-core VM; at batch 8 about as fast as torch's on two). Shares over a second thread were slower inside a
-    decode step (SmolLM2 8k, batch 1: 77.6 ms against 71.8 on one thread): torch's OpenMP threads, spinning after
-    the step's last parallel op, took the core the share needed."""
+    decode step (SmolLM2 8k, batch 1: 77.6 ms against 71.8 on one thread), most likely because torch's OpenMP
+    threads, which spin a while after each parallel op, held the core the share needed."""
     lib = _floats(x)
     if (lib is None or x.dim() < 1 or weight.dtype != torch.float32 or weight.device.type != "cpu"
             or weight.dim() != 2 or weight.shape[1] != x.shape[-1] or not weight.is_contiguous()
