@@ -31,6 +31,7 @@ FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fass
 ENV = "INFINIGEN_CPU_KERNELS"
 SPLIT_WORK = 1 << 16  # (sequence, KV head, slot) triples under which a call stays on its calling thread
 LINEAR_ROWS = 8  # rows of x a linear layer's kernel takes (a decode step's batch); more: torch's matmul
+LEND_WEIGHTS = 1 << 24  # a linear layer's weights from which it lends half its rows (a head's: SmolLM2's 28 M)
 ERRORS = {-1: "shapes the CPU kernel does not take", -2: "a slot outside the keys' rows"}
 
 _off = 0  # `disabled()` depth
@@ -38,6 +39,7 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _failed: str | None = None
 _pool: ThreadPoolExecutor | None = None
+_lent = threading.local()  # `lending`'s beside, per calling thread
 
 
 def _compiler() -> str | None:
@@ -246,10 +248,23 @@ def _shared(f, args: tuple, pairs: int, per_pair: int, beside, what: str) -> boo
     return rc == 0
 
 
+@contextmanager
+def lending(beside):
+    """Within it, a linear layer on the calling thread with LEND_WEIGHTS weights or more (a head) hands the second
+    half of its rows to beside(fn) (a Future: prefetch.WorkerThread.sharing's worker, idle once the step's layers
+    are done), and takes them back where the share has not started when the first half is done."""
+    before = getattr(_lent, "beside", None)
+    _lent.beside = beside
+    try:
+        yield
+    finally:
+        _lent.beside = before
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """F.linear(x, weight, bias) through the kernel for a decode step's rows (at most LINEAR_ROWS of x [..., K]
-    float32 on a CPU, weight [N, K] contiguous), on the calling thread: the same sums whatever the batch, up to
-    float32 rounding of F.linear's; None where it does not apply.
+    float32 on a CPU, weight [N, K] contiguous), on the calling thread (and `lending`'s worker): the same sums
+    whatever the batch and the share, up to float32 rounding of F.linear's; None where it does not apply.
 
     On one thread it reads SmolLM2's weights at 17-22 GB/s where torch's matmul reads 12 on one thread or two (this
     repo's 2-core VM; at batch 8 about as fast as torch's on two). Shares over a second thread were slower inside a
@@ -264,7 +279,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     n, k = weight.shape
     rows = x.reshape(-1, k).contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    if lib.infinigen_linear(rows.data_ptr(), weight.data_ptr(), out.data_ptr(), rows.shape[0], n, k, 0, n):
+    args = (rows.data_ptr(), weight.data_ptr(), out.data_ptr(), rows.shape[0], n, k)
+    beside = getattr(_lent, "beside", None) if n * k >= LEND_WEIGHTS else None
+    half = n // 2 if beside is not None else n
+    share = beside(lambda: lib.infinigen_linear(*args, half, n)) if half < n else None
+    rc = lib.infinigen_linear(*args, 0, half)
+    if share is not None:  # (not started: the rows are taken back)
+        rc = rc or (lib.infinigen_linear(*args, half, n) if share.cancel() else share.result())
+    if rc:
         return None
     return out if bias is None else out.add_(bias)
 

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from infinigen_rt.kv import cpu
+
 
 class Prefetch:
     side_stream = False  # its copies run on a CUDA side stream
@@ -127,7 +129,8 @@ class WorkerThread(Prefetch):
             return
         torch.set_num_threads(n - 1)
         try:
-            yield
+            with cpu.lending(lambda fn: self.beside(fn, then=False)):  # (the head's rows, once the layers are done)
+                yield
         finally:
             torch.set_num_threads(n)
 

@@ -657,3 +657,33 @@ def test_a_cpu_decode_steps_linear_layers_and_head_go_through_the_kernel(name, b
     assert not any(took for rows, took in ran if rows > cpu.LINEAR_ROWS)
     assert torch.equal(toks, ref_toks)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_a_head_sized_linear_layer_lends_half_its_rows_to_the_thread_beside(monkeypatch):
+    """Within `lending`, a linear layer of LEND_WEIGHTS weights or more hands one share to the worker beside (a
+    smaller one none), and its outputs are those computed alone, bit for bit; a share that never starts is taken
+    back by the calling thread."""
+    from concurrent.futures import Future
+
+    from infinigen_rt.kv.prefetch import WorkerThread
+
+    monkeypatch.setattr(cpu, "LEND_WEIGHTS", 64 * 16)
+    gen = torch.Generator().manual_seed(3)
+    x, w, small = (torch.randn(*s, generator=gen) for s in ((3, 16), (64, 16), (8, 16)))
+    alone, alone_small = cpu.linear(x, w), cpu.linear(x, small)
+    worker, lent = WorkerThread(), []
+
+    def beside(fn):
+        lent.append(fn)
+        return worker.beside(fn, then=False)
+
+    try:
+        with cpu.lending(beside):
+            got, got_small = cpu.linear(x, w), cpu.linear(x, small)
+        assert len(lent) == 1 and torch.equal(got, alone) and torch.equal(got_small, alone_small)
+        with cpu.lending(lambda fn: Future()):  # never started: cancelled, the rows computed here
+            assert torch.equal(cpu.linear(x, w), alone)
+        assert getattr(cpu._lent, "beside", None) is None
+    finally:
+        worker.close()

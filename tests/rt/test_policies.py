@@ -175,17 +175,19 @@ def test_a_worker_threads_held_stages_start_after_the_share_handed_beside_it():
 
 def test_a_runners_decode_step_leaves_the_speculation_worker_a_core(bundles, monkeypatch):
     """On a CPU with two threads, a runner's decode steps compute on one thread once its worker thread speculates
-    (the worker takes the other core), torch's two restored between steps; `full` never gives its worker work and
-    keeps both; the worker's own torch ops run on one thread (each thread has its count: with the two it started
-    with, its ops ran a second team of threads beside the step's); the tokens are those of speculation run
-    inline."""
+    (the worker takes the other core, and half the head's rows: cpu.lending), torch's two restored between steps;
+    `full` never gives its worker work and keeps both; the worker's own torch ops run on one thread (each thread
+    has its count: with the two it started with, its ops ran a second team of threads beside the step's); the
+    tokens are those of speculation run inline."""
     from infinigen_rt import runner as runner_mod
+    from infinigen_rt.kv import cpu
     from infinigen_rt.runner import Request, Runner
 
-    seen = []
+    seen, lent = [], []
 
     def counting(*a, **k):
         seen.append(torch.get_num_threads())
+        lent.append(getattr(cpu._lent, "beside", None) is not None)  # a head's rows lent to the worker (cpu.lending)
         return decode_step(*a, **k)
 
     monkeypatch.setattr(runner_mod, "decode_step", counting)
@@ -197,7 +199,7 @@ def test_a_runners_decode_step_leaves_the_speculation_worker_a_core(bundles, mon
             e, pol = engines(bundles["llama31_gqa"], x=(name, KVOptions(budget=0.3)))["x"]
             run = Runner(e, pol, max_batch=2, prefill_chunk=16, kv_tokens=512)
             assert isinstance(run.prefetch, WorkerThread)
-            seen.clear()
+            seen.clear(), lent.clear()
             ids = [run.add(Request(p, 6)) for p in PROMPTS[:2]]
             done = {}
             while run.has_work:
@@ -207,6 +209,8 @@ def test_a_runners_decode_step_leaves_the_speculation_worker_a_core(bundles, mon
             assert run.prefetch.pool.submit(torch.get_num_threads).result() == 1 and torch.get_num_threads() == 2
             # infinigen: the first decode step's worker starts inside it, on two threads; every later one on one
             assert seen == [2] * len(seen) if name == "full" else seen[0] == 2 and set(seen[1:]) == {1}, seen
+            assert not any(lent) if name == "full" else not lent[0] and all(lent[1:]), lent
+            assert getattr(cpu._lent, "beside", None) is None
             run.close()
         e, pol = engines(bundles["llama31_gqa"], x=("infinigen", KVOptions(budget=0.3)))["x"]
         run = Runner(e, pol, max_batch=2, prefill_chunk=16, kv_tokens=512)
