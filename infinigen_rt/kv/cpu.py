@@ -284,8 +284,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     half = n // 2 if beside is not None else n
     share = beside(lambda: lib.infinigen_linear(*args, half, n)) if half < n else None
     rc = lib.infinigen_linear(*args, 0, half)
-    if share is not None:  # (not started: the rows are taken back)
-        rc = rc or (lib.infinigen_linear(*args, half, n) if share.cancel() else share.result())
+    if share is not None:  # (not started: the rows are taken back); waited for whatever rc, as it writes `out`
+        rest = lib.infinigen_linear(*args, half, n) if share.cancel() else share.result()
+        rc = rc or rest
     if rc:
         return None
     return out if bias is None else out.add_(bias)
