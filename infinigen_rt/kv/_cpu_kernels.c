@@ -12,6 +12,10 @@
 #define MAX_D 512   /* head_dim */
 #define AHEAD 16    /* keys ahead whose rows a scattered scoring requests before it needs them */
 
+#if defined(__AVX512F__) && defined(__F16C__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define INT_SCORES 1 /* per-channel keys' scores by integer dot products (infinigen_score_channel's `integer`) */
+#endif
+
 #if defined(__F16C__)
 #include <immintrin.h>
 static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
@@ -245,6 +249,25 @@ static inline __m512 sums4(const __m512 *v) {
     return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
 }
 
+#ifdef INT_SCORES
+/* Four vectors' maxima, lane x the largest of v[x]'s lanes (as sums4_of, max for add) */
+static inline __m128 max4_of(const __m512 *v) {
+    const __m512 s0 = _mm512_max_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
+    const __m512 s1 = _mm512_max_ps(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
+    const __m512d a = _mm512_castps_pd(s0), b = _mm512_castps_pd(s1);
+    const __m512 s = _mm512_max_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    const __m256 h = _mm256_max_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+    return _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* Four vectors' sums, lane x the sum of v[x]'s lanes (sums4's, then its four 128-bit lanes added). */
+static inline __m128 sums4_of(const __m512 *v) {
+    const __m512 s = sums4(v);
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+#endif
+
 static inline __m512 sums16_last(const float *w4) {
     const __m512 w0 = _mm512_load_ps(w4), w1 = _mm512_load_ps(w4 + 16), w2 = _mm512_load_ps(w4 + 32),
                  w3 = _mm512_load_ps(w4 + 48);
@@ -264,6 +287,116 @@ static inline void widen64(const uint8_t *c, __m512 *f) {
     f[3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(h, 1)));
 }
 
+#ifdef INT_SCORES
+/* The integer query's byte order in a 64-column block: byte 8d + 4h + m holds column 8d + 2m + h, so that dword
+   2d + h meets, in vpdpbusd, the nibbles h (low 0, high 1) of a key's code bytes 4d .. 4d + 3. Within each 16
+   columns: */
+static const int32_t VNNI_COLUMN[16] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15};
+
+/* A run's integer query for the tile, per query head x: w = q * scale (qv the query, sv and mv the run's scales
+   and minimums, all in VNNI order), u = max |w| / 127, wq = round(w / u) as int8 (|wq| <= 127; all zeros, u = 0,
+   where w is), bias = q . minimum. Four heads' maxima and sums found together (max4_of, sums4_of). */
+static inline void fold_int(const float *qv, const float *sv, const float *mv, int8_t *wq, float *u, float *bias,
+                            int64_t G, int64_t D) {
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int64_t x0 = 0; x0 < G; x0 += 4) {
+        __m512 big[4], acc[4];
+        for (int64_t k = 0; k < 4; k++) {
+            const float *qx = qv + (x0 + k) * D;
+            big[k] = acc[k] = _mm512_setzero_ps();
+            if (x0 + k < G)
+                for (int64_t i = 0; i < D; i += 16) {
+                    const __m512 qi = _mm512_load_ps(qx + i);
+                    big[k] = _mm512_max_ps(big[k], _mm512_andnot_ps(sign, _mm512_mul_ps(qi, _mm512_load_ps(sv + i))));
+                    acc[k] = _mm512_fmadd_ps(qi, _mm512_load_ps(mv + i), acc[k]);
+                }
+        }
+        const __m128 m = max4_of(big), pos = _mm_cmpgt_ps(m, _mm_setzero_ps());
+        float inv[4], um[4], b4[4];
+        _mm_storeu_ps(inv, _mm_and_ps(pos, _mm_div_ps(_mm_set1_ps(127.f), m)));
+        _mm_storeu_ps(um, _mm_div_ps(m, _mm_set1_ps(127.f)));
+        _mm_storeu_ps(b4, sums4_of(acc));
+        for (int64_t k = 0; k < 4 && x0 + k < G; k++) {
+            const int64_t x = x0 + k;
+            const __m512 iv4 = _mm512_set1_ps(inv[k]);
+            for (int64_t blk = 0; blk < D; blk += 64) {
+                __m512i iv[4];
+                for (int i = 0; i < 4; i++) {
+                    const int64_t c = blk + 16 * i;
+                    iv[i] = _mm512_cvtps_epi32(
+                        _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(qv + x * D + c), _mm512_load_ps(sv + c)), iv4));
+                }
+                _mm512_store_si512((__m512i *)(wq + x * D + blk),
+                                   _mm512_packs_epi16(_mm512_packs_epi32(iv[0], iv[1]), _mm512_packs_epi32(iv[2], iv[3])));
+            }
+            u[x] = um[k], bias[x] = b4[k];
+        }
+    }
+}
+
+/* Where fold_int's packs (per 128 bits: four dwords of each of four vectors) leave dword j of a block's VNNI order */
+#define PACKED(j) (4 * ((j) % 4) + (j) / 4)
+
+/* s + vpdpbusd(c, the int8 dword *w in every lane), the dword broadcast by the instruction's own operand ({1to16}:
+   gcc issues a separate broadcast for _mm512_set1_epi32 of a load) */
+static inline __m512i dpbusd_bcast(__m512i s, __m512i c, const int32_t *w) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s) : "v"(c), "m"(*w));
+    return s;
+}
+
+/* n (<= 16) keys of one run from `c` (a key every nb bytes) scored by integer dot products: the keys' code bytes
+   transposed four at a time into dwords (lane k: key k's bytes 4d .. 4d + 3 of a 64-column block), their nibbles
+   split, and vpdpbusd (64 products of an unsigned code and a signed int8 an instruction) sums them against each
+   query head's dwords; score = u * sum + bias, into o's lanes t .. t + n (head x at o + x * T). Keys past n read
+   as zeros, never from the pool. */
+static inline void score_tile_int(const uint8_t *c, int64_t nb, int64_t n, const int8_t *wq, const float *u,
+                                  const float *bias, float *o, int64_t T, int64_t G, int64_t D) {
+    __m512i acc[MAX_G];
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int64_t blk = 0; blk < D; blk += 64) {
+        __m256i row[16];
+#pragma GCC unroll 16
+        for (int k = 0; k < 16; k++)
+            row[k] = k < n ? _mm256_loadu_si256((const __m256i *)(c + k * nb + blk / 2)) : _mm256_setzero_si256();
+        __m512i z[8], col[16];
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) { /* lanes: keys i, i + 4 in z[i]; 8 + i, 12 + i in z[4 + i] */
+            z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(row[i]), row[i + 4], 1);
+            z[4 + i] = _mm512_inserti64x4(_mm512_castsi256_si512(row[8 + i]), row[12 + i], 1);
+        }
+#pragma GCC unroll 2
+        for (int g = 0; g < 2; g++) { /* per 128 bits, four keys' dword d then d + 4 (u[g][d], d < 4) */
+            const __m512i *zz = z + 4 * g;
+            const __m512i t0 = _mm512_unpacklo_epi32(zz[0], zz[1]), t1 = _mm512_unpackhi_epi32(zz[0], zz[1]);
+            const __m512i t2 = _mm512_unpacklo_epi32(zz[2], zz[3]), t3 = _mm512_unpackhi_epi32(zz[2], zz[3]);
+            z[4 * g + 0] = _mm512_unpacklo_epi64(t0, t2), z[4 * g + 1] = _mm512_unpackhi_epi64(t0, t2);
+            z[4 * g + 2] = _mm512_unpacklo_epi64(t1, t3), z[4 * g + 3] = _mm512_unpackhi_epi64(t1, t3);
+        }
+#pragma GCC unroll 4
+        for (int d = 0; d < 4; d++) { /* dword d and d + 4 of keys 0-3, 4-7, 8-11, 12-15; then their nibbles */
+            const __m512i a = _mm512_shuffle_i32x4(z[d], z[4 + d], 0x88), b = _mm512_shuffle_i32x4(z[d], z[4 + d], 0xdd);
+            col[4 * d] = _mm512_and_si512(a, low), col[4 * d + 1] = _mm512_and_si512(_mm512_srli_epi32(a, 4), low);
+            col[4 * d + 2] = _mm512_and_si512(b, low), col[4 * d + 3] = _mm512_and_si512(_mm512_srli_epi32(b, 4), low);
+        }
+        for (int64_t x = 0; x < G; x++) {
+            const int32_t *w = (const int32_t *)(wq + x * D + blk);
+            __m512i s[4]; /* four chains: vpdpbusd's latency, not its throughput, would bound one */
+#pragma GCC unroll 4
+            for (int d = 0; d < 4; d++) {
+                s[d] = dpbusd_bcast(d || !blk ? _mm512_setzero_si512() : acc[x], col[4 * d], w + PACKED(2 * d));
+                s[d] = dpbusd_bcast(s[d], col[4 * d + 1], w + PACKED(2 * d + 1));
+                s[d] = dpbusd_bcast(s[d], col[4 * d + 2], w + PACKED(2 * d + 8));
+                s[d] = dpbusd_bcast(s[d], col[4 * d + 3], w + PACKED(2 * d + 9));
+            }
+            acc[x] = _mm512_add_epi32(_mm512_add_epi32(s[0], s[1]), _mm512_add_epi32(s[2], s[3]));
+        }
+    }
+    for (int64_t x = 0; x < G; x++)
+        _mm512_mask_storeu_ps(o + x * T, (__mmask16)((1u << n) - 1),
+                              _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[x]), _mm512_set1_ps(u[x]), _mm512_set1_ps(bias[x])));
+}
+#endif
+
 /* infinigen_score_channel's pairs lo .. hi at a head_dim of a multiple of 64, 16 floats a vector. Consecutive
    slots of one run (up to 16: a run's keys, which every form but a shortlist names in order) share one fold of the
    run's scales into the query: w = q * scale and b = q . minimum per query head, in code order (a 32-byte block's
@@ -273,7 +406,7 @@ static inline void widen64(const uint8_t *c, __m512 *f) {
    a key: at SmolLM2's shapes these two made the kernel 28 % faster, its scores bit for bit the same. */
 static int score_channel_512(const float *q, const uint8_t *codes, const uint16_t *meta, const int64_t *slots,
                              int64_t pairs, float *out, int64_t R, int64_t Hkv, int64_t G, int64_t D, int64_t run,
-                             int64_t T, int64_t S, int64_t start, int64_t lo, int64_t hi) {
+                             int64_t T, int64_t S, int64_t start, int integer, int64_t lo, int64_t hi) {
     const int64_t nb = D / 2, runs = S / run, V = D / 16;
     float qp[MAX_G * MAX_D] __attribute__((aligned(64)));  /* the query in code order */
     float w[MAX_G * MAX_D] __attribute__((aligned(64)));   /* qp * the run's scales */
@@ -283,6 +416,15 @@ static int score_channel_512(const float *q, const uint8_t *codes, const uint16_
     float sc[MAX_D] __attribute__((aligned(64))), mn[MAX_D] __attribute__((aligned(64)));
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+#ifdef INT_SCORES
+    float qv[MAX_G * MAX_D] __attribute__((aligned(64)));  /* the query in VNNI order */
+    float sv[MAX_D] __attribute__((aligned(64))), mv[MAX_D] __attribute__((aligned(64)));
+    int8_t wq[MAX_G * MAX_D] __attribute__((aligned(64)));
+    float uq[MAX_G], ibias[MAX_G];
+    const __m512i vorder = _mm512_loadu_si512(VNNI_COLUMN);
+#else
+    integer = 0;
+#endif
     for (int64_t pair = lo; pair < hi; pair++) {
         for (int64_t x = 0; x < G; x++)
             for (int64_t blk = 0; blk < D; blk += 64)
@@ -290,6 +432,13 @@ static int score_channel_512(const float *q, const uint8_t *codes, const uint16_
                     qp[x * D + blk + p] = q[(pair * G + x) * D + blk + 2 * p];
                     qp[x * D + blk + 32 + p] = q[(pair * G + x) * D + blk + 2 * p + 1];
                 }
+#ifdef INT_SCORES
+        if (integer)
+            for (int64_t x = 0; x < G; x++)
+                for (int64_t i = 0; i < D; i += 16)
+                    _mm512_store_ps(qv + x * D + i, _mm512_permutexvar_ps(vorder, _mm512_loadu_ps(q + (pair * G + x) * D + i)));
+        int64_t have_i = -1;
+#endif
         const Rows at = rows_of(codes, meta, slots, pairs, out, pair, R, Hkv, G, T, S, nb, runs * 2 * D);
         const uint8_t *cb = at.codes;
         const uint16_t *mb = at.meta;
@@ -309,6 +458,22 @@ static int score_channel_512(const float *q, const uint8_t *codes, const uint16_
                         n = k;
                         break;
                     }
+#ifdef INT_SCORES
+            if (integer) { /* a run's keys by integer dot products (a key's score its own: whatever its neighbours) */
+                if (r != have_i) {
+                    const uint16_t *m = mb + r * 2 * D;
+                    for (int64_t i = 0; i < D; i += 16) {
+                        _mm512_store_ps(sv + i, _mm512_permutexvar_ps(vorder, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + i)))));
+                        _mm512_store_ps(mv + i, _mm512_permutexvar_ps(vorder, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + D + i)))));
+                    }
+                    fold_int(qv, sv, mv, wq, uq, ibias, G, D);
+                    have_i = r;
+                }
+                score_tile_int(cb + first * nb, nb, n, wq, uq, ibias, o + t, T, G, D);
+                t += n;
+                continue;
+            }
+#endif
             if (r != have) { /* the fold */
                 const uint16_t *m = mb + r * 2 * D;
                 for (int64_t blk = 0; blk < D; blk += 64)
@@ -400,23 +565,34 @@ static int score_channel_512(const float *q, const uint8_t *codes, const uint16_
 }
 #endif
 
+/* 1 where this build scores per-channel keys by integer dot products when asked (AVX-512 VNNI and BW), else 0. */
+int infinigen_integer_scores(void) {
+#ifdef INT_SCORES
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Per-channel 4-bit keys (policies/speculation.py's ChannelKeys): codes [R, Hkv, S, D / 2] (column 2p in byte
    p's low nibble, 2p + 1 in its high one), meta [R, Hkv, S / run, 2, D] fp16 (each run of `run` slots: a scale and
    a minimum per column). A key's column c is code * scale[c] + minimum[c] of its slot's run, formed in a buffer
    (the run's scales converted once while consecutive keys share it: the correction's scattered slots change run
    at almost every key, so forming the key costs D where folding the scales into the query would cost G x D), then
    dotted with each query head in eight partial sums (a loop the compiler vectorises without reassociating).
-   Other arguments as infinigen_score_codes (no group, no bits). Returns 0, -1 for shapes it does not take, -2 for
-   a slot outside 0 .. S. */
+   Other arguments as infinigen_score_codes (no group, no bits). `integer` (where the build has INT_SCORES, at a
+   head_dim of a multiple of 64): every key scores by integer dot products against its run's w = q * scale in int8
+   (score_tile_int; each score then within 0.5 x max |w| / 127 x the sum of its codes of the float one, and the
+   same in any slot form). Returns 0, -1 for shapes it does not take, -2 for a slot outside 0 .. S. */
 int infinigen_score_channel(const float *q, const uint8_t *codes, const uint16_t *meta, const int64_t *slots,
                             int64_t pairs, float *out, int64_t B, int64_t R, int64_t Hkv, int64_t G, int64_t D,
-                            int64_t run, int64_t T, int64_t S, int64_t start, int64_t lo, int64_t hi) {
+                            int64_t run, int64_t T, int64_t S, int64_t start, int64_t integer, int64_t lo, int64_t hi) {
     if (G < 1 || G > MAX_G || D < 8 || D > MAX_D || D % 8 || run < 1 || S % run || (R != 1 && R != B) || lo < 0 ||
         hi > B * Hkv)
         return -1;
 #if defined(__AVX512F__) && defined(__F16C__)
     if (D % 64 == 0)
-        return score_channel_512(q, codes, meta, slots, pairs, out, R, Hkv, G, D, run, T, S, start, lo, hi);
+        return score_channel_512(q, codes, meta, slots, pairs, out, R, Hkv, G, D, run, T, S, start, (int)integer, lo, hi);
 #endif
     const int64_t nb = D / 2, runs = S / run;
     /* every column in code order, low nibbles (even columns) then high (odd): contiguous loops that vectorise */
@@ -876,7 +1052,7 @@ int infinigen_correct_channel(const float *q, const uint8_t *codes, const uint16
                               const uint8_t *src_k, const uint8_t *src_v, uint8_t *dst_k, uint8_t *dst_v,
                               int64_t width, int64_t stride, int64_t rb, int64_t n_src, int64_t B, int64_t Hkv,
                               int64_t G, int64_t D, int64_t run, int64_t T, int64_t S, int64_t start, int64_t k,
-                              int sorted, int64_t *rows, int64_t *next, int64_t lo, int64_t hi) {
+                              int sorted, int64_t *rows, int64_t integer, int64_t *next, int64_t lo, int64_t hi) {
     if (G < 1 || T < 1 || k < 1 || k > T || T > 0x7fffffff || n < 0 || (dst_k && (width < k || stride < width)) ||
         rb < 1 || lo < 0 || hi > B * Hkv || (!dst_k && !rows))
         return -1;
@@ -888,7 +1064,7 @@ int infinigen_correct_channel(const float *q, const uint8_t *codes, const uint16
     int rc = 0;
     for (int64_t r = next ? lo + __atomic_fetch_add(next, 1, __ATOMIC_RELAXED) : lo; r < hi && !rc;
          r = next ? lo + __atomic_fetch_add(next, 1, __ATOMIC_RELAXED) : r + 1) {
-        rc = infinigen_score_channel(q, codes, meta, slots, 0, s, B, 1, Hkv, G, D, run, T, S, start, r, r + 1);
+        rc = infinigen_score_channel(q, codes, meta, slots, 0, s, B, 1, Hkv, G, D, run, T, S, start, integer, r, r + 1);
         if (rc) break;
         if (held) /* the slots a shorter row does not hold: out of its softmax, as a masked fill before the pick */
             for (int64_t g = 0; g < G; g++)
@@ -1074,12 +1250,21 @@ int infinigen_attend_rows(const float *q, const float *K, const float *V, const 
    these shapes reads the weights at about half the memory's speed (SmolLM2's layers at batch 1 on this repo's VM:
    12 GB/s on one thread or two, this loop 17-22 on one); at batch 8 both are bound by the multiply-adds. An
    output's sum does not depend on M or the rows' share: a request's logits are the same in any batch. Returns 0,
-   -1 for shapes it does not take (or a machine without AVX-512: torch's then runs). */
-int infinigen_linear(const float *x, const float *w, float *out, int64_t M, int64_t N, int64_t K, int64_t lo,
-                     int64_t hi) {
+   -1 for shapes it does not take (or a machine without AVX-512: torch's then runs). `next` NULL: rows lo .. hi;
+   else a counter shared by the threads that call this at once, each taking the next LINEAR_BLOCK rows from lo on
+   until hi (the rows go to whichever thread is free: one waits for the other's last block at most). */
+#define LINEAR_BLOCK 32
+int infinigen_linear(const float *x, const float *w, float *out, int64_t M, int64_t N, int64_t K, int64_t *next,
+                     int64_t lo, int64_t hi) {
 #if defined(__AVX512F__)
-    static const float zero[16] __attribute__((aligned(64)));
     if (M < 1 || M > 8 || K < 1 || lo < 0 || hi > N) return -1;
+    if (next) {
+        for (int64_t a = lo + __atomic_fetch_add(next, LINEAR_BLOCK, __ATOMIC_RELAXED); a < hi;
+             a = lo + __atomic_fetch_add(next, LINEAR_BLOCK, __ATOMIC_RELAXED))
+            infinigen_linear(x, w, out, M, N, K, 0, a, a + LINEAR_BLOCK < hi ? a + LINEAR_BLOCK : hi);
+        return 0;
+    }
+    static const float zero[16] __attribute__((aligned(64)));
     const int64_t full = K / 16 * 16;
     const __mmask16 tail = (__mmask16)((1u << (K - full)) - 1);
     const float *xr[8];
@@ -1105,7 +1290,7 @@ int infinigen_linear(const float *x, const float *w, float *out, int64_t M, int6
     }
     return 0;
 #else
-    (void)x, (void)w, (void)out, (void)M, (void)N, (void)K, (void)lo, (void)hi;
+    (void)x, (void)w, (void)out, (void)M, (void)N, (void)K, (void)next, (void)lo, (void)hi;
     return -1;
 #endif
 }

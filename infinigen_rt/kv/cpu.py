@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import math
 import os
 import platform
@@ -31,7 +32,11 @@ FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fass
 ENV = "INFINIGEN_CPU_KERNELS"
 SPLIT_WORK = 1 << 16  # (sequence, KV head, slot) triples under which a call stays on its calling thread
 LINEAR_ROWS = 8  # rows of x a linear layer's kernel takes (a decode step's batch); more: torch's matmul
-LEND_WEIGHTS = 1 << 24  # a linear layer's weights from which it lends half its rows (a head's: SmolLM2's 28 M)
+INTEGER = True  # per-channel keys scored by integer dot products where the machine has them (AVX-512 VNNI); the
+# GPU's kernel and the torch path score in float32 (docs/performance.md: the held-out means unchanged, 13 % off a
+# batch 8 step at 8k)
+LEND_WORK = 1 << 22  # a linear layer's multiply-adds (rows x weights) from which `lending` shares its rows: a head's
+# at any batch (SmolLM2's 28 M weights), an MLP matrix's at batch 5 or more (0.9 M weights), never at batch 1
 ERRORS = {-1: "shapes the CPU kernel does not take", -2: "a slot outside the keys' rows"}
 
 _off = 0  # `disabled()` depth
@@ -105,7 +110,7 @@ def library() -> ctypes.CDLL | None:
         f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 12
         f = lib.infinigen_score_channel
         f.restype = ctypes.c_int
-        f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 11
+        f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 12
         f = lib.infinigen_quantize_rows
         f.restype = ctypes.c_int
         f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5
@@ -129,16 +134,25 @@ def library() -> ctypes.CDLL | None:
         f = lib.infinigen_correct_channel
         f.restype = ctypes.c_int
         f.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] + [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 13 + [
-            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 2  # fmt: skip
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 2  # fmt: skip
         f = lib.infinigen_linear
         f.restype = ctypes.c_int
-        f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
+        f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 2
+        lib.infinigen_integer_scores.restype = ctypes.c_int
+        lib.infinigen_integer_scores.argtypes = []
         f = lib.infinigen_attend_rows
         f.restype = ctypes.c_int
         f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64] + [
             ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] + [ctypes.c_int64] * 2  # fmt: skip
         _lib = lib
     return _lib
+
+
+def integer_scores() -> bool:
+    """Whether score_channel and correct_channel score by integer dot products here (INTEGER, and a build with AVX-512
+    VNNI): each key against the query folded with its run's scales in int8."""
+    lib = None if _off else library()
+    return bool(INTEGER and lib is not None and lib.infinigen_integer_scores())
 
 
 def reason() -> str | None:
@@ -188,10 +202,10 @@ def score_channel(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, 
                   run: int) -> torch.Tensor | None:  # fmt: skip
     """ChannelKeys.scores_at on a CPU through the kernel ([B, Hkv, G, t] float32; `at` an int t, a slice, [B, t] or
     [B, Hkv, t] slots), or None where it does not apply: the caller's torch path then runs."""
-    return _score("infinigen_score_channel", "per-channel keys", q, codes, meta, at, t, (run,))
+    return _score("infinigen_score_channel", "per-channel keys", q, codes, meta, at, t, (run,), (int(INTEGER),))
 
 
-def _score(kernel: str, what: str, q, codes, meta, at, t: int, layout: tuple) -> torch.Tensor | None:
+def _score(kernel: str, what: str, q, codes, meta, at, t: int, layout: tuple, after: tuple = ()) -> torch.Tensor | None:
     """A scoring kernel's call: q [B, Hkv, G, D] against codes and meta at `at` (an int t: each row's first t
     slots; a slice: one run; [B, t] or [B, Hkv, t] slots), `layout` the kernel's own shape arguments after D."""
     lib = _taking(codes, meta)
@@ -207,7 +221,7 @@ def _score(kernel: str, what: str, q, codes, meta, at, t: int, layout: tuple) ->
     pairs = slots is not None and slots.dim() == 3  # [B, Hkv, t]: each (sequence, KV head) its own slots
     args = (q.data_ptr(), codes.data_ptr(), meta.data_ptr(), slots.data_ptr() if slots is not None else None,
             int(pairs), out.data_ptr(), b, codes.shape[0], hkv, g, d, *layout, t, codes.shape[2],
-            start)  # fmt: skip
+            start, *after)  # fmt: skip
     bad = _split(getattr(lib, kernel), args, b * hkv, t)
     if bad == -1:
         return None
@@ -250,15 +264,38 @@ def _shared(f, args: tuple, pairs: int, per_pair: int, beside, what: str) -> boo
 
 @contextmanager
 def lending(beside):
-    """Within it, a linear layer on the calling thread with LEND_WEIGHTS weights or more (a head) hands the second
-    half of its rows to beside(fn) (a Future: prefetch.WorkerThread.sharing's worker, idle once the step's layers
-    are done), and takes them back where the share has not started when the first half is done."""
+    """Within it, a linear layer on the calling thread with LEND_WORK multiply-adds or more (a head; an MLP's at
+    batch 8) shares its rows with beside(fn) (a Future: prefetch.WorkerThread.sharing's worker, idle once a layer's
+    speculation is done and once the step's layers are), in blocks to whichever thread is free; a share the worker
+    has not started when the rows are done is cancelled."""
     before = getattr(_lent, "beside", None)
     _lent.beside = beside
     try:
         yield
     finally:
         _lent.beside = before
+
+
+def each(n: int, fn) -> None:
+    """fn(i) for i in 0 .. n: on the calling thread, and within `lending` on its worker too, each taking the next i
+    (a dense layer's attention, sequence by sequence, while the worker has nothing else to do)."""
+    beside = getattr(_lent, "beside", None)
+    if beside is None or n < 2:
+        for i in range(n):
+            fn(i)
+        return
+    at = itertools.count()  # (its next is atomic under the GIL)
+
+    def take():
+        while (i := next(at)) < n:
+            fn(i)
+
+    share = beside(take)
+    try:
+        take()
+    finally:
+        if not share.cancel():  # (started: waited for, as it writes what the caller reads)
+            share.result()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -280,13 +317,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.reshape(-1, k).contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
     args = (rows.data_ptr(), weight.data_ptr(), out.data_ptr(), rows.shape[0], n, k)
-    beside = getattr(_lent, "beside", None) if n * k >= LEND_WEIGHTS else None
-    half = n // 2 if beside is not None else n
-    share = beside(lambda: lib.infinigen_linear(*args, half, n)) if half < n else None
-    rc = lib.infinigen_linear(*args, 0, half)
-    if share is not None:  # (not started: the rows are taken back); waited for whatever rc, as it writes `out`
-        rest = lib.infinigen_linear(*args, half, n) if share.cancel() else share.result()
-        rc = rc or rest
+    beside = getattr(_lent, "beside", None) if n * k * rows.shape[0] >= LEND_WORK else None
+    if beside is None:
+        rc = lib.infinigen_linear(*args, None, 0, n)
+    else:  # the rows in blocks to whichever of the two threads is free
+        nxt = torch.zeros(1, dtype=torch.int64)  # (held through the calls)
+        share = beside(lambda: lib.infinigen_linear(*args, nxt.data_ptr(), 0, n))
+        rc = lib.infinigen_linear(*args, nxt.data_ptr(), 0, n)
+        if not share.cancel():  # (started: waited for whatever rc, as it writes `out`)
+            rc = rc or share.result()
     if rc:
         return None
     return out if bias is None else out.add_(bias)
@@ -478,7 +517,7 @@ def correct_channel(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at
             ptr(held), idx.data_ptr(), val.data_ptr(), ok.data_ptr(), got.data_ptr(), lim.data_ptr(), src_k.data_ptr(),
             src_v.data_ptr(), None if rows is not None else out_k.data_ptr(), out_v.data_ptr(), out_k.shape[2], stride,
             x * src_k.element_size(), src_k.numel() // x, b, hkv, g, d, run, t, codes.shape[2], start, k, int(sorted),
-            ptr(rows))  # fmt: skip
+            ptr(rows), int(INTEGER))  # fmt: skip
     if not _shared(lib.infinigen_correct_channel, args, b * hkv, t, beside, "correction"):
         return None
     return idx, ok.view(torch.bool), got, rows

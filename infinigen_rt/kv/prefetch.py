@@ -129,7 +129,7 @@ class WorkerThread(Prefetch):
             return
         torch.set_num_threads(n - 1)
         try:
-            with cpu.lending(lambda fn: self.beside(fn, then=False)):  # (the head's rows, once the layers are done)
+            with cpu.lending(lambda fn: self.beside(fn, then=False)):  # (a head's rows; an MLP's at batch 8)
                 yield
         finally:
             torch.set_num_threads(n)

@@ -343,15 +343,20 @@ class KVStore:
         """One query token per row, q [B, H, 1, D] (its own row already written), over each row's keys of a device
         layer: [B, H, 1, D]. A GPU attends for the whole batch in one kernel; a CPU row by row over views of each
         request's blocks where they are one run (the gather the reference makes would double its KV's memory
-        traffic: `full` 1.7x slower at SmolLM2 4k), gathered where they are not."""
+        traffic: `full` 1.7x slower at SmolLM2 4k), gathered where they are not; the rows shared with the worker
+        where a speculative policy lends it (cpu.each: its dense layers, while it has nothing to speculate)."""
         k, v = self.k[layer], self.v[layer]
         if self.device.type != "cpu":
             return paged_decode(q, k, v, batch.table, batch.lengths, BLOCK, batch.longest)
-        out = []
-        for i, rid in enumerate(batch.rids):
+        out = [None] * len(batch.rids)
+
+        def row(i: int) -> None:
+            rid = batch.rids[i]
             n = self.seen[rid]
             keys, values = self.rows_of(k, rid, n), self.rows_of(v, rid, n)  # [1, Hkv, n, D]
-            out.append(decode_sdpa(q[i : i + 1], keys, values))
+            out[i] = decode_sdpa(q[i : i + 1], keys, values)
+
+        cpu.each(len(batch.rids), row)
         return torch.cat(out)
 
     def rows_of(self, buf: torch.Tensor, rid: int, n: int) -> torch.Tensor:

@@ -98,6 +98,7 @@ def test_the_per_channel_kernel_scores_as_the_torch_path(d, g, monkeypatch):
     float64 reference's. Qwen's 0.5B is (64, 7), its 1.5B (128, 6)."""
     from infinigen_rt.policies.speculation import CHANNEL_TOKENS
 
+    monkeypatch.setattr(cpu, "INTEGER", False)  # (the integer path: the test after this one)
     gen = torch.Generator().manual_seed(d + g)
     hkv, n_slots, b, t = 2, 320, 3, 257
     shared, own = channel_store(gen, 1, hkv, n_slots, d), channel_store(gen, b, hkv, n_slots, d)
@@ -115,6 +116,66 @@ def test_the_per_channel_kernel_scores_as_the_torch_path(d, g, monkeypatch):
             assert got is not None and got.shape == torch_path.shape and got.dtype == torch.float32
             assert ((got.double() - torch_path).norm() / torch_path.norm()).item() < 1e-5
             assert torch.equal(store.scores_at(0, qq, at), got)  # what a CPU's store runs
+
+
+def integer_reference(q, store, t):
+    """What the integer path computes for each row's first t slots (t a multiple of 16: whole runs), in torch: per
+    run and query head, w = q x scale, u = max |w| / 127 and the integers round(w / u); score = u x (those .
+    codes), exact in int64, + q . minimum."""
+    from infinigen_rt.policies.speculation import CHANNEL_TOKENS
+
+    codes, meta = store.codes[0][:, :, :t], store.meta[0][:, :, : t // CHANNEL_TOKENS].float()
+    c = torch.stack([codes & 15, codes >> 4], -1).flatten(-2).long()  # [R, Hkv, t, D]: column 2p low, 2p + 1 high
+    scale, low = meta[..., 0, :], meta[..., 1, :]  # [R, Hkv, runs, D]
+    w = q[:, :, :, None] * scale[:, :, None]  # [B, Hkv, G, runs, D]
+    m = w.abs().amax(-1, keepdim=True)
+    ints = torch.round(w * (127 / m)).long()
+    runs = c.view(*c.shape[:2], -1, CHANNEL_TOKENS, c.shape[-1])  # [R, Hkv, runs, 16, D]
+    dots = torch.einsum("bhgrd,bhrkd->bhgrk", ints, runs.expand(q.shape[0], -1, -1, -1, -1))
+    bias = torch.einsum("bhgd,bhrd->bhgr", q.double(), low.double().expand(q.shape[0], -1, -1, -1))
+    return (dots.double() * (m / 127).double() + bias[..., None]).flatten(-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("d, g", [(64, 3), (64, 7), (128, 4), (256, 2)])
+def test_integer_scores_are_the_query_folded_into_int8_and_within_half_a_step_of_the_float_ones(d, g, monkeypatch):
+    """cpu.INTEGER on a machine with AVX-512 VNNI: each key scores by integer dot products against the query folded
+    with its run's scales in int8 (a step u per run and query head: its largest |q x scale| / 127). The scores are
+    integer_reference's (the integers exact, float32 rounding after), each the float path's within 0.5 u x the sum
+    of its codes <= 7.5 u D, and a key's score is the same in every slot form, bit for bit, whatever its
+    neighbours in the call."""
+    if not cpu.library().infinigen_integer_scores():
+        pytest.skip("this machine has no AVX-512 VNNI: the float path is the only one")
+    from infinigen_rt.policies.speculation import CHANNEL_TOKENS
+
+    gen = torch.Generator().manual_seed(d * g)
+    hkv, n_slots, b, t = 2, 320, 3, 256
+    shared, own = channel_store(gen, 1, hkv, n_slots, d), channel_store(gen, b, hkv, n_slots, d)
+    q = torch.randn(b, hkv, g, d, generator=gen)
+    q[..., 0] *= 30  # a query channel far above the others
+    scattered = torch.arange(0, 2 * t, 2)[None].expand(b, t) % n_slots  # no two slots in a row
+    forms = [(q, own, t), (q[:1], shared, slice(0, t)), (q, shared, torch.arange(t)[None].expand(b, t)),
+             (q, own, torch.randint(0, n_slots, (b, hkv, t), generator=gen)), (q, shared, scattered)]  # fmt: skip
+    every = {}
+    for qq, store, at in forms:
+        n = at if isinstance(at, int) else at.stop - at.start if isinstance(at, slice) else at.shape[-1]
+        monkeypatch.setattr(cpu, "INTEGER", False)
+        want = cpu.score_channel(qq, store.codes[0], store.meta[0], at, n, CHANNEL_TOKENS)
+        assert not cpu.integer_scores()
+        monkeypatch.setattr(cpu, "INTEGER", True)
+        assert cpu.integer_scores()
+        got = cpu.score_channel(qq, store.codes[0], store.meta[0], at, n, CHANNEL_TOKENS)
+        scale = store.meta[0][:, :, :, 0].float().amax(2)[:, :, None]  # every run's: >= the scored runs'
+        step = (qq.abs() * scale).amax(-1, keepdim=True) / 127  # [B, Hkv, G, 1]
+        assert (got - want).abs().le(0.5 * step * 15 * d + 1e-5 * want.abs() + 1e-4).all()
+        assert not torch.equal(got, want)
+        if not isinstance(at, torch.Tensor) or at is not scattered and at.dim() == 2:  # each row's first t slots
+            ref = integer_reference(qq, store, t)
+            assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-6
+            every[id(store)] = got
+    # the same keys named one by one, every other slot: their scores in the first t slots' call, bit for bit
+    k = t // 4
+    assert torch.equal(got[..., :k], every[id(shared)][..., : 2 * k : 2])
 
 
 @needs_kernel
@@ -167,6 +228,7 @@ def test_the_per_channel_kernel_built_without_avx512_scores_as_the_avx512_one(tm
     every slot form, to float32 rounding."""
     from infinigen_rt.policies.speculation import CHANNEL_TOKENS
 
+    monkeypatch.setattr(cpu, "INTEGER", False)  # (AVX-512 off: the float path alone)
     gen = torch.Generator().manual_seed(5)
     store = channel_store(gen, 2, 2, 96, 64)
     q = torch.randn(2, 2, 7, 64, generator=gen)
@@ -661,17 +723,17 @@ def test_a_cpu_decode_steps_linear_layers_and_head_go_through_the_kernel(name, b
 
 @needs_kernel
 def test_a_head_sized_linear_layer_lends_half_its_rows_to_the_thread_beside(monkeypatch):
-    """Within `lending`, a linear layer of LEND_WEIGHTS weights or more hands one share to the worker beside (a
-    smaller one none), and its outputs are those computed alone, bit for bit; a share that never starts is taken
-    back by the calling thread."""
+    """Within `lending`, a linear layer of LEND_WORK multiply-adds or more shares its rows with the worker beside (a
+    smaller one, or the same weights at fewer rows, none), and its outputs are those computed alone, bit for bit;
+    a share that never starts is cancelled, its rows computed by the calling thread."""
     from concurrent.futures import Future
 
     from infinigen_rt.kv.prefetch import WorkerThread
 
-    monkeypatch.setattr(cpu, "LEND_WEIGHTS", 64 * 16)
+    monkeypatch.setattr(cpu, "LEND_WORK", 3 * 64 * 16)
     gen = torch.Generator().manual_seed(3)
-    x, w, small = (torch.randn(*s, generator=gen) for s in ((3, 16), (64, 16), (8, 16)))
-    alone, alone_small = cpu.linear(x, w), cpu.linear(x, small)
+    x, w, small = (torch.randn(*s, generator=gen) for s in ((3, 16), (4096, 16), (8, 16)))
+    alone, alone_small, alone_row = cpu.linear(x, w), cpu.linear(x, small), cpu.linear(x[:2], w[:64])
     worker, lent = WorkerThread(), []
 
     def beside(fn):
@@ -680,10 +742,41 @@ def test_a_head_sized_linear_layer_lends_half_its_rows_to_the_thread_beside(monk
 
     try:
         with cpu.lending(beside):
-            got, got_small = cpu.linear(x, w), cpu.linear(x, small)
+            got, got_small, got_row = cpu.linear(x, w), cpu.linear(x, small), cpu.linear(x[:2], w[:64])
         assert len(lent) == 1 and torch.equal(got, alone) and torch.equal(got_small, alone_small)
+        assert torch.equal(got_row, alone_row)
         with cpu.lending(lambda fn: Future()):  # never started: cancelled, the rows computed here
             assert torch.equal(cpu.linear(x, w), alone)
         assert getattr(cpu._lent, "beside", None) is None
+    finally:
+        worker.close()
+
+
+def test_each_item_runs_once_on_the_calling_thread_and_the_worker_beside():
+    """cpu.each (a dense layer's attention, a sequence at a time): within `lending` the calling thread and the
+    worker take the items from one counter, each item once, both threads working; an item's error reaches the
+    caller; outside `lending`, every item on the calling thread, in order."""
+    import threading
+    import time
+
+    from infinigen_rt.kv.prefetch import WorkerThread
+
+    seen = []
+
+    def item(i):
+        seen.append((i, threading.current_thread().name))
+        time.sleep(0.002)
+
+    cpu.each(5, item)
+    assert seen == [(i, threading.current_thread().name) for i in range(5)]
+    worker = WorkerThread()
+    try:
+        with cpu.lending(lambda fn: worker.beside(fn, then=False)):
+            seen.clear()
+            cpu.each(40, item)
+            assert sorted(i for i, _ in seen) == list(range(40))
+            assert len({name for _, name in seen}) == 2
+            with pytest.raises(ZeroDivisionError):
+                cpu.each(40, lambda i: 1 / (i != 30))
     finally:
         worker.close()

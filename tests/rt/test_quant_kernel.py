@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from infinigen_rt.kv import cpu as cpu_kernels
 from infinigen_rt.kv import quant
 from infinigen_rt.kv.kernels import available
 from infinigen_rt.policies.speculation import key_group
@@ -64,10 +65,12 @@ def test_scoring_from_the_codes_equals_the_dequantized_keys_scores(bits, d, g):
 
 
 @pytest.mark.parametrize("d, g", [(64, 7), (128, 6), (16, 1)])
-def test_scoring_per_channel_codes_equals_the_torch_paths_scores(d, g):
+def test_scoring_per_channel_codes_equals_the_torch_paths_scores(d, g, monkeypatch):
     """The kernel with a scale per channel over each 16 slots (ChannelKeys, `int4c`: Qwen2.5-Coder's 7 and 6 query
-    heads a KV head at head_dim 64 and 128) against the store's torch path, in every form a caller has: each
-    sequence's own first slots, one run of slots, slots through a table, each (sequence, KV head) its own."""
+    heads a KV head at head_dim 64 and 128) against the store's float32 scores on the CPU (cpu.INTEGER off: the
+    GPU's kernel scores in float32), in every form a caller has: each sequence's own first slots, one run of slots,
+    slots through a table, each (sequence, KV head) its own."""
+    monkeypatch.setattr(cpu_kernels, "INTEGER", False)
     from types import SimpleNamespace
 
     from infinigen_rt.policies.speculation import CHANNEL_TOKENS, ChannelKeys
@@ -257,11 +260,13 @@ def test_on_the_gpu_path_under_fake_cuda_one_launch_scores_and_reads_only_the_ro
     assert b * hkv * t * row <= launches[0].hbm_bytes < codes.numel() + meta.numel() * 2  # not the whole store
 
 
-def test_per_channel_keys_on_the_gpu_path_write_in_one_launch_and_score_in_one():
+def test_per_channel_keys_on_the_gpu_path_write_in_one_launch_and_score_in_one(monkeypatch):
     """ChannelKeys on cuda tensors (fake CUDA: the kernels through the interpreter): a prompt chunk whose keys share
     runs goes in without a device read (its runs sorted), a decode step's new keys (one a sequence,
     through the batch's store's flat slots) with one launch, scored with one; the codes and scores those of the
-    CPU's torch path (unique's runs); each launch priced by the runs it touches, not the store's size."""
+    CPU's float32 path (unique's runs; cpu.INTEGER off); each launch priced by the runs it touches, not the store's
+    size."""
+    monkeypatch.setattr(cpu_kernels, "INTEGER", False)
     from types import SimpleNamespace
 
     from infinigen_rt.measure.fakecuda import FakeCuda
