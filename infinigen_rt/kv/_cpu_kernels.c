@@ -426,7 +426,7 @@ static int score_channel_512(const float *q, const uint8_t *codes, const uint16_
     integer = 0;
 #endif
     for (int64_t pair = lo; pair < hi; pair++) {
-        for (int64_t x = 0; x < G; x++)
+        for (int64_t x = 0; x < G && !integer; x++) /* (the float path's query: the integer one scores every key) */
             for (int64_t blk = 0; blk < D; blk += 64)
                 for (int64_t p = 0; p < 32; p++) {
                     qp[x * D + blk + p] = q[(pair * G + x) * D + blk + 2 * p];
