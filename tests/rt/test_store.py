@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from infinigen_rt.kv import cpu
 from infinigen_rt.kv.paged import PagedStore, PoolFull
 from infinigen_rt.kv.prefetch import WorkerThread
-from infinigen_rt.kv.store import BLOCK, KVStore, Selector
+from infinigen_rt.kv.store import BLOCK, LEDGER_HELD, KVStore, Ledger, Selector
 from infinigen_rt.policies.int4 import group_size
 
 HKV, H, D = 2, 6, 32
@@ -71,6 +72,25 @@ def test_release_forgets_a_request_and_a_full_pool_refuses_without_changing():
     store.alloc.release(1)
     store.check()
     assert len(store.alloc.free) == 4 and not store.length
+
+
+def test_a_ledger_sums_its_host_counts_when_read_as_they_were_added():
+    led = Ledger()
+    rids = [1, 2]
+    led.add("a", rids, [3, 4])
+    led.add("a", rids, 5, scale=2.0)
+    led.add("a", rids, np.array([1]))
+    led.add("b", [2], torch.tensor([7]))
+    rids.append(3)  # a list the caller changes later: the counts go to the requests it held
+    assert (led.get("a", 1), led.get("a", 2), led.get("a", 3), led.get("b", 2)) == (14, 15, 0, 7)
+    assert (led.max("a", 1), led.max("a", 2), led.max("b", 1)) == (10, 10, None)
+    with pytest.raises(ValueError, match="3 counts for 2 requests"):
+        led.add("a", [1, 2], [1, 2, 3])
+    for _ in range(LEDGER_HELD + 1):  # held no further than LEDGER_HELD
+        led.add("c", [1], 1)
+    assert len(led.later) < LEDGER_HELD and led.get("c", 1) == LEDGER_HELD + 1
+    led.forget(1)
+    assert led.get("a", 1) == 0 and led.get("a", 2) == 15
 
 
 def test_writing_past_the_reservation_is_refused():
