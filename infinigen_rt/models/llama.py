@@ -96,9 +96,9 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype):
 
 def apply_rope(x, cos, sin):
     """x rotated by rope_cos_sin's angles: x * cos + (-x2, x1) * sin, with the negation in sin (bit for bit the same
-    products, one op fewer a call)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
+    products, one op fewer a call); (x2, x1) as x rolled by half its width (one op where two slices and a cat were
+    three: a decode step's thread gives the GIL up at each)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 def identity(x: torch.Tensor) -> torch.Tensor:
