@@ -71,6 +71,10 @@ class Batch:
         return t, torch.arange(t, device=self.table.device) < old[:, None]
 
 
+# the batch from which a pooled layer's new rows are written after attention on a CPU (Selector.attend): SmolLM2 at 8k
+# (A/Bs in one process), batch 8 175.4 against 179.9 ms a step (once; once equal), batch 1 63.2 against 59.7, where
+# the worker's speculation is mostly Python beside them and both threads wait for the GIL
+WRITE_AFTER = 5
 LEDGER_HELD = 4096  # host counts a ledger keeps before it sums them (see Ledger.add)
 
 
@@ -690,11 +694,10 @@ class Selector:
         keys, values, ok = self.rows(step, layer, q)  # the rows held before (and their reads) first
         slots = step.slots if self.evicting is None else self.evicting.place(step, layer)  # (after the reads)
         store.ledger.add("d2h", step.rids, k.shape[1] * store.row_bytes)
-        if isinstance(keys, PoolRows) and self.evicting is None:  # read where the pool holds them
+        if isinstance(keys, PoolRows) and self.evicting is None and len(step.rids) >= WRITE_AFTER:
             # attention takes the new rows as they are and nothing else in the step reads them in the pool: written
-            # (and the policy's record of them) after attention, while the worker speculates the next layer, not in
-            # the gap between the correction's share and attention's where the worker waits (SmolLM2 8k, batch 8:
-            # 0.2 ms a layer; on the worker instead, they slowed its share of attention and its speculation as much)
+            # (and the policy's record of them) after attention, while the worker scores the next layer's keys in C,
+            # not in the gap between the correction's share and attention's where the worker waits for its share
             new = store.layout.encode(k), store.layout.encode(v)
             out = keys.attend(q, *(store.layout.decode(x) for x in new))
             store.write(layer, slots, k, v)

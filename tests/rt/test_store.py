@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from infinigen_rt.kv import cpu
+from infinigen_rt.kv import store as kv_store
 from infinigen_rt.kv.paged import PagedStore, PoolFull
 from infinigen_rt.kv.prefetch import WorkerThread
 from infinigen_rt.kv.store import BLOCK, LEDGER_HELD, KVStore, Ledger, Selector
@@ -374,9 +375,10 @@ def _alone_then_joined(e, policy, prompts, new: int):
 
 
 
-@pytest.mark.parametrize("capacity,one_call", [(None, True), (12, True), (None, False)])
+@pytest.mark.parametrize("capacity,one_call,write_after", [(None, True, 5), (12, True, 5), (None, False, 5),
+                                                           (None, True, 1)])  # fmt: skip
 def test_per_channel_keys_run_in_the_store_with_the_tokens_and_report_of_each_request_alone(
-    capacity, one_call, bundles, monkeypatch,
+    capacity, one_call, write_after, bundles, monkeypatch,
 ):  # fmt: skip
     """infinigen's per-channel speculation keys (int4c: a scale per channel over each page's 16 slots, quantized
     again as a page fills) in the runner's store, one row of codes for the batch's pages: each request's tokens
@@ -384,7 +386,8 @@ def test_per_channel_keys_run_in_the_store_with_the_tokens_and_report_of_each_re
     with the pages the first batch used free again, a second batch gets the same. The correction on this CPU: the
     kernel's one call (cpu.correct_channel), where it is built, its pairs shared with the runner's worker thread
     (on two threads or more); without it (`one_call` False: the call declines), its steps one after another, with
-    attention still reading the rows in the pool."""
+    attention still reading the rows in the pool. `write_after` 1: the new rows written after attention at every
+    batch (store.WRITE_AFTER; by default from batch 5)."""
     from infinigen_rt.bundle import read_bundle
     from infinigen_rt.engine import Engine
     from infinigen_rt.policies import KVOptions, configure
@@ -402,6 +405,7 @@ def test_per_channel_keys_run_in_the_store_with_the_tokens_and_report_of_each_re
         return out
 
     monkeypatch.setattr(cpu, "correct_channel", counted)
+    monkeypatch.setattr(kv_store, "WRITE_AFTER", write_after)
     solo, joined, run = _alone_then_joined(e, pol, prompts, 9)
     assert run.kv.selector.in_place == (cpu.library() is not None)
     assert calls and (None not in calls) == one_call or cpu.library() is None
