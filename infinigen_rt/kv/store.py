@@ -84,7 +84,7 @@ class Ledger:
 
     def __init__(self):
         self.pending: list[tuple[str, list[int], torch.Tensor, float]] = []
-        self.later: list[tuple[str, list[int], object, float]] = []  # host counts not yet summed (see add)
+        self.later: list[tuple[str, tuple[int, ...], object, float]] = []  # host counts not yet summed (see add)
         self.total: dict[tuple[str, int], float] = defaultdict(float)
         self.top: dict[tuple[str, int], float] = {}
 
