@@ -694,19 +694,23 @@ class Selector:
         keys, values, ok = self.rows(step, layer, q)  # the rows held before (and their reads) first
         slots = step.slots if self.evicting is None else self.evicting.place(step, layer)  # (after the reads)
         store.ledger.add("d2h", step.rids, k.shape[1] * store.row_bytes)
-        if isinstance(keys, PoolRows) and self.evicting is None and len(step.rids) >= WRITE_AFTER:
-            # attention takes the new rows as they are and nothing else in the step reads them in the pool: written
-            # (and the policy's record of them) after attention, while the worker scores the next layer's keys in C,
-            # not in the gap between the correction's share and attention's where the worker waits for its share
-            new = store.layout.encode(k), store.layout.encode(v)
-            out = keys.attend(q, *(store.layout.decode(x) for x in new))
-            store.write(layer, slots, k, v)
-            self.written(step.batch, layer, k, slots)
+
+        def put():  # the new rows into the pool, and the policy's record of them
+            out = store.write(layer, slots, k, v)
+            self.written(step.batch, layer, k, slots, None if self.evicting is None else step.reusing)
             return out
-        new = store.write(layer, slots, k, v)
-        self.written(step.batch, layer, k, slots, None if self.evicting is None else step.reusing)
-        if isinstance(keys, PoolRows):
-            return keys.attend(q, *(store.layout.decode(x) for x in new))
+
+        if isinstance(keys, PoolRows):  # read where the pool holds them
+            # attention takes the new rows as they are and nothing else in the step reads them in the pool: from
+            # WRITE_AFTER on they are written after attention, while the worker scores the next layer's keys in C,
+            # not in the gap between the correction's share and attention's where the worker waits for its share
+            after = self.evicting is None and len(step.rids) >= WRITE_AFTER
+            new = (store.layout.encode(k), store.layout.encode(v)) if after else put()
+            out = keys.attend(q, *(store.layout.decode(x) for x in new))
+            if after:
+                put()
+            return out
+        new = put()
         for held, parts in zip((keys, values), new, strict=True):
             for x, y in zip(held, parts, strict=True):
                 x[:, :, -1:] = y
