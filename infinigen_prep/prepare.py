@@ -105,7 +105,7 @@ def add_infinigen(folder: Path, text: CalibText, opts: PrepOptions, progress=Non
     bundle = read_bundle(folder, verify=False, partial=True)
     cfg = bundle.config
     device = resolve_device(opts.device)
-    model = load_model(bundle, device, calib_dtype(bundle, device))
+    model = load_model(bundle, device, calib_dtype(bundle, device), narrow=False)
     tokenizer = Tokenizer(bundle)
     all_ids = tokenizer.encode(text.text)
     ids = calib_token_ids(all_ids, text, opts.calib_tokens, cfg.max_position_embeddings)

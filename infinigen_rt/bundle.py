@@ -275,9 +275,13 @@ def verify_files(path: Path, files: dict, hashes: bool = True) -> None:
             )
 
 
-def load_weights(bundle: Bundle, device, dtype: torch.dtype, tp=None) -> dict[str, torch.Tensor]:
+NARROW = (torch.float16, torch.bfloat16)  # the stored widths a tensor named in load_weights' `narrow` keeps
+
+
+def load_weights(bundle: Bundle, device, dtype: torch.dtype, tp=None, narrow=frozenset()) -> dict[str, torch.Tensor]:
     """All tensors of the bundle, cast to `dtype`, on `device` (one shard open at a time); `tp` (tp.TP): only this
-    rank's slice of each split tensor is read."""
+    rank's slice of each split tensor is read. A tensor named in `narrow` stored in float16 or bfloat16 stays so
+    (contiguous; models.load_model)."""
     from safetensors import SafetensorError, safe_open
 
     from infinigen_rt.tp import read_slice
@@ -287,7 +291,9 @@ def load_weights(bundle: Bundle, device, dtype: torch.dtype, tp=None) -> dict[st
         try:
             with safe_open(bundle.path / shard, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    out[name] = read_slice(f, name, tp).to(device=device, dtype=dtype)
+                    t = read_slice(f, name, tp)
+                    keep = name in narrow and t.dtype in NARROW
+                    out[name] = t.to(device=device).contiguous() if keep else t.to(device=device, dtype=dtype)
         except SafetensorError as e:
             raise InfinigenError(f"bundle file {shard} is not readable safetensors ({e}); convert again") from None
     missing = set(bundle.weight_map) - set(out)

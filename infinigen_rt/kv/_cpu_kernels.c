@@ -1244,58 +1244,93 @@ int infinigen_attend_rows(const float *q, const float *K, const float *V, const 
     return rc;
 }
 
-/* A decode step's linear layer: out [M, N] = x [M, K] . w [N, K]^T (float32, nn.Linear's weight as it is), rows
-   lo .. hi of w, M at most 8. Each row of w is read once, in order, and meets every row of x: eight accumulators of
-   16 lanes, the rows of x past M reading the same 16 zeros, then each summed across its lanes. torch's matmul at
-   these shapes reads the weights at about half the memory's speed (SmolLM2's layers at batch 1 on this repo's VM:
-   12 GB/s on one thread or two, this loop 17-22 on one); at batch 8 both are bound by the multiply-adds. An
-   output's sum does not depend on M or the rows' share: a request's logits are the same in any batch. Returns 0,
-   -1 for shapes it does not take (or a machine without AVX-512: torch's then runs). `next` NULL: rows lo .. hi;
-   else a counter shared by the threads that call this at once, each taking the next LINEAR_BLOCK rows from lo on
-   until hi (the rows go to whichever thread is free: one waits for the other's last block at most). */
+/* A decode step's linear layer: out [M, N] = x [M, K] . w [N, K]^T (x float32; w nn.Linear's weight as it is, in
+   float32, or in float16 or bfloat16 as the bundle stores it, each weight widened to float32 exactly in registers),
+   rows lo .. hi of w, M at most 8. Each row of w is read once, in order, and meets every row of x: eight
+   accumulators of 16 lanes, the rows of x past M reading the same 16 zeros, then each summed across its lanes.
+   torch's matmul at these shapes reads the weights at about half the memory's speed (SmolLM2's layers at batch 1 on
+   this repo's VM: 12 GB/s on one thread or two, this loop 17-22 on one). At batch 8 the loop waits on the memory
+   too: a float16 weight, half the bytes of the same value in float32, took an MLP matrix of SmolLM2 from 0.41 ms
+   to 0.27 (0.17 to 0.12 at batch 1; one thread, 60 matrices in turn), with the same sums bit for bit, since the
+   widening is exact and the order of the multiply-adds is the same. An output's sum does not depend on M, the
+   rows' share or the weights' width: a request's logits are the same in any batch. Returns 0, -1 for shapes or
+   widths it does not take (or a machine without AVX-512: torch's then runs). `next` NULL: rows lo .. hi; else a
+   counter shared by the threads that call this at once, each taking the next LINEAR_BLOCK rows from lo on until hi
+   (the rows go to whichever thread is free: one waits for the other's last block at most). `wide`: 0 float32,
+   1 float16, 2 bfloat16. */
 #define LINEAR_BLOCK 32
-int infinigen_linear(const float *x, const float *w, float *out, int64_t M, int64_t N, int64_t K, int64_t *next,
-                     int64_t lo, int64_t hi) {
-#if defined(__AVX512F__)
-    if (M < 1 || M > 8 || K < 1 || lo < 0 || hi > N) return -1;
-    if (next) {
-        for (int64_t a = lo + __atomic_fetch_add(next, LINEAR_BLOCK, __ATOMIC_RELAXED); a < hi;
-             a = lo + __atomic_fetch_add(next, LINEAR_BLOCK, __ATOMIC_RELAXED))
-            infinigen_linear(x, w, out, M, N, K, 0, a, a + LINEAR_BLOCK < hi ? a + LINEAR_BLOCK : hi);
-        return 0;
-    }
-    /* above four rows of x the loop spends long enough on a row of w that the hardware's prefetch falls behind:
-       asking for the next row's lines a row early made an MLP matrix of SmolLM2 at batch 8 from memory 0.44 ms
-       against 0.52-0.55 (one thread, this repo's VM; 2 to 8 rows early: 0.44-0.47); at batch 1 it cost 10 % */
-    const int ahead = M > 4;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* 16 weights from w at k as float32 (the first `m` lanes; the rest 0): the same value whatever the width */
+static inline __attribute__((always_inline)) __m512 weights16(const void *w, int64_t k, int wide, __mmask16 m) {
+    if (wide == 0) return _mm512_maskz_loadu_ps(m, (const float *)w + k);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)w + k);
+    if (wide == 1) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __attribute__((always_inline)) void linear_rows(const float *x, const void *w, float *out, int64_t M,
+                                                             int64_t N, int64_t K, int64_t lo, int64_t hi,
+                                                             int wide, int ahead) {
+    const int64_t size = wide ? 2 : 4, row = K * size;
     static const float zero[16] __attribute__((aligned(64)));
     const int64_t full = K / 16 * 16;
-    const __mmask16 tail = (__mmask16)((1u << (K - full)) - 1);
+    const __mmask16 all = (__mmask16)0xFFFF, tail = (__mmask16)((1u << (K - full)) - 1);
     const float *xr[8];
     int64_t step[8]; /* a row past M reads the same 16 zeros at every k */
     for (int j = 0; j < 8; j++) xr[j] = j < M ? x + j * K : zero, step[j] = j < M ? 16 : 0;
     for (int64_t n = lo; n < hi; n++) {
-        const float *wr = w + n * K;
+        const char *wr = (const char *)w + n * row;
         __m512 acc[8];
         for (int j = 0; j < 8; j++) acc[j] = _mm512_setzero_ps();
         const float *xk[8];
         for (int j = 0; j < 8; j++) xk[j] = xr[j];
         for (int64_t k = 0; k < full; k += 16) {
-            const __m512 wv = _mm512_loadu_ps(wr + k);
-            if (ahead) __builtin_prefetch(wr + K + k); /* the next row's line, asked for a row early */
+            const __m512 wv = weights16(wr, k, wide, all);
+            if (ahead && (k * size) % 64 == 0) __builtin_prefetch(wr + row + k * size); /* the next row's line */
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(xk[j]), wv, acc[j]), xk[j] += step[j];
         }
         if (tail) {
-            const __m512 wv = _mm512_maskz_loadu_ps(tail, wr + full);
+            const __m512 wv = weights16(wr, full, wide, tail);
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) acc[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, xk[j]), wv, acc[j]);
         }
-        for (int j = 0; j < M; j++) out[j * N + n] = _mm512_reduce_add_ps(acc[j]);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) /* (every index a constant: the accumulators stay in registers) */
+            if (j < M) out[j * N + n] = _mm512_reduce_add_ps(acc[j]);
     }
+}
+
+/* one copy of the loop per width and prefetch, each compiled on its own (a test of `ahead` inside the loop took
+   batch 1 to half the speed). Above four rows of x the loop spends long enough on a row of w that the hardware's
+   prefetch falls behind: asking for the next row's lines a row early (`ahead`) made an MLP matrix of SmolLM2 at
+   batch 8 from memory 0.44 ms against 0.52-0.55 (float32, one thread, this repo's VM; 2 to 8 rows early:
+   0.44-0.47); at batch 1 it cost 10 % */
+#define LINEAR_WIDTH(name, wide)                                                                                      \
+    static __attribute__((noinline)) void name(const float *x, const void *w, float *out, int64_t M, int64_t N,       \
+                                               int64_t K, int64_t lo, int64_t hi) {                                   \
+        if (M > 4) linear_rows(x, w, out, M, N, K, lo, hi, wide, 1);                                                  \
+        else linear_rows(x, w, out, M, N, K, lo, hi, wide, 0);                                                        \
+    }
+LINEAR_WIDTH(linear_f32, 0)
+LINEAR_WIDTH(linear_f16, 1)
+LINEAR_WIDTH(linear_bf16, 2)
+#endif
+
+int infinigen_linear(const float *x, const void *w, float *out, int64_t M, int64_t N, int64_t K, int64_t *next,
+                     int64_t lo, int64_t hi, int64_t wide) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    if (M < 1 || M > 8 || K < 1 || lo < 0 || hi > N || wide < 0 || wide > 2) return -1;
+    if (next) {
+        for (int64_t a = lo + __atomic_fetch_add(next, LINEAR_BLOCK, __ATOMIC_RELAXED); a < hi;
+             a = lo + __atomic_fetch_add(next, LINEAR_BLOCK, __ATOMIC_RELAXED))
+            infinigen_linear(x, w, out, M, N, K, 0, a, a + LINEAR_BLOCK < hi ? a + LINEAR_BLOCK : hi, wide);
+        return 0;
+    }
+    (wide == 0 ? linear_f32 : wide == 1 ? linear_f16 : linear_bf16)(x, w, out, M, N, K, lo, hi);
     return 0;
 #else
-    (void)x, (void)w, (void)out, (void)M, (void)N, (void)K, (void)next, (void)lo, (void)hi;
+    (void)x, (void)w, (void)out, (void)M, (void)N, (void)K, (void)next, (void)lo, (void)hi, (void)wide;
     return -1;
 #endif
 }

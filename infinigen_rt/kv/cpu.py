@@ -137,7 +137,7 @@ def library() -> ctypes.CDLL | None:
             ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 2  # fmt: skip
         f = lib.infinigen_linear
         f.restype = ctypes.c_int
-        f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 2
+        f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
         lib.infinigen_integer_scores.restype = ctypes.c_int
         lib.infinigen_integer_scores.argtypes = []
         f = lib.infinigen_attend_rows
@@ -298,17 +298,21 @@ def each(n: int, fn) -> None:
             share.result()
 
 
+WIDE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the weights' widths the linear kernel reads
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """F.linear(x, weight, bias) through the kernel for a decode step's rows (at most LINEAR_ROWS of x [..., K]
-    float32 on a CPU, weight [N, K] contiguous), on the calling thread (and `lending`'s worker): the same sums
-    whatever the batch and the share, up to float32 rounding of F.linear's; None where it does not apply.
+    """F.linear(x, weight.float(), bias) through the kernel for a decode step's rows (at most LINEAR_ROWS of x [..., K]
+    float32 on a CPU, weight [N, K] contiguous in float32, or in float16 or bfloat16 as a bundle stores it: see
+    narrow_weights), on the calling thread (and `lending`'s worker): the same sums whatever the batch, the share
+    and the weight's width, up to float32 rounding of F.linear's; None where it does not apply.
 
     On one thread it reads SmolLM2's weights at 17-22 GB/s where torch's matmul reads 12 on one thread or two (this
     repo's 2-core VM; at batch 8 about as fast as torch's on two). Shares over a second thread were slower inside a
     decode step (SmolLM2 8k, batch 1: 77.6 ms against 71.8 on one thread), most likely because torch's OpenMP
     threads, which spin a while after each parallel op, held the core the share needed."""
     lib = _floats(x)
-    if (lib is None or x.dim() < 1 or weight.dtype != torch.float32 or weight.device.type != "cpu"
+    if (lib is None or x.dim() < 1 or weight.dtype not in WIDE or weight.device.type != "cpu"
             or weight.dim() != 2 or weight.shape[1] != x.shape[-1] or not weight.is_contiguous()
             or x.numel() > LINEAR_ROWS * x.shape[-1] or not x.numel()
             or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):  # fmt: skip
@@ -317,18 +321,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.reshape(-1, k).contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
     args = (rows.data_ptr(), weight.data_ptr(), out.data_ptr(), rows.shape[0], n, k)
+    wide = WIDE[weight.dtype]
     beside = getattr(_lent, "beside", None) if n * k * rows.shape[0] >= LEND_WORK else None
     if beside is None:
-        rc = lib.infinigen_linear(*args, None, 0, n)
+        rc = lib.infinigen_linear(*args, None, 0, n, wide)
     else:  # the rows in blocks to whichever of the two threads is free
         nxt = torch.zeros(1, dtype=torch.int64)  # (held through the calls)
-        share = beside(lambda: lib.infinigen_linear(*args, nxt.data_ptr(), 0, n))
-        rc = lib.infinigen_linear(*args, nxt.data_ptr(), 0, n)
+        share = beside(lambda: lib.infinigen_linear(*args, nxt.data_ptr(), 0, n, wide))
+        rc = lib.infinigen_linear(*args, nxt.data_ptr(), 0, n, wide)
         if not share.cancel():  # (started: waited for whatever rc, as it writes `out`)
             rc = rc or share.result()
     if rc:
         return None
     return out if bias is None else out.add_(bias)
+
+
+def narrow_weights() -> bool:
+    """Whether the linear kernel takes float16 and bfloat16 weights here (the kernels in use, on a machine with
+    AVX-512): a float32 model on a CPU may then keep a bundle's half-width weights as they are (models.load_model),
+    half the bytes a decode step reads for them, the same sums. Elsewhere a narrow weight would be widened at every
+    call (F.linear's), so it is widened once at load."""
+    x = torch.ones(1, 1)
+    return all(linear(x, torch.ones(1, 1, dtype=dt)) is not None for dt in (torch.float16, torch.bfloat16))
 
 
 def _floats(x: torch.Tensor) -> ctypes.CDLL | None:

@@ -22,6 +22,7 @@ from infinigen_rt.kv.cache import KVCache
 from infinigen_rt.models.llama import (
     MLP,
     Attention,
+    Embedding,
     Linear,
     SpeculationTaps,
     identity,
@@ -65,7 +66,7 @@ class Gemma3(nn.Module):
     def __init__(self, cfg: ModelConfig, reduce: Callable = identity):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i, reduce) for i in range(cfg.num_hidden_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.norm_eps)
         if not cfg.tie_word_embeddings:

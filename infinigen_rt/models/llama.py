@@ -41,7 +41,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear, a decode step's few rows on a CPU through the kernel (kv/cpu.py's linear: the weights read at the
     memory's speed, and a request's outputs the same in any batch)."""
     out = cpu.linear(x, weight, bias)
-    return F.linear(x, weight, bias) if out is None else out
+    if out is not None:
+        return out
+    return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype), bias)  # (a weight kept narrow)
 
 
 class Linear(nn.Linear):
@@ -49,6 +51,17 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding (the same parameter) whose rows come out in `out_dtype` where load_model kept the weight
+    narrower than the model computes (a head's, tied: read at half the bytes through `linear`)."""
+
+    out_dtype: torch.dtype | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = super().forward(ids)
+        return x if self.out_dtype is None else x.to(self.out_dtype)
 
 
 class RMSNorm(nn.Module):
@@ -120,15 +133,44 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm, self.k_norm = norm(self.head_dim, cfg.norm_eps), norm(self.head_dim, cfg.norm_eps)
 
+    def fuse(self) -> None:
+        """q, k and v's weights (and biases) as row ranges of one matrix (the same tensors, no second copy), where a
+        CPU's linear kernel reads them: a decode step's three projections are then one call, and RoPE one op over q
+        and k, the same sums and products (each output of the kernel sums its own row of the weights alone)."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        ws = [p.weight for p in projs]
+        if any(w.device.type != "cpu" or w.dtype != ws[0].dtype for w in ws):
+            return
+        w = torch.cat(ws)
+        bias = None if self.q_proj.bias is None else torch.cat([p.bias for p in projs])
+        at = 0
+        for p in projs:
+            n = p.weight.shape[0]
+            p.weight = nn.Parameter(w[at : at + n], requires_grad=p.weight.requires_grad)
+            if bias is not None:
+                p.bias = nn.Parameter(bias[at : at + n], requires_grad=p.bias.requires_grad)
+            at += n
+        self.qkv = (w, bias)
+
     def forward(self, x, cos, sin, cache: KVCache):
         b, s, _ = x.shape
         cache.observe(self.layer, x)
-        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, S, D)
-        k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
-        v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        h, hkv, d = self.n_heads, self.n_kv, self.head_dim
+        if hasattr(self, "qkv") and b * s <= cpu.LINEAR_ROWS:  # a decode step's rows on a CPU: one call (fuse)
+            heads = linear(x, *self.qkv).view(b, s, h + 2 * hkv, d).transpose(1, 2)  # (B, H + 2 Hkv, S, D)
+            if not hasattr(self, "q_norm"):
+                qk = apply_rope(heads[:, : h + hkv], cos, sin)
+                q, k, v = qk[:, :h], qk[:, h:], heads[:, h + hkv :]
+            else:
+                q, k, v = heads.split([h, hkv, hkv], 1)
+                q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
+        else:
+            q = self.q_proj(x).view(b, s, h, d).transpose(1, 2)  # (B, H, S, D)
+            k = self.k_proj(x).view(b, s, hkv, d).transpose(1, 2)  # (B, Hkv, S, D)
+            v = self.v_proj(x).view(b, s, hkv, d).transpose(1, 2)
+            if hasattr(self, "q_norm"):
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.query_scale != 1.0:  # the caches attend with 1/sqrt(head_dim): the model's own scale folds in here
             q = q * self.query_scale
         y = cache.attend(self.layer, q, k, v)
@@ -144,7 +186,25 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = ACT[cfg.hidden_act]
 
+    def fuse(self) -> None:
+        """The gate's and the up projection's weights (and biases) as row ranges of one matrix, where a CPU's linear
+        kernel reads them: a decode step's two are one call (as Attention.fuse)."""
+        ws = [self.gate_proj.weight, self.up_proj.weight]
+        if any(w.device.type != "cpu" or w.dtype != ws[0].dtype for w in ws):
+            return
+        n = ws[0].shape[0]
+        w = torch.cat(ws)
+        bias = None if self.gate_proj.bias is None else torch.cat([self.gate_proj.bias, self.up_proj.bias])
+        for p, part in ((self.gate_proj, slice(0, n)), (self.up_proj, slice(n, 2 * n))):
+            p.weight = nn.Parameter(w[part], requires_grad=p.weight.requires_grad)
+            if bias is not None:
+                p.bias = nn.Parameter(bias[part], requires_grad=p.bias.requires_grad)
+        self.gate_up = (w, bias)
+
     def forward(self, x):
+        if hasattr(self, "gate_up") and x.numel() <= cpu.LINEAR_ROWS * x.shape[-1]:  # one call (fuse)
+            gate, up = linear(x, *self.gate_up).chunk(2, -1)
+            return self.reduce(self.down_proj(self.act(gate) * up))
         return self.reduce(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
 
 
@@ -166,7 +226,7 @@ class Llama(nn.Module):
         """`cfg`: under tensor parallelism, one rank's share of the heads and MLP (tp.shard_config)."""
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i, reduce) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         if not cfg.tie_word_embeddings:

@@ -13,7 +13,7 @@ from torch import nn
 
 from infinigen_rt.config import ModelConfig
 from infinigen_rt.kv.cache import KVCache
-from infinigen_rt.models.llama import ACT, Linear, SpeculationTaps, identity, linear
+from infinigen_rt.models.llama import ACT, Embedding, Linear, SpeculationTaps, identity, linear
 
 
 class Attention(nn.Module):
@@ -64,7 +64,7 @@ class OPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         proj_dim = cfg.word_embed_proj_dim or cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, proj_dim)
+        self.embed_tokens = Embedding(cfg.vocab_size, proj_dim)
         self.embed_positions = nn.Embedding(cfg.max_position_embeddings + cfg.position_offset, cfg.hidden_size)
         if proj_dim != cfg.hidden_size:
             self.project_in = Linear(proj_dim, cfg.hidden_size, bias=False)

@@ -679,12 +679,34 @@ def test_a_decode_steps_linear_layer_is_f_linear_and_the_same_in_any_batch(m, k,
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m, k, n", [(1, 576, 1536), (8, 576, 577), (3, 100, 33), (5, 7, 4)])
+def test_the_linear_kernel_reads_half_width_weights_as_their_float32_values(dtype, m, k, n, monkeypatch):
+    """A float16 or bfloat16 weight gives, bit for bit, what the kernel gives for the same weight widened to float32
+    (a tail past 16 columns, a bias), on one thread and with its rows lent to a second one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert cpu.narrow_weights()
+    gen = torch.Generator().manual_seed(m * 1000 + k)
+    x, w, b = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen).to(dtype), torch.randn(n)
+    want = cpu.linear(x, w.float(), b)
+    got = cpu.linear(x, w, b)
+    assert got is not None and torch.equal(got, want)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x.double(), w.double(), b.double()).float(),
+                               rtol=1e-5, atol=1e-4)  # fmt: skip
+    monkeypatch.setattr(cpu, "LEND_WORK", 0)
+    with ThreadPoolExecutor(1) as pool, cpu.lending(pool.submit):
+        assert torch.equal(cpu.linear(x, w, b), want)
+
+
+@needs_kernel
 def test_the_linear_kernel_declines_what_it_does_not_take():
     """More rows than a decode step's, another dtype, a weight not contiguous, or autograd recording: torch's
     matmul runs (None)."""
     w = torch.randn(8, 16)
     assert cpu.linear(torch.randn(cpu.LINEAR_ROWS + 1, 16), w) is None
     assert cpu.linear(torch.randn(2, 16).double(), w.double()) is None
+    assert cpu.linear(torch.randn(2, 16).half(), w.half()) is None  # (the rows float32, whatever the weight)
     assert cpu.linear(torch.randn(2, 16), torch.randn(16, 8).t()) is None
     assert cpu.linear(torch.randn(2, 16, requires_grad=True), w) is None
     with torch.no_grad():
@@ -696,8 +718,9 @@ def test_the_linear_kernel_declines_what_it_does_not_take():
 @needs_kernel
 @pytest.mark.parametrize("name", ["llama31_gqa", "opt", "gemma3"])
 def test_a_cpu_decode_steps_linear_layers_and_head_go_through_the_kernel(name, bundles, monkeypatch):
-    """Every projection, MLP layer and the head of a decode step (a batch of three) runs the linear kernel, the
-    prefill's many rows torch's matmul; the logits are the torch path's up to float32 rounding."""
+    """Every projection, MLP layer and the head of a decode step (a batch of three) runs the linear kernel (Llama's
+    and Gemma's q, k and v in one call, gate and up in one: Attention.fuse, MLP.fuse), the prefill's many rows
+    torch's matmul; the logits are the torch path's up to float32 rounding."""
     from tests.rt.test_policies import PROMPTS, engines, greedy_logits
 
     e, pol = engines(bundles[name])["full"]
@@ -713,11 +736,55 @@ def test_a_cpu_decode_steps_linear_layers_and_head_go_through_the_kernel(name, b
 
     monkeypatch.setattr(cpu, "linear", counted)
     got, toks, _ = greedy_logits(e, pol, PROMPTS, 3)
-    per_layer = 6 if name == "opt" else 7  # q, k, v, out; fc1, fc2 / gate, up, down
+    per_layer = 6 if name == "opt" else 4  # q, k, v, out; fc1, fc2 / q, k and v in one, o; gate and up in one, down
     decode = [took for rows, took in ran if rows == len(PROMPTS)]
     assert len(decode) >= 3 * (per_layer * e.cfg.num_hidden_layers + 1) and all(decode), ran
     assert not any(took for rows, took in ran if rows > cpu.LINEAR_ROWS)
     assert torch.equal(toks, ref_toks)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "name, dtype", [("llama32", "float16"), ("gemma3", "bfloat16"), ("qwen25", "float16"), ("opt", "float16")]
+)
+def test_a_half_width_bundle_keeps_its_matrices_narrow_on_a_cpu_with_the_same_logits(
+    name, dtype, checkpoints, calib_file, tmp_path, monkeypatch
+):  # fmt: skip
+    """A float32 engine on a CPU keeps a float16 or bfloat16 bundle's linear weights (and a tied head's embeddings)
+    as they are stored, every other tensor widened, and calls q, k and v's projections as one, gate and up as one
+    (Attention.fuse, MLP.fuse: a bias, a query and key norm, RoPE on both at once); its logits, prefill and decode,
+    with `full` and with InfiniGen, are those of the same bundle with every tensor widened at load and each
+    projection its own call, bit for bit."""
+    from infinigen_rt import models
+    from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.engine import Engine
+    from infinigen_rt.models.llama import MLP, Attention, Linear
+    from infinigen_rt.policies import KVOptions, configure
+    from tests.conftest import tiny_convert
+    from tests.rt.test_policies import PROMPTS, greedy_logits
+
+    bundle = read_bundle(tiny_convert(checkpoints[name], tmp_path / name, calib_file, dtype=dtype))
+    e = Engine(bundle, device="cpu", dtype="float32")
+    with monkeypatch.context() as m:
+        m.setattr(models, "keeps_narrow", lambda device, dtype: False)
+        m.setattr(Attention, "fuse", lambda self: None)
+        m.setattr(MLP, "fuse", lambda self: None)
+        wide = Engine(bundle, device="cpu", dtype="float32")
+    fused = [hasattr(m, "qkv") or hasattr(m, "gate_up") for m in e.model.modules() if isinstance(m, Attention | MLP)]
+    assert fused and all(fused) or name == "opt"
+    narrow = getattr(torch, dtype)
+    kept = {f"{n}.weight" for n, mod in e.model.named_modules() if isinstance(mod, Linear)}
+    if e.cfg.tie_word_embeddings:
+        kept.add("embed_tokens.weight")
+    params = dict(e.model.named_parameters())
+    assert len(kept) > 4 * e.cfg.num_hidden_layers
+    assert {n for n, p in params.items() if p.dtype == narrow} == kept
+    assert all(p.dtype == torch.float32 for n, p in params.items() if n not in kept)
+    assert all(p.dtype == torch.float32 for p in wide.model.parameters())
+    for args in [(), ("infinigen", KVOptions(budget=0.5))]:
+        got, toks, _ = greedy_logits(e, configure(e, *args), PROMPTS, 4)
+        ref, ref_toks, _ = greedy_logits(wide, configure(wide, *args), PROMPTS, 4)
+        assert got.dtype == torch.float32 and torch.equal(got, ref) and torch.equal(toks, ref_toks), args
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
