@@ -334,6 +334,48 @@ static inline void fold_int(const float *qv, const float *sv, const float *mv, i
     }
 }
 
+/* fold_int at a head_dim of 64 and at most 4 query heads, its arithmetic in the same order (the same wq, u and
+   bias, bit for bit), with the run's scales converted straight into registers and each head's query (qv, held by
+   the caller across the pair's runs) and w = q * scale kept there: fold_int loads and multiplies each twice and
+   its scales go through memory, which at SmolLM2's shapes made the fold as many instructions as the run's 16 keys'
+   products. m: the run's meta (D scales, then D minimums, fp16). */
+static inline void fold_int64(const __m512 qv[4][4], const uint16_t *m, __m512i vorder, int8_t *wq, float *u,
+                              float *bias, int64_t G) {
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    __m512 sv[4], mv[4], w[4][4], big[4], acc[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        sv[i] = _mm512_permutexvar_ps(vorder, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + 16 * i))));
+        mv[i] = _mm512_permutexvar_ps(vorder, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + 64 + 16 * i))));
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        big[k] = acc[k] = _mm512_setzero_ps();
+        if (k < G)
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                w[k][i] = _mm512_mul_ps(qv[k][i], sv[i]);
+                big[k] = _mm512_max_ps(big[k], _mm512_andnot_ps(sign, w[k][i]));
+                acc[k] = _mm512_fmadd_ps(qv[k][i], mv[i], acc[k]);
+            }
+    }
+    const __m128 mx = max4_of(big), pos = _mm_cmpgt_ps(mx, _mm_setzero_ps());
+    float inv[4];
+    _mm_storeu_ps(inv, _mm_and_ps(pos, _mm_div_ps(_mm_set1_ps(127.f), mx)));
+    _mm_storeu_ps(u, _mm_div_ps(mx, _mm_set1_ps(127.f)));
+    _mm_storeu_ps(bias, sums4_of(acc));
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        if (k >= G) break;
+        const __m512 iv4 = _mm512_set1_ps(inv[k]);
+        __m512i iv[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) iv[i] = _mm512_cvtps_epi32(_mm512_mul_ps(w[k][i], iv4));
+        _mm512_store_si512((__m512i *)(wq + k * 64),
+                           _mm512_packs_epi16(_mm512_packs_epi32(iv[0], iv[1]), _mm512_packs_epi32(iv[2], iv[3])));
+    }
+}
+
 /* Where fold_int's packs (per 128 bits: four dwords of each of four vectors) leave dword j of a block's VNNI order */
 #define PACKED(j) (4 * ((j) % 4) + (j) / 4)
 
@@ -438,6 +480,10 @@ static int score_channel_512(const float *q, const uint8_t *codes, const uint16_
                 for (int64_t i = 0; i < D; i += 16)
                     _mm512_store_ps(qv + x * D + i, _mm512_permutexvar_ps(vorder, _mm512_loadu_ps(q + (pair * G + x) * D + i)));
         int64_t have_i = -1;
+        __m512 q4[4][4]; /* fold_int64's query (D = 64, G <= 4) */
+        if (integer && D == 64 && G <= 4)
+            for (int64_t x = 0; x < 4; x++)
+                for (int i = 0; i < 4; i++) q4[x][i] = x < G ? _mm512_load_ps(qv + x * 64 + 16 * i) : _mm512_setzero_ps();
 #endif
         const Rows at = rows_of(codes, meta, slots, pairs, out, pair, R, Hkv, G, T, S, nb, runs * 2 * D);
         const uint8_t *cb = at.codes;
@@ -460,7 +506,10 @@ static int score_channel_512(const float *q, const uint8_t *codes, const uint16_
                     }
 #ifdef INT_SCORES
             if (integer) { /* a run's keys by integer dot products (a key's score its own: whatever its neighbours) */
-                if (r != have_i) {
+                if (r != have_i && D == 64 && G <= 4) {
+                    fold_int64((const __m512(*)[4])q4, mb + r * 2 * D, vorder, wq, uq, ibias, G);
+                    have_i = r;
+                } else if (r != have_i) {
                     const uint16_t *m = mb + r * 2 * D;
                     for (int64_t i = 0; i < D; i += 16) {
                         _mm512_store_ps(sv + i, _mm512_permutexvar_ps(vorder, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + i)))));
@@ -902,7 +951,24 @@ static void topk_row(const float *v, int64_t *out, float *got, int64_t T, int64_
         if (rank < SAMPLE) {
             const uint32_t bar = kth_largest(sample, SAMPLE, rank, &above);
             n = 0;
-            for (int64_t i = 0; i < T; i++) { /* branchless: every slot written, the count moves on a hit */
+            int64_t i = 0;
+#if defined(__AVX512F__)
+            { /* sixteen slots a step: their keys above the bar packed to the front of a register and stored whole
+                 (n + 16 <= i + 16 <= T: what lies past the count is overwritten or never read) */
+                const __m512i top = _mm512_set1_epi32((int)0x80000000u), bar16 = _mm512_set1_epi32((int)bar),
+                              step = _mm512_set1_epi32(16);
+                __m512i slot = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+                for (; i + 16 <= T; i += 16, slot = _mm512_add_epi32(slot, step)) {
+                    const __m512i u = _mm512_loadu_si512(v + i);
+                    const __m512i key = _mm512_xor_si512(u, _mm512_or_si512(_mm512_srai_epi32(u, 31), top));
+                    const __mmask16 hit = _mm512_cmpge_epu32_mask(key, bar16);
+                    _mm512_storeu_si512(keys + n, _mm512_maskz_compress_epi32(hit, key));
+                    _mm512_storeu_si512(at + n, _mm512_maskz_compress_epi32(hit, slot));
+                    n += __builtin_popcount(hit);
+                }
+            }
+#endif
+            for (; i < T; i++) { /* branchless: every slot written, the count moves on a hit */
                 const uint32_t key = order_key(v[i]);
                 keys[n] = key, at[n] = (int32_t)i;
                 n += key >= bar;
@@ -1094,6 +1160,44 @@ int infinigen_correct_channel(const float *q, const uint8_t *codes, const uint16
         if (dk) memset(dk + k * rb, 0, (size_t)((width - k) * rb)), memset(dv + k * rb, 0, (size_t)((width - k) * rb));
     }
     free(m);
+    return rc;
+}
+
+/* Speculation's choice in one call where the keys are per-channel ones (policies/speculation.py's select with every
+   slot held in position order, no margin, the group softmax summed and no shortlist): for each pair, q [B, Hkv, G, D]
+   scored as infinigen_score_channel against the row's first T slots (slots [B, T] flat, or NULL: start + t) into
+   s [B, Hkv, G, T], their group softmax summed over the G query heads (as infinigen_group_softmax with no margin),
+   the first `sinks` and the last `recent` slots forced above any score (FORCED less their rank, as select's), then
+   the k largest in slot order (as infinigen_topk, unsorted) into idx [B, Hkv, k]: the same values as those steps one
+   after another, a pair's scores still in the cache when its softmax reads them. `next` as
+   infinigen_correct_channel's (NULL: pairs lo .. hi in order). Returns 0, -1 for shapes it does not take, -2 for a
+   slot outside 0 .. S, -3 when its buffers could not be allocated. */
+int infinigen_speculate_channel(const float *q, const uint8_t *codes, const uint16_t *meta, const int64_t *slots,
+                                float *s, int64_t *idx, int64_t B, int64_t Hkv, int64_t G, int64_t D, int64_t run,
+                                int64_t T, int64_t S, int64_t start, int64_t sinks, int64_t recent, int64_t k,
+                                int64_t integer, int64_t *next, int64_t lo, int64_t hi) {
+    if (G < 1 || T < 1 || k < 1 || k > T || T > 0x7fffffff || sinks < 0 || recent < 0 || lo < 0 || hi > B * Hkv)
+        return -1;
+    PickRoom p;
+    void *m = pick_room(&p, T, k);
+    float *val = malloc(sizeof(float) * (size_t)k);
+    if (!m || !val) {
+        free(m), free(val);
+        return -3;
+    }
+    const float forced = 8388608.0f; /* FORCED, 2^23: these integers are exact in float32 */
+    const int64_t nr = recent < T ? recent : T, ns = sinks < T ? sinks : T;
+    int rc = 0;
+    for (int64_t r = next ? lo + __atomic_fetch_add(next, 1, __ATOMIC_RELAXED) : lo; r < hi && !rc;
+         r = next ? lo + __atomic_fetch_add(next, 1, __ATOMIC_RELAXED) : r + 1) {
+        rc = infinigen_score_channel(q, codes, meta, slots, 0, s, B, 1, Hkv, G, D, run, T, S, start, integer, r, r + 1);
+        if (rc) break;
+        softmax_row(s + r * G * T, p.a, p.e, 0, G, T, __builtin_inff(), 0);
+        for (int64_t i = 0; i < nr; i++) p.a[T - nr + i] = forced - (float)(sinks + nr - 1 - i); /* the newest */
+        for (int64_t i = 0; i < ns; i++) p.a[i] = forced - (float)i; /* the sinks, above them */
+        topk_row(p.a, idx + r * k, val, T, k, 0, p.keys, p.at, p.sk, p.sa);
+    }
+    free(m), free(val);
     return rc;
 }
 

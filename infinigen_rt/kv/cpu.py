@@ -44,6 +44,8 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _failed: str | None = None
 _pool: ThreadPoolExecutor | None = None
+_offers: dict[int, _Offer] = {}  # a thread's ident -> the kernel call it runs now, open to another (take_offered)
+_offering = threading.Condition()  # notified when a call is offered (and by `take_offered`'s future when it is done)
 _lent = threading.local()  # `lending`'s beside, per calling thread
 
 
@@ -135,6 +137,9 @@ def library() -> ctypes.CDLL | None:
         f.restype = ctypes.c_int
         f.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] + [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 13 + [
             ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 2  # fmt: skip
+        f = lib.infinigen_speculate_channel
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 12 + [ctypes.c_void_p] + [ctypes.c_int64] * 2
         f = lib.infinigen_linear
         f.restype = ctypes.c_int
         f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
@@ -260,6 +265,83 @@ def _shared(f, args: tuple, pairs: int, per_pair: int, beside, what: str) -> boo
     if rc not in (0, -1):
         raise IndexError(f"the {what}'s rows: {ERRORS.get(rc, f'error {rc}')}")
     return rc == 0
+
+
+class _Offer:
+    """A kernel call f(*args, next, 0, pairs) whose pairs the threads calling it take from the counter `next`: the
+    thread that made it, and any that `take` it while it is open."""
+
+    def __init__(self, f, args: tuple, pairs: int):
+        self.f, self.args, self.pairs = f, args, pairs
+        self.next = torch.zeros(1, dtype=torch.int64)
+        self.done = threading.Condition()
+        self.open, self.active, self.rc = True, 0, 0
+
+    def run(self) -> int:
+        return self.f(*self.args, self.next.data_ptr(), 0, self.pairs)
+
+    def take(self) -> None:
+        """Take pairs until none is left (nothing once the call has closed)."""
+        with self.done:
+            if not self.open:
+                return
+            self.active += 1
+        rc = self.run()
+        with self.done:
+            self.active -= 1
+            self.rc = self.rc or rc
+            self.done.notify_all()
+
+    def close(self) -> int:
+        """No thread joins from now; once those that joined are done: their first non-zero return code, else 0."""
+        with self.done:
+            self.open = False
+            while self.active:
+                self.done.wait()
+            return self.rc
+
+
+def _offered(f, args: tuple, pairs: int, what: str) -> bool:
+    """f(*args, next, lo, hi) over pairs 0 .. pairs, a kernel whose pairs the threads calling it at once take from
+    the counter `next`, on the calling thread (the speculation worker's), offered meanwhile to the thread that waits
+    for its result (`take_offered`: the compute thread, which joins rather than waits). True where it ran, False for
+    shapes it does not take (-1); MemoryError or IndexError named by `what`, as `_shared`."""
+    offer, me = _Offer(f, args, pairs), threading.get_ident()
+    with _offering:
+        _offers[me] = offer
+        _offering.notify_all()
+    try:
+        rc = offer.run()
+    finally:
+        with _offering:
+            _offers.pop(me, None)
+        joined = offer.close()
+    rc = rc or joined
+    if rc == -3:
+        raise MemoryError(f"the CPU {what} kernel could not allocate its buffers")
+    if rc not in (0, -1):
+        raise IndexError(f"the {what}'s rows: {ERRORS.get(rc, f'error {rc}')}")
+    return rc == 0
+
+
+def take_offered(thread: int | None, until) -> None:
+    """On the thread that waits for `until` (a Future) from the worker thread `thread` (its ident): join the kernel
+    call the worker offers (`_offered`) once it does, taking its pairs beside it, rather than wait idle; returns when
+    none is left to take, or `until` is done without one."""
+    if thread is None:
+        return
+    with _offering:
+        until.add_done_callback(_wake)
+        while thread not in _offers and not until.done():
+            _offering.wait()
+        offer = _offers.get(thread)
+    if offer is not None:
+        offer.take()
+
+
+def _wake(_) -> None:
+    with _offering:
+        _offering.notify_all()
 
 
 @contextmanager
@@ -535,6 +617,28 @@ def correct_channel(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at
     if not _shared(lib.infinigen_correct_channel, args, b * hkv, t, beside, "correction"):
         return None
     return idx, ok.view(torch.bool), got, rows
+
+
+def speculate_channel(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, t: int, run: int, sinks: int,
+                      recent: int, k: int) -> torch.Tensor | None:  # fmt: skip
+    """Speculation's choice with per-channel keys in one call (the kernel's infinigen_speculate_channel): q [B, Hkv,
+    G, D] scored as score_channel against each row's first t slots (`at` [B, t] flat slots, or a slice), the group
+    softmax summed over the query heads, the first `sinks` and last `recent` slots forced, the k largest in slot order:
+    their slots [B, Hkv, k] int64, as group_softmax and topk one after another would choose; or None where the kernel
+    does not apply. Its pairs are offered to the thread that waits for this one's result (`take_offered`)."""
+    lib = _taking(codes, meta)
+    b, hkv, g, d = q.shape
+    if lib is None or codes.shape[0] != 1 or isinstance(at, int) or not 0 < k <= t or t > 0x7FFFFFFF:
+        return None
+    # held in names through the call (see quantize_rows)
+    q = q.float().contiguous()
+    slots = at.to(torch.int64).contiguous() if isinstance(at, torch.Tensor) else None
+    start = at.start if isinstance(at, slice) else 0
+    s = torch.empty(b, hkv, g, t, dtype=torch.float32)
+    idx = torch.empty(b, hkv, k, dtype=torch.int64)
+    args = (q.data_ptr(), codes.data_ptr(), meta.data_ptr(), None if slots is None else slots.data_ptr(), s.data_ptr(),
+            idx.data_ptr(), b, hkv, g, d, run, t, codes.shape[2], start, sinks, recent, k, int(INTEGER))  # fmt: skip
+    return idx if _offered(lib.infinigen_speculate_channel, args, b * hkv, "speculation") else None
 
 
 def _pool_pair(src_k: torch.Tensor, src_v: torch.Tensor) -> bool:

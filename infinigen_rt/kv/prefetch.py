@@ -26,6 +26,7 @@ idle while the compute thread did those alone, now shares them. An inline prefet
 
 from __future__ import annotations
 
+import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
@@ -90,8 +91,9 @@ class WorkerThread(Prefetch):
         # its torch ops on its own thread alone: torch's thread count is each thread's own (OpenMP's), so the worker
         # kept the two it started with, and its ops (the speculated query's matmul, the scoring split in two)
         # ran a second team of threads beside the compute thread's (SmolLM2 8k, batch 8: 4 % of the step, twice)
+        self.thread: dict[str, int] = {}  # its ident, once it has started (cpu.take_offered)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinigen-prefetch",
-                                       initializer=torch.set_num_threads, initargs=(1,))  # fmt: skip
+                                       initializer=_worker_started, initargs=(self.thread,))  # fmt: skip
         self.used = False  # has been given work (see sharing)
         self.held: dict[Any, tuple] = {}  # the stages deferred: layer -> (fn, its arguments, copy)
         self._finalizer = weakref.finalize(self, self.pool.shutdown, wait=False)
@@ -138,7 +140,11 @@ class WorkerThread(Prefetch):
         if layer in self.held:
             self.flush()
         out = self.pending.pop(layer)
-        return out.result() if isinstance(out, Future) else out
+        if not isinstance(out, Future):
+            return out
+        if not out.done():  # the wait: spent on the worker's offered kernel call, where it makes one (speculation's)
+            cpu.take_offered(self.thread.get("ident"), out)
+        return out.result()
 
     def drop(self, keys) -> None:
         for k in keys:
@@ -242,6 +248,12 @@ class Lane:
     def close(self) -> None:
         self.base.drop(self.keys)
         self.keys.clear()
+
+
+def _worker_started(box: dict) -> None:
+    """A worker thread's start: torch's ops on it run on one thread (see WorkerThread), and its ident recorded."""
+    torch.set_num_threads(1)
+    box["ident"] = threading.get_ident()
 
 
 def _staged(fn, args, copy):

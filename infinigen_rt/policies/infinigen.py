@@ -44,6 +44,7 @@ from infinigen_rt.policies.speculation import (
     fetch_width,
     joined,
     select,
+    selected,
     shortlist_size,
     spec_key_bytes,
     spec_keys,
@@ -458,11 +459,15 @@ class InfinigenSelector(Selector):
         opts = self.spec_opts[j]
         kept = self.kept(step)
         width = fetch_width(int(kept.max()), t, opts, BUCKET) if self.sync_free else None
-        s = self.keys.scores_at(j, q, step.span or step.idx)
+        at = step.span or step.idx
         k = 0  # the correction's candidates: every held slot, or a shortlist
         if self.opts.correct and self.opts.shortlist:
             k = shortlist_size(int(kept.max()), t, opts, self.counts(step, j), self.opts.shortlist)
-        return step, j, select(s, self.alphas[j], opts, *self.held(step, j), width, self.tp, k)
+        held, pos = self.held(step, j)
+        sel = selected(self.keys, j, q, at, t, self.alphas[j], opts, held, width, self.tp, k)  # (one kernel call)
+        if sel is None:
+            sel = select(self.keys.scores_at(j, q, at), self.alphas[j], opts, held, pos, width, self.tp, k)
+        return step, j, sel
 
     @torch.inference_mode()
     def copy(self, chosen) -> tuple:

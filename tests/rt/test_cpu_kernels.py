@@ -531,6 +531,97 @@ def test_the_corrections_one_call_scores_picks_and_copies_what_its_steps_do(d, g
 
 
 @needs_kernel
+@pytest.mark.parametrize("d, g, span, t, budget, sinks, recent", [
+    (64, 3, False, 1000, 0.1, 4, 8), (64, 3, True, 4000, 0.075, 4, 8), (64, 3, False, 4000, 0.4, 0, 0),
+    (128, 4, False, 1000, 0.5, 4, 8), (96, 2, True, 300, 0.02, 20, 30), (64, 7, False, 2500, 1.0, 4, 8)])  # fmt: skip
+def test_speculations_one_call_chooses_what_select_chooses(d, g, span, t, budget, sinks, recent):
+    """selected (per-channel keys, a CPU, every slot held in order, no margin): the Selection that select makes from
+    the scores one step after another (the scores, the group softmax, the sinks and the newest forced, the top-k),
+    bit for bit, through each row's flat slots or one span, at budgets whose top-k samples a bar and whose does
+    not, sinks and the newest past the budget's count; where it does not apply (a margin, slots not held, counts
+    not read, a shortlist, another store, keys it does not take), None."""
+    import math
+
+    from infinigen_rt.policies.options import KVOptions
+    from infinigen_rt.policies.speculation import QuantKeys, select, selected
+
+    gen = torch.Generator().manual_seed(d + g + t)
+    b, hkv, slots_n = (1 if span else 3), 2, 4096
+    keys = channel_store(gen, 1, hkv, slots_n, d)
+    q = torch.randn(b, hkv, g, d, generator=gen)
+    at = slice(16, 16 + t) if span else torch.stack([torch.randperm(slots_n, generator=gen)[:t] for _ in range(b)])
+    opts = KVOptions(budget=budget, sinks=sinks, recent=recent)
+    got = selected(keys, 0, q, at, t, math.inf, opts, None, None, None, 0)
+    want = select(keys.scores_at(0, q, at), math.inf, opts)
+    assert got is not None and torch.equal(got.slots, want.slots) and torch.equal(got.ok, want.ok)
+    assert got.every and want.every and torch.equal(got.per_row, want.per_row) and got.cand is None
+    forced = list(range(min(sinks, t))) + list(range(t - min(recent, t), t))
+    if len(set(forced)) <= got.slots.shape[-1]:  # the sinks and the newest are chosen first, inside the budget
+        assert all(set(forced) <= set(row) for row in got.slots.reshape(-1, got.slots.shape[-1]).tolist())
+    held = torch.ones(b, hkv, t, dtype=torch.bool)
+    for args in ((2.0, opts, None, None, None, 0), (math.inf, opts, held, None, None, 0),
+                 (math.inf, opts, None, 64, None, 0), (math.inf, opts, None, None, object(), 0),
+                 (math.inf, opts, None, None, None, 5), (math.inf, KVOptions(group_agg="max"), None, None, None, 0)):
+        assert selected(keys, 0, q, at, t, *args) is None
+    assert selected(keys, 0, q.double(), at, 0, math.inf, opts, None, None, None, 0) is None
+    int4 = QuantKeys(keys.spec, [0], 1, slots_n, "cpu", torch.float32, 4)
+    assert selected(int4, 0, q, at, t, math.inf, opts, None, None, None, 0) is None
+
+
+@needs_kernel
+def test_a_kernel_call_the_worker_offers_is_taken_by_the_thread_waiting_for_its_result():
+    """cpu._offered on the worker thread (speculation's one call) and cpu.take_offered on the thread that waits for
+    its result: both take the call's pairs from its counter, each pair once; the worker's call returns once the
+    pairs the other thread took are done, and a failure on either thread is its error. A waiting thread that comes
+    after the call, or a worker that offers nothing, just waits."""
+    import ctypes
+    import threading
+    import time
+
+    from infinigen_rt.kv.prefetch import WorkerThread
+
+    lock, seen, started = threading.Lock(), [], threading.Event()
+
+    def kernel(fail_at, nxt, lo, hi):  # a kernel's way with the counter: take the next pair until none is left
+        counter = ctypes.c_int64.from_address(nxt)
+        while True:
+            with lock:
+                i = lo + counter.value
+                counter.value += 1
+            if i >= hi:
+                return 0
+            started.set()
+            time.sleep(0.002)
+            seen.append((i, threading.current_thread().name))
+            if i == fail_at:
+                return -2
+
+    worker = WorkerThread()
+    try:
+        worker.pool.submit(lambda: None).result()  # (started: its ident known)
+        done = worker.pool.submit(cpu._offered, kernel, (-1,), 40, "test")
+        started.wait()
+        cpu.take_offered(worker.thread["ident"], done)
+        assert done.result() is True
+        assert sorted(i for i, _ in seen) == list(range(40))
+        assert {name for _, name in seen} == {threading.current_thread().name, "infinigen-prefetch_0"}
+        seen.clear()
+        started.clear()
+        done = worker.pool.submit(cpu._offered, kernel, (39,), 40, "test")  # the last pair fails, on either thread
+        started.wait()
+        cpu.take_offered(worker.thread["ident"], done)
+        with pytest.raises(IndexError, match="test"):
+            done.result()
+        nothing = worker.pool.submit(time.sleep, 0.05)
+        cpu.take_offered(worker.thread["ident"], nothing)  # (waits for it: no call offered)
+        assert nothing.done() and not cpu._offers
+        cpu.take_offered(worker.thread["ident"], nothing)  # done already
+        cpu.take_offered(None, nothing)
+    finally:
+        worker.close()
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype, x", [(torch.float32, 64), (torch.bfloat16, 128), (torch.uint8, 40)])
 def test_the_row_gather_kernel_copies_index_selects_rows_and_zeros_the_rest(dtype, x):
     """pool.copy_rows on a CPU: the chosen rows of K and V as index_select copies them, the rows left for the new

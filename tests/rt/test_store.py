@@ -419,3 +419,44 @@ def test_per_channel_keys_run_in_the_store_with_the_tokens_and_report_of_each_re
         outs.update({o.id: o for o in run.step() if o.finished})
         run.kv.check()
     assert [(outs[i].generation.token_ids, outs[i].report.to_dict()) for i in ids] == alone[::-1]
+
+
+@pytest.mark.skipif(cpu.library() is None, reason=f"no CPU kernel: {cpu.reason()}")
+def test_speculations_one_call_makes_the_tokens_and_reports_its_steps_make(bundles, monkeypatch):
+    """infinigen's per-channel keys over a batch whose requests hold as many tokens (every slot held, in order):
+    each speculation is one kernel call (cpu.speculate_channel: the scores, the group softmax, the forced slots and
+    the top-k), its pairs taken beside the worker by the compute thread that waits for them (cpu.take_offered), and
+    each request's tokens and report are those the steps one after another make."""
+    from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.engine import Engine
+    from infinigen_rt.policies import KVOptions, configure
+    from infinigen_rt.policies import infinigen as ig
+    from infinigen_rt.runner import Request, Runner
+
+    e = Engine(read_bundle(bundles["llama31_gqa"]), device="cpu", dtype="float32")
+    pol = configure(e, "infinigen", KVOptions(budget=0.3, prefill_chunk=16, spec_keys="int4c", correct=0.25))
+    prompts = [list(range(5 + 3 * i, 45 + 3 * i)) for i in range(4)]
+    calls, taken, one_call, take = [], [], cpu.speculate_channel, cpu.take_offered
+
+    def counted(*a):
+        calls.append(out := one_call(*a))
+        return out
+
+    def taking(*a):
+        taken.append(a[0])
+        return take(*a)
+
+    monkeypatch.setattr(cpu, "speculate_channel", counted)
+    monkeypatch.setattr(cpu, "take_offered", taking)
+    got = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(ig, "selected", lambda *a: None)
+        calls.clear()
+        run = Runner(e, pol, max_batch=len(prompts), prefill_chunk=None, kv_tokens=512)
+        ids = [run.add(Request(p, 8)) for p in prompts]
+        outs = {o.id: o for o in _drain(run)}
+        got[fused] = [(outs[i].generation.token_ids, outs[i].report.to_dict()) for i in ids]
+        assert bool(calls) == fused and None not in calls
+    assert got[True] == got[False]
+    assert taken or not isinstance(run.prefetch, WorkerThread)  # (the compute thread joined, or found it done)
