@@ -137,20 +137,9 @@ class Attention(nn.Module):
         """q, k and v's weights (and biases) as row ranges of one matrix (the same tensors, no second copy), where a
         CPU's linear kernel reads them: a decode step's three projections are then one call, and RoPE one op over q
         and k, the same sums and products (each output of the kernel sums its own row of the weights alone)."""
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        ws = [p.weight for p in projs]
-        if any(w.device.type != "cpu" or w.dtype != ws[0].dtype for w in ws):
-            return
-        w = torch.cat(ws)
-        bias = None if self.q_proj.bias is None else torch.cat([p.bias for p in projs])
-        at = 0
-        for p in projs:
-            n = p.weight.shape[0]
-            p.weight = nn.Parameter(w[at : at + n], requires_grad=p.weight.requires_grad)
-            if bias is not None:
-                p.bias = nn.Parameter(bias[at : at + n], requires_grad=p.bias.requires_grad)
-            at += n
-        self.qkv = (w, bias)
+        got = as_one_matrix((self.q_proj, self.k_proj, self.v_proj))
+        if got is not None:
+            self.qkv = got
 
     def forward(self, x, cos, sin, cache: KVCache):
         b, s, _ = x.shape
@@ -189,23 +178,34 @@ class MLP(nn.Module):
     def fuse(self) -> None:
         """The gate's and the up projection's weights (and biases) as row ranges of one matrix, where a CPU's linear
         kernel reads them: a decode step's two are one call (as Attention.fuse)."""
-        ws = [self.gate_proj.weight, self.up_proj.weight]
-        if any(w.device.type != "cpu" or w.dtype != ws[0].dtype for w in ws):
-            return
-        n = ws[0].shape[0]
-        w = torch.cat(ws)
-        bias = None if self.gate_proj.bias is None else torch.cat([self.gate_proj.bias, self.up_proj.bias])
-        for p, part in ((self.gate_proj, slice(0, n)), (self.up_proj, slice(n, 2 * n))):
-            p.weight = nn.Parameter(w[part], requires_grad=p.weight.requires_grad)
-            if bias is not None:
-                p.bias = nn.Parameter(bias[part], requires_grad=p.bias.requires_grad)
-        self.gate_up = (w, bias)
+        got = as_one_matrix((self.gate_proj, self.up_proj))
+        if got is not None:
+            self.gate_up = got
 
     def forward(self, x):
         if hasattr(self, "gate_up") and x.numel() <= cpu.LINEAR_ROWS * x.shape[-1]:  # one call (fuse)
             gate, up = linear(x, *self.gate_up).chunk(2, -1)
             return self.reduce(self.down_proj(self.act(gate) * up))
         return self.reduce(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
+
+
+def as_one_matrix(projs) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Projections that read the same input (Attention.fuse's q, k, v; MLP.fuse's gate and up) as row ranges of one
+    matrix: each one's weight (and bias) becomes a view of it, no second copy, and (the matrix, the biases or None)
+    comes back; None where they are not all on a CPU in one dtype, or not all with a bias or all without."""
+    ws = [p.weight for p in projs]
+    if any(w.device.type != "cpu" or w.dtype != ws[0].dtype for w in ws) or len({p.bias is None for p in projs}) > 1:
+        return None
+    w = torch.cat(ws)
+    bias = None if projs[0].bias is None else torch.cat([p.bias for p in projs])
+    at = 0
+    for p in projs:
+        n = p.weight.shape[0]
+        p.weight = nn.Parameter(w[at : at + n], requires_grad=p.weight.requires_grad)
+        if bias is not None:
+            p.bias = nn.Parameter(bias[at : at + n], requires_grad=p.bias.requires_grad)
+        at += n
+    return w, bias
 
 
 class Block(nn.Module):
