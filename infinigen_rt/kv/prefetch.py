@@ -21,7 +21,9 @@ while the link then idled through layer j's compute (the defaults projected at L
 at batch 1 so, 1.10x deferred). A worker thread holds both stages back: `beside(fn)` hands it a share of
 layer j's correction first, and where attention reads the rows in the pool (a CPU: store.PoolRows) a share of
 layer j's attention (the two threads take the pairs from one counter), then the held stages start; the worker,
-idle while the compute thread did those alone, now shares them. An inline prefetcher runs every stage at once.
+idle while the compute thread did those alone, now shares them; and the other way round, a compute thread that
+asks for a layer's result before the worker is done takes pairs of the kernel call the worker offers (a CPU's
+speculation: cpu.take_offered) rather than wait idle. An inline prefetcher runs every stage at once.
 """
 
 from __future__ import annotations
