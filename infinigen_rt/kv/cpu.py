@@ -218,8 +218,7 @@ def _score(kernel: str, what: str, q, codes, meta, at, t: int, layout: tuple, af
         return None
     b, hkv, g, d = q.shape
     q = q.float().contiguous()
-    slots = at.to(torch.int64).contiguous() if isinstance(at, torch.Tensor) else None
-    start = at.start if isinstance(at, slice) else 0
+    slots, start = _slots_of(at)
     out = torch.empty(b, hkv, g, t, dtype=torch.float32)
     if t == 0:
         return out
@@ -260,11 +259,7 @@ def _shared(f, args: tuple, pairs: int, per_pair: int, beside, what: str) -> boo
     else:
         rc = f(*args, nxt.data_ptr(), 0, pairs)
         rc = rc or (0 if share.cancel() else share.result())  # (not started: the pairs ran out here)
-    if rc == -3:
-        raise MemoryError(f"the CPU {what} kernel could not allocate its buffers")
-    if rc not in (0, -1):
-        raise IndexError(f"the {what}'s rows: {ERRORS.get(rc, f'error {rc}')}")
-    return rc == 0
+    return _ran(rc, what)
 
 
 class _Offer:
@@ -317,11 +312,7 @@ def _offered(f, args: tuple, pairs: int, what: str) -> bool:
             _offers.pop(me, None)
         joined = offer.close()
     rc = rc or joined
-    if rc == -3:
-        raise MemoryError(f"the CPU {what} kernel could not allocate its buffers")
-    if rc not in (0, -1):
-        raise IndexError(f"the {what}'s rows: {ERRORS.get(rc, f'error {rc}')}")
-    return rc == 0
+    return _ran(rc, what)
 
 
 def take_offered(thread: int | None, until) -> None:
@@ -342,6 +333,23 @@ def take_offered(thread: int | None, until) -> None:
 def _wake(_) -> None:
     with _offering:
         _offering.notify_all()
+
+
+def _ran(rc: int, what: str) -> bool:
+    """A pair-taking kernel's return code: True where it ran, False for shapes it does not take (-1); MemoryError
+    (-3) or IndexError (a row outside the pool) named by `what`."""
+    if rc == -3:
+        raise MemoryError(f"the CPU {what} kernel could not allocate its buffers")
+    if rc not in (0, -1):
+        raise IndexError(f"the {what}'s rows: {ERRORS.get(rc, f'error {rc}')}")
+    return rc == 0
+
+
+def _slots_of(at) -> tuple[torch.Tensor | None, int]:
+    """A kernel's slots argument `at` (an int t: each row's first t slots; a slice: one run; a tensor of slots) as
+    (the slots, int64 and contiguous, or None; the first slot of a slice, else 0)."""
+    slots = at.to(torch.int64).contiguous() if isinstance(at, torch.Tensor) else None
+    return slots, at.start if isinstance(at, slice) else 0
 
 
 @contextmanager
@@ -597,8 +605,7 @@ def correct_channel(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at
     n = taken.shape[-1]
     # held in names through the call (see quantize_rows)
     q = q.float().contiguous()
-    slots = at.to(torch.int64).contiguous() if isinstance(at, torch.Tensor) else None
-    start = at.start if isinstance(at, slice) else 0
+    slots, start = _slots_of(at)
     s = torch.empty(b, hkv, g, t, dtype=torch.float32)
     taken = taken.to(torch.int64).expand(b, hkv, n).contiguous()
     ok_in = None if taken_ok is None else taken_ok.expand(b, hkv, n).to(torch.uint8).contiguous()
@@ -632,8 +639,7 @@ def speculate_channel(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, 
         return None
     # held in names through the call (see quantize_rows)
     q = q.float().contiguous()
-    slots = at.to(torch.int64).contiguous() if isinstance(at, torch.Tensor) else None
-    start = at.start if isinstance(at, slice) else 0
+    slots, start = _slots_of(at)
     s = torch.empty(b, hkv, g, t, dtype=torch.float32)
     idx = torch.empty(b, hkv, k, dtype=torch.int64)
     args = (q.data_ptr(), codes.data_ptr(), meta.data_ptr(), None if slots is None else slots.data_ptr(), s.data_ptr(),

@@ -450,7 +450,7 @@ def select(
     t = s.shape[-1]
     prefix = held is None
     if prefix:
-        cap = prefix_count(t, opts)
+        cap = fetch_count(t, opts)
     else:
         s = s.masked_fill(~held[:, :, None, :], -inf)
         held_b = held.sum(-1).amax(-1)  # [B]
@@ -516,13 +516,6 @@ def select(
     return Selection(top, ok, prefix and n_min == n_max, per_row, cand=cand)
 
 
-def prefix_count(t: int, opts: KVOptions) -> int:
-    """The budget's count where every one of the t slots holds a token: floor(budget * t), at least 1, at most t
-    and max_kv."""
-    cap = max(1, math.floor(opts.budget * t))
-    return min(cap, t, opts.max_kv or cap)
-
-
 def selected(keys, j: int, q: torch.Tensor, at, t: int, alpha: float, opts: KVOptions, held: torch.Tensor | None,
              width: int | None, tp, shortlist: int) -> Selection | None:  # fmt: skip
     """select(keys.scores_at(j, q, at), alpha, opts, held, ..., width, tp, shortlist) in one call of a CPU's kernel
@@ -532,7 +525,7 @@ def selected(keys, j: int, q: torch.Tensor, at, t: int, alpha: float, opts: KVOp
     if (not isinstance(keys, ChannelKeys) or q.device.type != "cpu" or held is not None or not math.isinf(alpha)
             or opts.group_agg != "sum" or width is not None or tp is not None or shortlist or not t):  # fmt: skip
         return None
-    n = prefix_count(t, opts)
+    n = fetch_count(t, opts)
     top = cpu.speculate_channel(q, keys.codes[j], keys.meta[j], at, t, CHANNEL_TOKENS, opts.sinks, opts.recent, n)
     if top is None:
         return None
