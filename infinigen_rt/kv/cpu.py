@@ -1,34 +1,30 @@
 """The CPU's native kernels (kv/_cpu_kernels.c): scoring queries against low-bit keys without forming the keys,
 and the selection's group softmax and top-k (policies/speculation.py).
 
-Built on first use with the machine's C compiler (`$CC`, else cc, gcc or clang; -O3 -march=native) into a cache
-keyed by the source, the compiler and the machine (`$INFINIGEN_KERNEL_CACHE`, else `$XDG_CACHE_HOME/infinigen` or
-~/.cache/infinigen), written under a temporary name and renamed, so a build killed half way leaves nothing that
-loads. Without a compiler, or with `INFINIGEN_CPU_KERNELS=0`, the torch path runs (kv/quant.py: the same scores up
-to float32 rounding). Loaded through ctypes, whose calls release the GIL: the speculation's scoring on the runner's
-worker thread runs beside the main thread's layers, and a large call is split over torch's threads."""
+Built on first use and loaded by kv/cpu_build.py (where the cache is, and what it trusts).
+
+Without a compiler, with `$CC` naming a program that is not found (a warning: no other compiler is taken in its
+place), after a failed build, or with `INFINIGEN_CPU_KERNELS=0`, the torch path runs (kv/quant.py: the same scores
+up to float32 rounding); `reason()` says why. Warnings go through errors.notice (the CLIs print one `warning:` line
+each), each once a process. Loaded through ctypes, whose calls release the GIL: the speculation's scoring on the
+runner's worker thread runs beside the main thread's layers, and a large call is split over torch's threads."""
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import itertools
 import math
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
-SRC = Path(__file__).with_name("_cpu_kernels.c")
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
-         "-shared", "-fPIC"]  # fmt: skip
+from infinigen_rt.errors import notice
+from infinigen_rt.kv.cpu_build import SIGNATURES, cc_missing, compiler, load
+
 ENV = "INFINIGEN_CPU_KERNELS"
 SPLIT_WORK = 1 << 16  # (sequence, KV head, slot) triples under which a call stays on its calling thread
 LINEAR_ROWS = 8  # rows of x a linear layer's kernel takes (a decode step's batch); more: torch's matmul
@@ -43,114 +39,56 @@ _off = 0  # `disabled()` depth
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _failed: str | None = None
+_warned: set[str] = set()  # the warnings this process has given (each once)
 _pool: ThreadPoolExecutor | None = None
 _offers: dict[int, _Offer] = {}  # a thread's ident -> the kernel call it runs now, open to another (take_offered)
 _offering = threading.Condition()  # notified when a call is offered (and by `take_offered`'s future when it is done)
 _lent = threading.local()  # `lending`'s beside, per calling thread
 
 
-def _compiler() -> str | None:
-    return next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def cache_dir() -> Path:
-    if os.environ.get("INFINIGEN_KERNEL_CACHE"):
-        return Path(os.environ["INFINIGEN_KERNEL_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "infinigen"
-
-
-def build(cc: str, out_dir: Path) -> Path:
-    """The shared library for this machine, built into out_dir if it is not there (atomically)."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256(
-        b"\0".join(x.encode() for x in (SRC.read_text(), version, " ".join(FLAGS), platform.machine(), _cpu_flags()))
-    ).hexdigest()[:16]
-    lib = out_dir / f"infinigen-cpu-kernels-{key}.so"
-    if not lib.exists():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-            part = Path(tmp) / lib.name
-            r = subprocess.run([cc, *FLAGS, str(SRC), "-o", str(part)], capture_output=True, text=True, timeout=300)
-            if r.returncode:
-                raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip()[-400:]}")
-            os.replace(part, lib)
-    return lib
+def _warn(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        notice(message)
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None (disabled, no compiler, or a failed build: `reason()` says which)."""
-    global _lib, _failed
     if _lib is not None or _failed is not None:
         return _lib
+    notes: list[str] = []
     with _lock:
-        if _lib is not None or _failed is not None:
-            return _lib
-        if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-            _failed = f"{ENV}=0"
-            return None
-        cc = _compiler()
-        if cc is None:
-            _failed = "no C compiler (set CC)"
-            return None
-        try:
-            lib = ctypes.CDLL(str(build(cc, cache_dir())))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            _failed = f"the build failed: {e}"
-            return None
-        f = lib.infinigen_score_codes
-        f.restype = ctypes.c_int
-        f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 12
-        f = lib.infinigen_score_channel
-        f.restype = ctypes.c_int
-        f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 12
-        f = lib.infinigen_quantize_rows
-        f.restype = ctypes.c_int
-        f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5
-        f = lib.infinigen_quantize_channel
-        f.restype = ctypes.c_int
-        f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [
-            ctypes.c_float]  # fmt: skip
-        f = lib.infinigen_group_softmax
-        f.restype = ctypes.c_int
-        f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_float] + [ctypes.c_int64] * 2
-        f = lib.infinigen_topk
-        f.restype = ctypes.c_int
-        f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_int64] * 2
-        f = lib.infinigen_correct_pick
-        f.restype = ctypes.c_int
-        f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [
-            ctypes.c_int] + [ctypes.c_int64] * 2  # fmt: skip
-        f = lib.infinigen_gather_rows
-        f.restype = ctypes.c_int
-        f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8
-        f = lib.infinigen_correct_channel
-        f.restype = ctypes.c_int
-        f.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] + [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 13 + [
-            ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 2  # fmt: skip
-        f = lib.infinigen_speculate_channel
-        f.restype = ctypes.c_int
-        f.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 12 + [ctypes.c_void_p] + [ctypes.c_int64] * 2
-        f = lib.infinigen_linear
-        f.restype = ctypes.c_int
-        f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
-        lib.infinigen_integer_scores.restype = ctypes.c_int
-        lib.infinigen_integer_scores.argtypes = []
-        f = lib.infinigen_attend_rows
-        f.restype = ctypes.c_int
-        f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64] + [
-            ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] + [ctypes.c_int64] * 2  # fmt: skip
-        _lib = lib
+        _start(notes)
+    for message in notes:  # (outside the lock: a warning filter that raises leaves the state whole)
+        _warn(message)
     return _lib
+
+
+def _start(notes: list[str]) -> None:
+    """library()'s work under the lock: _lib or _failed set."""
+    global _lib, _failed
+    if _lib is not None or _failed is not None:
+        return
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        _failed = f"{ENV}=0"
+        return
+    cc = compiler()
+    if cc is None:
+        missing = cc_missing()
+        _failed = missing or "no C compiler (set CC)"
+        if missing:
+            notes.append(f"{missing}; the CPU kernels are not built (unset CC or point it at a C compiler)")
+        return
+    try:
+        lib = load(cc, notes)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _failed = f"the build failed: {e}"
+        return
+    for name, args in SIGNATURES.items():
+        f = getattr(lib, name)
+        f.restype = ctypes.c_int
+        f.argtypes = args
+    _lib = lib
 
 
 def integer_scores() -> bool:

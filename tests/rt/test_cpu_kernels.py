@@ -1,17 +1,23 @@
 """The CPU's native kernels (kv/_cpu_kernels.c, built on first use by kv/cpu.py): scoring queries against low-bit
 keys without forming them, quantizing new keys into their slots, the selection's group softmax and top-k, the row
 gather, against the torch path and a float64 reference; hostile slots; the build's cache, its fallbacks and what a
-failed build leaves behind."""
+failed build leaves behind; a cache others could write, a library planted or cut short there, a compiler that writes
+junk, a CC that is not found."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
 from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from infinigen_rt.kv import cpu, quant
+from infinigen_rt.kv import cpu, cpu_build, quant
 from infinigen_rt.policies.speculation import key_group
 
 needs_kernel = pytest.mark.skipif(cpu.library() is None, reason=f"no CPU kernel: {cpu.reason()}")
@@ -242,7 +248,7 @@ def test_the_per_channel_kernel_built_without_avx512_scores_as_the_avx512_one(tm
 
     want = scores()
     assert all(w is not None for w in want)
-    monkeypatch.setattr(cpu, "FLAGS", [*cpu.FLAGS, "-mno-avx512f"])
+    monkeypatch.setattr(cpu_build, "FLAGS", [*cpu_build.FLAGS, "-mno-avx512f"])
     monkeypatch.setenv("INFINIGEN_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu, "_lib", None)
     monkeypatch.setattr(cpu, "_failed", None)
@@ -337,12 +343,200 @@ def test_a_failed_build_falls_back_to_the_torch_path_and_leaves_nothing(tmp_path
         monkeypatch.delenv("CC", raising=False)
     monkeypatch.setattr(cpu, "_lib", None)
     monkeypatch.setattr(cpu, "_failed", None)
-    if cpu._compiler() is None:
+    if cpu_build.compiler() is None:
         pytest.skip("no C compiler here")
     assert cpu.library() is not None, cpu.reason()
-    assert [p.name for p in cache.iterdir()] == [p.name for p in cache.glob("infinigen-cpu-kernels-*.so")]
-    assert len(list(cache.iterdir())) == 1
+    (lib,) = cache.glob("infinigen-cpu-kernels-*.so")
+    assert sorted(p.name for p in cache.iterdir()) == [lib.name, cpu_build.record_of(lib).name]
     torch.testing.assert_close(quant.scores(q, codes, meta, 50, group, 4), want, rtol=1e-4, atol=1e-2)
+
+
+def fresh(monkeypatch, **env):
+    """cpu as a new process finds it (nothing loaded, tried or warned about), with env set (None: unset)."""
+    monkeypatch.setattr(cpu, "_lib", None)
+    monkeypatch.setattr(cpu, "_failed", None)
+    monkeypatch.setattr(cpu, "_warned", set())
+    for k, v in env.items():
+        if v is None:
+            monkeypatch.delenv(k, raising=False)
+        else:
+            monkeypatch.setenv(k, v)
+
+
+# a process that loads the kernels as the CLI does (its notices one `warning:` line each): what it finds, and why
+LOADER = ("from infinigen_rt.cli.console import show_notices\nshow_notices()\nfrom infinigen_rt.kv import cpu\n"
+          "print(cpu.library() is not None, cpu.reason())\n")  # fmt: skip
+
+
+def load_elsewhere(tmp_path, **env) -> subprocess.CompletedProcess:
+    """LOADER in a child process (what a planted library's constructor does cannot touch this one), with env set,
+    CC unset and its temporary folders under tmp_path/tmp."""
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    child = {k: v for k, v in os.environ.items() if k != "CC"} | {"TMPDIR": str(tmp_path / "tmp"), **env}
+    return subprocess.run([sys.executable, "-c", LOADER], env=child, capture_output=True, text=True, timeout=300)
+
+
+def warning_lines(r: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in r.stderr.splitlines() if "warning:" in line]
+
+
+def whole(lib) -> bool:
+    """The library's size and sha256 are those recorded beside it."""
+    return cpu_build.file_problem(lib) is None and cpu_build.damage(lib) is None
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(the compiler's command, a library cpu_build.build built with it in a cache of its own), once a module."""
+    cc = cpu_build.compiler()
+    if cc is None:
+        pytest.skip("no C compiler here")
+    folder = tmp_path_factory.mktemp("built")
+    folder.chmod(0o700)
+    return cc, cpu_build.build(cc, folder)
+
+
+PLANTED = """#include <stdio.h>
+#include <stdlib.h>
+__attribute__((constructor)) static void planted(void) {
+    const char *at = getenv("PLANTED_MARKER");
+    FILE *f = at ? fopen(at, "w") : NULL;
+    if (f) { fputs("the planted library ran\\n", f); fclose(f); }
+}
+int infinigen_integer_scores(void) { return 0; }
+"""
+
+
+@pytest.mark.parametrize("where", ["a folder others can write", "a folder another user owns", "a link to it"])
+def test_a_library_planted_in_the_cache_is_not_loaded(where, tmp_path, built):
+    """A library under the very name the loader looks for, with a record that matches it, its constructor a marker:
+    in a cache folder others may write (0o777) or another user owns, the folder is not read (nor written) and the
+    kernels are built for the run alone, one warning naming the folder and the fix; in a folder of this user's own
+    but a link to the planted file, the link is not followed: built again over it, one warning. Never the marker."""
+    cc, _ = built
+    if where == "a folder another user owns" and os.geteuid() != 0:
+        pytest.skip("giving a folder to another user takes root")
+    src, planted, marker = tmp_path / "planted.c", tmp_path / "planted.so", tmp_path / "marker"
+    src.write_text(PLANTED)
+    subprocess.run([*cc, "-shared", "-fPIC", str(src), "-o", str(planted)], check=True, capture_output=True)
+    control = subprocess.run([sys.executable, "-c", f"import ctypes; ctypes.CDLL({str(planted)!r})"],
+                             env={**os.environ, "PLANTED_MARKER": str(tmp_path / "control")})  # fmt: skip
+    assert control.returncode == 0 and (tmp_path / "control").exists()  # what loading it would do
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    lib = cache / cpu_build.kernel_name(cc)
+    if where == "a link to it":
+        lib.symlink_to(planted)
+    else:
+        shutil.copy(planted, lib)
+    data = planted.read_bytes()
+    cpu_build.record_of(lib).write_text(f"{hashlib.sha256(data).hexdigest()} {len(data)}\n")  # forged as the loader's
+    if where == "a folder others can write":
+        cache.chmod(0o777)
+    elif where == "a folder another user owns":
+        for p in (cache, lib, cpu_build.record_of(lib)):
+            os.chown(p, 65534, 65534)
+    before = sorted((p.name, p.lstat().st_mtime_ns) for p in cache.iterdir())
+    r = load_elsewhere(tmp_path, INFINIGEN_KERNEL_CACHE=str(cache), PLANTED_MARKER=str(marker))
+    assert r.returncode == 0, r.stderr
+    assert not marker.exists()
+    assert r.stdout.split()[0] == "True", r.stdout + r.stderr  # the kernels, built here
+    (line,) = warning_lines(r)
+    if where == "a link to it":
+        assert f"{lib} is a symbolic link" in line and "built again" in line
+        assert not lib.is_symlink() and whole(lib)
+    else:
+        why = "writable by group or others" if where == "a folder others can write" else "owned by uid 65534"
+        assert f"the kernel cache {cache} is {why}" in line
+        assert "set INFINIGEN_KERNEL_CACHE to a folder only you can write" in line
+        assert sorted((p.name, p.lstat().st_mtime_ns) for p in cache.iterdir()) == before  # not written
+        assert not any((tmp_path / "tmp").iterdir())  # the private folder gone once the kernels were loaded
+
+
+def test_a_cut_short_cached_library_is_rebuilt_not_loaded(tmp_path, built):
+    """A cached library cut short (its first 4000 bytes: loading it is SIGBUS): the size is not the record's, so
+    it is not loaded: rebuilt over, one warning, and the run goes on with the kernels; the cache whole again. A
+    byte changed in place (the size the record's): its sha256 is not."""
+    _, good = built
+    cache = tmp_path / "cache"
+    shutil.copytree(good.parent, cache)
+    lib = cache / good.name
+    assert whole(lib)
+    data = lib.read_bytes()
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF
+    lib.write_bytes(flipped)
+    assert "sha256 is not the one recorded" in cpu_build.damage(lib)
+    lib.write_bytes(data[:4000])
+    assert "4000 bytes where" in cpu_build.damage(lib)
+    r = load_elsewhere(tmp_path, INFINIGEN_KERNEL_CACHE=str(cache))
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert r.stdout.split()[0] == "True", r.stdout + r.stderr
+    (line,) = warning_lines(r)
+    assert f"the cached kernel library {lib} was damaged" in line and "rebuilt" in line
+    assert lib.stat().st_size > 4000 and whole(lib)
+    assert sorted(p.name for p in cache.iterdir()) == [lib.name, cpu_build.record_of(lib).name]
+
+
+def test_a_compiler_that_says_it_succeeded_but_wrote_junk_fails_the_build_and_leaves_nothing(tmp_path, monkeypatch,
+                                                                                            built):  # fmt: skip
+    """A compiler that exits 0 having written junk, or a library cut short (which kills the process loading it):
+    the child process that proves a build loads refuses it, so the build failed (the torch path runs, reason()
+    says why) and the cache holds nothing; a good compiler after it builds and loads."""
+    _, good = built
+    cache = tmp_path / "cache"
+    junk_cc = tmp_path / "junk-cc"
+    for writes, why in [("echo junk", "does not load"), (f"head -c 4000 {good}", "kills the process")]:
+        out = f'while [ $# -gt 0 ]; do [ "$1" = -o ] && {writes} > "$2"; shift; done'  # (what follows -o)
+        junk_cc.write_text(f'#!/bin/sh\n[ "$1" = --version ] && echo junk-cc 1.0 && exit 0\n{out}\nexit 0\n')
+        junk_cc.chmod(0o755)
+        fresh(monkeypatch, CC=str(junk_cc), INFINIGEN_KERNEL_CACHE=str(cache))
+        assert cpu.library() is None
+        assert "the build failed" in cpu.reason() and why in cpu.reason(), cpu.reason()
+        assert cache.is_dir() and not any(cache.iterdir())
+    fresh(monkeypatch, CC=None)
+    assert cpu.library() is not None, cpu.reason()
+    (lib,) = cache.glob("*.so")
+    assert whole(lib) and sorted(p.name for p in cache.iterdir()) == [lib.name, cpu_build.record_of(lib).name]
+
+
+def test_a_cc_that_is_not_found_is_said_and_no_other_compiler_is_taken(tmp_path, monkeypatch):
+    """CC naming no program (or not a command at all): no kernels, reason() names CC, one warning with the fix, the
+    torch path's scores; not another compiler in its place. CC with arguments runs them, in the cache key too."""
+    import warnings
+
+    from infinigen_rt.errors import InfinigenWarning
+
+    gen = torch.Generator().manual_seed(2)
+    codes, meta, group = codes_of(gen, 1, 2, 20, 64, 4)
+    q = torch.randn(1, 2, 3, 64, generator=gen)
+    cache = tmp_path / "cache"
+    for bad in ("/nonexistent/cc", 'cc "-O0'):
+        fresh(monkeypatch, CC=bad, INFINIGEN_KERNEL_CACHE=str(cache))
+        with pytest.warns(InfinigenWarning) as got:
+            assert cpu.library() is None
+        assert cpu.reason().startswith(f"CC={bad}: not found"), cpu.reason()
+        (w,) = got
+        assert f"CC={bad}: not found" in str(w.message) and "unset CC or point it at a C compiler" in str(w.message)
+        assert cpu_build.compiler() is None
+        assert cpu.score_codes(q, codes, meta, 20, 20, group, 4) is None  # the torch path's scores, then
+        assert quant.scores(q, codes, meta, 20, group, 4).shape == (1, 2, 3, 20)
+        monkeypatch.setattr(cpu, "_failed", None)
+        with warnings.catch_warnings(record=True) as again:
+            warnings.simplefilter("always")
+            assert cpu.library() is None
+        assert not again  # once a process
+    assert not cache.exists()
+    fresh(monkeypatch, CC=None)
+    plain = cpu_build.compiler()
+    if plain is None:
+        pytest.skip("no C compiler here")
+    fresh(monkeypatch, CC=f"{plain[0]} -O0")
+    assert cpu_build.compiler() == [plain[0], "-O0"]
+    assert cpu.library() is not None, cpu.reason()
+    name = cpu_build.kernel_name([plain[0], "-O0"])
+    assert name != cpu_build.kernel_name(plain)
+    assert sorted(p.name for p in cache.iterdir()) == [name, cpu_build.record_of(cache / name).name]
 
 
 @needs_kernel
