@@ -378,3 +378,44 @@ def test_missing_local_path_shaped_like_a_repo_id(bundles, tmp_path):
     # OWNER is no local folder: the Hub is asked, and the error says both
     one_line_error(run_cli("rt", "generate", "nobody-here/smol", "hi", env=env), "no such local", "Hub")
     one_line_error(run_cli("prep", "convert", "nobody-here/ckpt", "--out", tmp_path / "o", env=env), "no such local")
+
+
+def _bundle_copy(src, dst, template: str | None = None):
+    """A copy of bundle `src` at `dst`, with bundle.json's tokenizer.chat_template replaced when `template` is given."""
+    shutil.copytree(src, dst)
+    if template is not None:
+        meta = json.loads((dst / "bundle.json").read_text())
+        meta["tokenizer"]["chat_template"] = template
+        (dst / "bundle.json").write_text(json.dumps(meta))
+    return dst
+
+
+def test_generate_chat_with_a_raising_or_hostile_template_is_one_line(bundles, tmp_path):
+    """A template that raises (a traceback: only jinja's TemplateError was caught) or builds a 400 MB string (1.5 GB
+    in this process): one line naming the template, and nothing large is built here."""
+    for i, (template, words) in enumerate([
+        ("{{ 1/0 }}", ["the bundle's chat template failed to render", "ZeroDivisionError", "bundle.json"]),
+        ("{{ 'a' * 400000000 }}", ["the bundle's chat template needed more than 256 MiB"]),
+    ]):  # fmt: skip
+        b = _bundle_copy(bundles["llama31_gqa"], tmp_path / f"b{i}", template)
+        one_line_error(run_cli("rt", "generate", b, "hi", "--chat", "-n", 2, "--device", "cpu"), *words)
+
+
+def test_generate_refuses_a_tokenizer_with_an_id_past_the_models_vocabulary(bundles, tmp_path):
+    """One added token past the model's rows: a prompt holding it was an IndexError traceback; now the load says
+    so, whatever the prompt."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from infinigen_rt.bundle import sha256_file
+
+    b = _bundle_copy(bundles["llama31_gqa"], tmp_path / "b")
+    hf = HFTokenizer.from_file(str(b / "tokenizer.json"))
+    n = hf.get_vocab_size(with_added_tokens=True)
+    hf.add_tokens(["<extra>"])
+    hf.save(str(b / "tokenizer.json"))
+    meta = json.loads((b / "bundle.json").read_text())
+    meta["files"]["tokenizer.json"] = {"size": (b / "tokenizer.json").stat().st_size,
+                                       "sha256": sha256_file(b / "tokenizer.json")}  # fmt: skip
+    (b / "bundle.json").write_text(json.dumps(meta))
+    r = run_cli("rt", "generate", b, "hi <extra>", "-n", 2, "--device", "cpu")
+    one_line_error(r, f"tokenizer has token id {n} ('<extra>')", f"vocabulary of {n} rows", "re-convert the bundle")

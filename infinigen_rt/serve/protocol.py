@@ -344,12 +344,14 @@ def completion_logprobs(entries: list[Logprob | None], piece, offset: int, first
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(entries: list[Logprob], piece) -> dict:
-    """The chat `logprobs` object: content, one {token, logprob, bytes, top_logprobs} per new token."""
+def chat_logprobs(entries: list[Logprob], piece, token_bytes) -> dict:
+    """The chat `logprobs` object: content, one {token, logprob, bytes, top_logprobs} per new token. `piece(id)`:
+    a token's text; `token_bytes(id)`: its own bytes (Tokenizer.token_bytes), which OpenAI's `bytes` are, so the
+    text's UTF-8 is the tokens' bytes joined even where a token holds part of a character (its text, alone, is
+    U+FFFD)."""
 
     def one(t: int, v: float) -> dict:
-        text = piece(t)
-        return {"token": text, "logprob": _lp(v), "bytes": list(text.encode("utf-8"))}
+        return {"token": piece(t), "logprob": _lp(v), "bytes": list(token_bytes(t))}
 
     return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]} for e in entries],
             "refusal": None}  # fmt: skip

@@ -155,7 +155,7 @@ class Routes:
         if body.messages is not None:
             if not self.tok.chat_template:
                 raise APIError(400, "this bundle has no chat template: tokenize a prompt instead", "messages")
-            ids = self.tok.encode_chat(body.plain_messages(), body.add_generation_prompt)
+            ids = await asyncio.to_thread(self.tok.encode_chat, body.plain_messages(), body.add_generation_prompt)
         else:
             ids = self.tok.encode(body.prompt_text(), add_special_tokens=body.add_special_tokens)
         strs = [self.piece(t) for t in ids] if body.return_token_strs else None
@@ -189,7 +189,9 @@ class Routes:
         body.check()
         if not self.tok.chat_template:
             raise APIError(400, "this bundle has no chat template: use /v1/completions with a raw prompt", "messages")
-        ids = self.tok.encode_chat(body.plain_messages())
+        # in a thread: the bundle's template may take until its deadline (chat_template.RENDER_TIMEOUT_S) to render
+        # or fail, and meanwhile the event loop serves the other requests
+        ids = await asyncio.to_thread(self.tok.encode_chat, body.plain_messages())
         requested = body.max_completion_tokens or body.max_tokens
         max_tokens = fit_context(len(ids), requested, CHAT_MAX_TOKENS, self.context, "messages")
         return await self.run(request, body, [Spec(ids, max_tokens, body.n_logprobs())], chat=True)
@@ -224,7 +226,8 @@ class Routes:
         prompt_tokens = sum(len(s.ids) for s in specs)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            chunks = Chunks(chat, rid, created, self.model_name, prompt_tokens if include_usage else None, self.piece)
+            chunks = Chunks(chat, rid, created, self.model_name, prompt_tokens if include_usage else None, self.piece,
+                            self.tok.token_bytes)  # fmt: skip
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(
                 sse(self.scheduler, jobs, choices, events, chunks), media_type="text/event-stream", headers=headers
@@ -236,7 +239,8 @@ class Routes:
         if chat:
             made = [
                 chat_choice(c.index, d.text, d.finish_reason,
-                            None if d.logprobs is None else chat_logprobs(d.logprobs, self.piece))
+                            None if d.logprobs is None else chat_logprobs(d.logprobs, self.piece,
+                                                                          self.tok.token_bytes))
                 for c, d in zip(choices, done, strict=True)
             ]  # fmt: skip
             return chat_body(rid, created, self.model_name, made, use)
@@ -339,8 +343,9 @@ def _cancel(scheduler: Scheduler, jobs: list[Job]) -> None:
 class Chunks:
     """The streamed objects of one request: completion chunks, or chat chunks with the role first, per choice."""
 
-    def __init__(self, chat: bool, rid: str, created: int, model: str, usage_prompt_tokens: int | None, piece):
-        self.chat, self.head, self.piece = chat, (rid, created, model), piece
+    def __init__(self, chat: bool, rid: str, created: int, model: str, usage_prompt_tokens: int | None, piece,
+                 token_bytes):  # fmt: skip
+        self.chat, self.head, self.piece, self.token_bytes = chat, (rid, created, model), piece, token_bytes
         self.usage_prompt_tokens = usage_prompt_tokens  # None: no usage chunk (stream_options.include_usage)
         self.offsets: dict[int, int] = {}  # a completion choice's text sent so far (its logprobs' text_offset)
 
@@ -356,7 +361,7 @@ class Chunks:
         if ev.prompt is not None:  # completions with echo and logprobs: the prompt and its logprobs
             return self.text(c, c.spec.echo or "", ev.prompt)
         if self.chat:
-            lp = None if c.spec.logprobs is None else chat_logprobs(ev.logprobs, self.piece)
+            lp = None if c.spec.logprobs is None else chat_logprobs(ev.logprobs, self.piece, self.token_bytes)
             return chat_chunk(*self.head, {"content": ev.text}, index=c.index, logprobs=lp)
         return self.text(c, ev.text, ev.logprobs if c.spec.logprobs is not None else None)
 

@@ -10,12 +10,14 @@ import importlib.util
 import itertools
 import json
 import re
+import shutil
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -438,10 +440,11 @@ def test_chat_logprobs_and_the_tokenizer_routes(tiny, bundles):
     )  # fmt: skip
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
-    for e in content:
-        assert e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 2
+    for e in content:  # a token of part of a character: its text is U+FFFD, its bytes its own
+        assert (e.bytes == list(e.token.encode()) or e.token == "\ufffd") and len(e.top_logprobs) == 2
         assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob  # greedy
     assert "".join(e.token for e in content) == r.choices[0].message.content
+    assert bytes(b for e in content for b in e.bytes).decode("utf-8", "replace") == r.choices[0].message.content
     streamed = tiny.client().chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi there"}], max_tokens=4, temperature=0, logprobs=True,
         top_logprobs=2, stream=True,
@@ -947,3 +950,119 @@ def test_a_request_is_counted_before_its_client_sees_its_end():
     wait_for(lambda: len(seen) == 2, "two answers")
     sched.stop()
     assert seen == [(4.0, 2.0), (5.0, 4.0)]
+
+
+# ---- hostile bundles and logprobs bytes, on an app in this process ----
+
+CHINESE = "你好，世界！今天天气很好，我们去公园散步吧。"
+NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+@contextmanager
+def app_client(bundle: Path):
+    """(a TestClient of `create_app` over `bundle` on the CPU with the full policy, its engine); a server error is
+    a response (a 500), not an exception in the test."""
+    from fastapi.testclient import TestClient
+
+    from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.engine import Engine
+    from infinigen_rt.policies import configure
+    from infinigen_rt.serve.app import create_app
+
+    engine = Engine(read_bundle(bundle), device="cpu")
+    app = create_app(engine, configure(engine, "full"), "tiny", max_batch=2)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client, engine
+
+
+def test_a_broken_or_hostile_chat_template_is_a_400_and_the_server_keeps_serving(bundles, tmp_path, monkeypatch):
+    """A bundle whose template raises, or takes memory or time without bound: /v1/chat/completions and /tokenize
+    answer 400 with the OpenAI error body naming the template (these were plain-text 500s, or the server's memory);
+    a render running to its deadline does not hold up the event loop; good requests are served throughout."""
+    from infinigen_rt import chat_template
+
+    monkeypatch.setattr(chat_template, "RENDER_TIMEOUT_S", 1.0)
+    b = tmp_path / "b"
+    shutil.copytree(bundles["llama31_gqa"], b)
+    meta = json.loads((b / "bundle.json").read_text())
+    good = meta["tokenizer"]["chat_template"]
+    meta["tokenizer"]["chat_template"] = "{{ 1/0 }}"
+    (b / "bundle.json").write_text(json.dumps(meta))
+    messages = [{"role": "user", "content": "hi"}]
+    with app_client(b) as (client, engine):
+        for template, words in [
+            (None, "ZeroDivisionError: division by zero"),
+            ("{% include '/etc/passwd' %}", "no loader"),
+            ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
+            ("{{ raise_exception('no system role') }}", "chat template: no system role"),
+            ("{{ 'a' * 400000000 }}", "needed more than 256 MiB"),
+            (NESTED_LOOPS, "took longer than 1 s to render"),
+        ]:
+            if template is not None:
+                engine.tokenizer.chat_template = template
+            for path, body in [("/v1/chat/completions", {"messages": messages, "max_tokens": 2}),
+                               ("/tokenize", {"messages": messages})]:  # fmt: skip
+                r = client.post(path, json=body)
+                assert r.status_code == 400, r.text
+                err = r.json()["error"]
+                assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+                assert "chat template" in err["message"] and words in err["message"], err["message"]
+            assert client.post("/v1/completions", json={"prompt": "The king", "max_tokens": 2}).status_code == 200
+        with ThreadPoolExecutor(1) as pool:  # the endless template again: the loop answers meanwhile
+            slow = pool.submit(client.post, "/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+            time.sleep(0.3)
+            t = time.monotonic()
+            assert client.get("/health").status_code == 200
+            waited = time.monotonic() - t
+            assert slow.result().status_code == 400
+        assert waited < 0.5, f"/health waited {waited:.2f} s behind a template's render"
+        engine.tokenizer.chat_template = good
+        r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+
+
+def test_chat_logprobs_bytes_are_each_tokens_own_and_rebuild_a_chinese_reply(bundles):
+    """Each entry's `bytes` (and each top_logprobs entry's) are its token's own, so the reply's UTF-8 is their
+    concatenation even where a token holds part of a character (they were U+FFFD's bytes, 239 191 189)."""
+    with app_client(bundles["llama31_gqa"]) as (client, engine):
+        tok = engine.tokenizer
+        specials = {t.content for t in tok.tok.get_added_tokens_decoder().values() if t.special}
+        body = {"messages": [{"role": "user", "content": CHINESE}], "max_tokens": 32, "temperature": 0,
+                "logprobs": True, "top_logprobs": 5}  # fmt: skip
+        for stream in (False, True):
+            r = client.post("/v1/chat/completions", json={**body, "stream": stream})
+            assert r.status_code == 200, r.text
+            if stream:
+                chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+                text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+                content = [e for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                           for e in c["choices"][0]["logprobs"]["content"]]  # fmt: skip
+            else:
+                choice = r.json()["choices"][0]
+                text, content = choice["message"]["content"], choice["logprobs"]["content"]
+            assert len(content) == 32
+            joined = b"".join(bytes(e["bytes"]) for e in content if e["token"] not in specials)  # skipped in text
+            assert joined.decode("utf-8", "replace") == text
+            every = content + [t for e in content for t in e["top_logprobs"]]
+            partial = [e for e in every if e["token"] == "\ufffd"]
+            assert partial and all(e["bytes"] != [239, 191, 189] and len(e["bytes"]) == 1 for e in partial)
+            assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] for e in content)  # greedy: the chosen is the top
+
+
+SMOLLM2_BUILT = ROOT / "artifacts" / "bundles" / "smollm2-135m"
+
+
+@pytest.mark.skipif(not (SMOLLM2_BUILT / "bundle.json").is_file(), reason=f"{SMOLLM2_BUILT} is not built")
+def test_chat_logprobs_bytes_rebuild_a_chinese_reply_of_the_real_smollm2():
+    """SmolLM2 answering in Chinese: its byte-level tokens split characters; their bytes join to the reply."""
+    with app_client(SMOLLM2_BUILT) as (client, _):
+        body = {"messages": [{"role": "user", "content": "请用中文写一句关于春天的话。"}], "max_tokens": 24,
+                "temperature": 0, "logprobs": True, "top_logprobs": 3}  # fmt: skip
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        content = choice["logprobs"]["content"]
+        assert bytes(b for e in content for b in e["bytes"]).decode("utf-8", "replace") == choice["message"]["content"]
+        every = content + [t for e in content for t in e["top_logprobs"]]
+        partial = [e for e in every if e["token"] == "\ufffd"]
+        assert partial and all(e["bytes"] != [239, 191, 189] for e in partial)
