@@ -198,7 +198,8 @@ def _compact(v) -> str:
 @app.command("inspect")
 def inspect_cmd(
     bundle: Annotated[Path, typer.Argument(help="Bundle folder.")],
-    verify: Annotated[bool, typer.Option("--verify", help="Re-hash every file against bundle.json.")] = False,
+    verify: Annotated[bool, typer.Option(
+        "--verify", help="Re-hash every file against bundle.json and check every weight is finite.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ):
     """Show what a bundle holds: model, config, files, provenance and InfiniGen parameters.
@@ -241,7 +242,8 @@ def report_tables(r: dict) -> list:
                 "parameters": f"{r['parameters']:,} ({_human(r['parameters'])})",
                 "tensors": r["tensors"],
                 "size": f"{_human(r['total_bytes'])}B ({r['total_bytes']:,} bytes)",
-                "verified": "yes (sha256 of every listed file)" if r["verified"] else "sizes only (--verify re-hashes)",
+                "verified": "yes (sha256 of every listed file, every weight finite)" if r["verified"]
+                else "sizes only (--verify re-hashes)",
             },
         ),
         kv_table("config", r["config"]),

@@ -33,12 +33,35 @@ def count_parameters(path: Path, weight_map: dict[str, str]) -> tuple[int, int]:
     return params, tensors
 
 
+def check_finite(path: Path, names: list[str]) -> None:
+    """Every floating-point tensor of the safetensors files `names` holds finite numbers: a NaN or an infinity in
+    a weight makes every token's logits NaN, whatever the hashes say (they only say the file is the one written)."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    for shard in names:
+        try:
+            with safe_open(path / shard, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    t = f.get_tensor(name)
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                        bad = int((~torch.isfinite(t)).sum())
+                        raise InfinigenError(f"bundle tensor {name} ({shard}) holds {bad:,} NaN or infinite "
+                                             "values: the model cannot run on it; re-convert from a sound "
+                                             "checkpoint")  # fmt: skip
+        except SafetensorError as e:
+            raise InfinigenError(f"bundle file {shard} is not readable safetensors ({e}); convert again") from None
+
+
 def inspect_bundle(path: str | Path, verify: bool = False) -> dict:
-    """Describe the bundle at `path` as a JSON-able dict; `verify` re-hashes every file first.
+    """Describe the bundle at `path` as a JSON-able dict; `verify` re-hashes every file first and checks that
+    every weight is finite.
 
     Problems are the one-line InfinigenErrors of `read_bundle` (missing folder, no or corrupt bundle.json,
     unsupported format version, missing, truncated or, with `verify`, modified files)."""
     b = read_bundle(path, verify=verify)
+    if verify:
+        check_finite(b.path, sorted(set(b.weight_map.values())) + ([b.infinigen.file] if b.infinigen else []))
     meta, cfg = b.manifest, b.config
     params, tensors = count_parameters(b.path, b.weight_map)
     files = {

@@ -16,7 +16,6 @@ See docs/bundle-format.md.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -25,6 +24,7 @@ import torch
 
 from infinigen_rt.config import ModelConfig
 from infinigen_rt.errors import InfinigenError
+from infinigen_rt.files import read_json
 from infinigen_rt.schema import BUNDLE_JSON, Section
 from infinigen_rt.system import DTYPES
 
@@ -181,8 +181,8 @@ class Bundle:
 def is_bundle(path: Path) -> bool:
     """Whether `path` is a folder whose bundle.json says it is an InfiniGen bundle (its files unchecked)."""
     try:
-        meta = json.loads((path / BUNDLE_JSON).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        meta = read_json(path / BUNDLE_JSON, BUNDLE_JSON, "")
+    except InfinigenError:
         return False
     return path.is_dir() and not path.is_symlink() and isinstance(meta, dict) and meta.get("format") == FORMAT
 
@@ -201,10 +201,15 @@ def read_bundle(path: str | Path, verify: bool = True, partial: bool = False) ->
         if (path / PARTIAL_JSON).is_file():
             raise InfinigenError(f"{path} is an unfinished bundle: its convert was interrupted; run the convert again")
         raise InfinigenError(f"{path} is not an InfiniGen bundle: no {BUNDLE_JSON} (convert with infinigen-prep)")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InfinigenError(f"{meta_path} is corrupt ({e}); re-convert the bundle") from None
+    meta, manifest = read_manifest(meta_path)
+    verify_files(path, manifest.files, hashes=verify)
+    return Bundle(path, meta, manifest)
+
+
+def read_manifest(meta_path: Path) -> tuple[dict, BundleMeta]:
+    """A bundle's bundle.json as read and as checked (its format, types, file names and layers; not its files):
+    every problem a one-line InfinigenError."""
+    meta = read_json(meta_path, str(meta_path), "re-convert the bundle or pull it again")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise InfinigenError(f"{meta_path} is not an InfiniGen bundle description")
     version = meta.get("format_version")
@@ -220,8 +225,8 @@ def read_bundle(path: str | Path, verify: bool = True, partial: bool = False) ->
         raise InfinigenError(f"bundle.json's infinigen.defaults.spec_keys is {manifest.infinigen.defaults.spec_keys!r}"
                              f", not one of {', '.join(SPEC_KEYS)}; re-convert the bundle")  # fmt: skip
     check_files(manifest)
-    verify_files(path, manifest.files, hashes=verify)
-    return Bundle(path, meta, manifest)
+    check_layers(manifest)
+    return meta, manifest
 
 
 def read_files(manifest: BundleMeta) -> list[str]:
@@ -254,6 +259,18 @@ def check_files(manifest: BundleMeta) -> None:
         if name not in manifest.files:
             raise InfinigenError(f"{BUNDLE_JSON} files does not list {name}, which the bundle reads, so it cannot be "
                                  "verified; re-convert the bundle or pull it again")  # fmt: skip
+
+
+def check_layers(manifest: BundleMeta) -> None:
+    """The config's layer count is the weights' (`layers.{i}.*` in the weight map), checked before any model is
+    built: a config claiming 10^9 layers would otherwise build modules for minutes before the weights disagree."""
+    held = {int(name.split(".")[1]) for name in manifest.weight_map
+            if name.startswith("layers.") and name.split(".")[1].isdigit()}  # fmt: skip
+    n = manifest.config.num_hidden_layers
+    if len(held) != n or (held and (min(held), max(held)) != (0, n - 1)):  # a range's own set: n items
+        what = f"layers {min(held)}-{max(held)} ({len(held)} of them)" if held else "no layers"
+        raise InfinigenError(f"{BUNDLE_JSON}'s config has num_hidden_layers = {n:,} but its weights hold {what}; "
+                             "re-convert the bundle")  # fmt: skip
 
 
 def verify_files(path: Path, files: dict, hashes: bool = True) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -76,12 +77,55 @@ class ModelConfig(Section):
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
             raise InfinigenError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+        self._check_numbers()
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {SLIDING, GLOBAL}:
                 raise InfinigenError(f"layer_types must list {SLIDING!r} or {GLOBAL!r} for each of the "
                                      f"{self.num_hidden_layers} layers")  # fmt: skip
             if SLIDING in self.layer_types and not self.sliding_window:
                 raise InfinigenError("layer_types has sliding layers but the config sets no sliding_window")
+
+    def _check_numbers(self) -> None:
+        """The config's numbers are ones a model can run with: finite where a float, positive where a size or a
+        scale, token ids inside the vocabulary (a NaN eps or a zero RoPE base gives garbage at rc 0, a negative
+        window a traceback deep in the KV code)."""
+
+        def bad(name: str, value, want: str):
+            return InfinigenError(f"the model config's {name} must be {want}, got {value!r}; re-convert the bundle")
+
+        def positive(name: str, value, above: float = 0.0, below: float = math.inf) -> None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not above < value < below:
+                bound = f"above {above:g}" if below == math.inf else f"between {above:g} and {below:g}"
+                raise bad(name, value, f"a finite number {bound}")
+
+        positive("norm_eps", self.norm_eps, below=1.0)
+        positive("query_scale", self.query_scale, below=math.inf)
+        if self.arch != "opt":  # OPT's positions are learned
+            positive("rope_theta", self.rope_theta, above=1.0)
+            if self.rope_local_theta is not None:
+                positive("rope_local_theta", self.rope_local_theta, above=1.0)
+            if self.head_dim % 2:
+                raise bad("head_dim", self.head_dim, "even (RoPE turns its dimensions in pairs)")
+        scaling = self.rope_scaling or {}
+        kind = scaling.get("rope_type", "default")
+        if kind in ("linear", "llama3"):
+            positive("rope_scaling.factor", scaling.get("factor"))
+        if kind == "llama3":
+            positive("rope_scaling.low_freq_factor", scaling.get("low_freq_factor"))
+            positive("rope_scaling.high_freq_factor", scaling.get("high_freq_factor"), above=scaling["low_freq_factor"])
+            old = scaling.get("original_max_position_embeddings")
+            if type(old) is not int or old < 1:
+                raise bad("rope_scaling.original_max_position_embeddings", old, "a positive integer")
+        for name in ("sliding_window", "word_embed_proj_dim"):
+            n = getattr(self, name)
+            if n is not None and (type(n) is not int or n < 1):
+                raise bad(name, n, "a positive integer or null")
+        if type(self.position_offset) is not int or self.position_offset < 0:
+            raise bad("position_offset", self.position_offset, "an integer >= 0")
+        for name, ids in (("bos_token_id", [self.bos_token_id]), ("pad_token_id", [self.pad_token_id]),
+                          ("eos_token_ids", self.eos_token_ids)):  # fmt: skip
+            if (t := next((t for t in ids if t is not None and not 0 <= t < self.vocab_size), None)) is not None:
+                raise bad(name, t, f"a token id inside the vocabulary (0..{self.vocab_size - 1})")
 
     def window(self, layer: int) -> int | None:
         """The tokens layer `layer` attends to (itself included), or None: every token before it (global)."""
@@ -116,15 +160,21 @@ class ModelConfig(Section):
         for e in generation_eos or []:
             if e not in eos_ids:
                 eos_ids.append(e)
+        vocab = hf["vocab_size"]
+
+        def token(t):  # some checkpoints write -1 (or an id past the embedding) for "none"
+            return t if type(t) is int and 0 <= t < vocab else None
+
+        eos_ids = [e for e in eos_ids if token(e) is not None]
         common = dict(
-            vocab_size=hf["vocab_size"],
+            vocab_size=vocab,
             hidden_size=hf["hidden_size"],
             num_hidden_layers=hf["num_hidden_layers"],
             num_attention_heads=hf["num_attention_heads"],
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            bos_token_id=hf.get("bos_token_id"),
+            bos_token_id=token(hf.get("bos_token_id")),
             eos_token_ids=eos_ids,
-            pad_token_id=hf.get("pad_token_id"),
+            pad_token_id=token(hf.get("pad_token_id")),
         )
         if arch == "opt":
             return cls(

@@ -5,6 +5,7 @@ Every failure is a one-line InfinigenError that names the option and the path.""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -23,6 +24,47 @@ def read_utf8(path, label: str) -> tuple[str, str]:
         return data.decode("utf-8"), hashlib.sha256(data).hexdigest()
     except UnicodeDecodeError:
         raise InfinigenError(f"{label} is not UTF-8 text") from None
+
+
+JSON_MAX_BYTES = 64 << 20  # a bundle.json with a long chat template and thousands of tensors is well under 1 MiB
+JSON_MAX_DEPTH = 32  # bundle.json nests 4 deep; a result file 3
+
+
+def read_json(path, what: str, fix: str, max_bytes: int = JSON_MAX_BYTES):
+    """A JSON file's value, or a one-line InfinigenError naming `what` with `fix` (what to do): a file that cannot
+    be read, is larger than `max_bytes`, is not UTF-8 JSON, or nests deeper than JSON_MAX_DEPTH (json's parser
+    raises RecursionError on a deep one, and what reads the value after it would recurse as deep)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise InfinigenError(f"{what} is {size:,} bytes, more than the {max_bytes:,} such a file can be; {fix}")
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise InfinigenError(f"cannot read {what} ({e.strerror or e}); {fix}") from None
+    except UnicodeDecodeError:
+        raise InfinigenError(f"{what} is corrupt: not UTF-8 text; {fix}") from None
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise InfinigenError(f"{what} is corrupt: it nests deeper than {JSON_MAX_DEPTH} levels; {fix}") from None
+    except ValueError as e:  # json.JSONDecodeError, or a number too long for int()
+        raise InfinigenError(f"{what} is corrupt: not valid JSON ({e}); {fix}") from None
+    if json_depth(value) > JSON_MAX_DEPTH:
+        raise InfinigenError(f"{what} is corrupt: it nests deeper than {JSON_MAX_DEPTH} levels; {fix}")
+    return value
+
+
+def json_depth(value) -> int:
+    """How deep a parsed JSON value nests (a scalar: 0), counted without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if items is not None:
+            deepest = max(deepest, d)
+            todo.extend((x, d + 1) for x in items if isinstance(x, (dict, list)))
+    return deepest
 
 
 def check_writable_dir(folder: Path, what: str) -> None:

@@ -57,6 +57,8 @@ def generate(
     finally:  # a failed step: the others' KV goes back too
         for rid in rids:
             run.abort(rid)
+    if failed := next((r for r in results if r is not None and r.error), None):
+        raise InfinigenError(failed.error)
     stats = run.stats
     stats.extra = {
         "policy": policy.name,

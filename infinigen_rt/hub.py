@@ -13,6 +13,7 @@ from pathlib import Path
 from infinigen_rt.errors import InfinigenError
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+NETWORK_MODULES = ("httpx", "httpx2", "httpcore", "requests", "urllib3")  # whose errors are the connection's
 
 
 def looks_like_repo_id(s: str) -> bool:
@@ -53,7 +54,9 @@ def hub_error(e: Exception, repo_id: str, revision: str | None = None, write: bo
         first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
         return InfinigenError(f"Hub request for {repo_id} failed: {first}")
     first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
-    return InfinigenError(f"cannot reach the Hub for {repo_id} ({first}); check the network or HF_ENDPOINT")
+    if isinstance(e, OSError) or type(e).__module__.split(".")[0] in NETWORK_MODULES:
+        return InfinigenError(f"cannot reach the Hub for {repo_id} ({first}); check the network or HF_ENDPOINT")
+    return InfinigenError(f"downloading {repo_id}{rev} from the Hub failed: {first}")
 
 
 def _write_error(e: Exception, repo_id: str, rev: str) -> InfinigenError:
@@ -98,6 +101,22 @@ def download(repo_id: str, revision: str | None = None, allow_patterns=None, loc
         raise hub_error(e, repo_id, revision) from None
 
 
+def download_bundle(repo_id: str, revision: str | None = None, local_dir: Path | None = None) -> Path:
+    """A bundle's files from the Hub (into the cache, or `local_dir`): its bundle.json first, checked, then only the
+    files it lists and its card; nothing else the repo holds is fetched (a stray file would sit unverified in a
+    folder `pull` calls verified, and a name the client refuses, `../x`, would fail the whole download)."""
+    from infinigen_rt.bundle import BUNDLE_JSON, MODEL_CARD, read_manifest
+
+    folder = download(repo_id, revision, allow_patterns=[BUNDLE_JSON], local_dir=local_dir)
+    if not (folder / BUNDLE_JSON).is_file():
+        raise InfinigenError(f"{repo_id} has no {BUNDLE_JSON}: it is not an InfiniGen bundle (a checkpoint? convert it "
+                             "with infinigen-prep)")  # fmt: skip
+    _, manifest = read_manifest(folder / BUNDLE_JSON)
+    names = [BUNDLE_JSON, MODEL_CARD, *manifest.files]
+    exact = [re.sub(r"([*?[])", r"[\1]", n) for n in names]  # each name matches itself only, not as a pattern
+    return download(repo_id, revision, allow_patterns=exact, local_dir=local_dir)
+
+
 def from_hub(arg: str, fetch, what: str = "folder"):
     """`fetch()` for an argument that names no local path but looks like OWNER/NAME; a failure says both.
 
@@ -116,7 +135,7 @@ def resolve_bundle(arg: str, revision: str | None = None) -> Path:
     p = Path(arg).expanduser()
     if p.exists() or not looks_like_repo_id(arg):
         return p
-    return from_hub(arg, lambda: download(arg, revision), "bundle folder")
+    return from_hub(arg, lambda: download_bundle(arg, revision), "bundle folder")
 
 
 def pull_into(repo_id: str, revision: str | None, out: str | Path) -> Path:
@@ -139,7 +158,8 @@ def pull_into(repo_id: str, revision: str | None, out: str | Path) -> Path:
     tmp = target.parent / f".{target.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        download(repo_id, revision, local_dir=tmp)
+        download_bundle(repo_id, revision, local_dir=tmp)
+        shutil.rmtree(tmp / ".cache", ignore_errors=True)  # huggingface_hub's notes on the download, not the bundle's
         read_bundle(tmp, verify=True)
         swap_into_place(tmp, target)  # over an empty folder, or the bundle this one replaces
     except BaseException:

@@ -50,7 +50,7 @@ from infinigen_rt.kv.prefetch import prefetcher
 from infinigen_rt.kv.store import KVStore, RequestPass, StoreStep
 from infinigen_rt.kv.window import Rings
 from infinigen_rt.policies import Policy
-from infinigen_rt.sampling import SamplingParams, sample, sample_rows
+from infinigen_rt.sampling import NOT_FINITE, SamplingParams, sample, sample_rows, seeded
 from infinigen_rt.step import decode_step, prefill
 from infinigen_rt.system import Clock, host_available, to_device
 from infinigen_rt.tp import total_report
@@ -79,9 +79,16 @@ class Generation:
     text: str
     token_ids: list[int]
     prompt_token_ids: list[int]
-    finish_reason: str  # "stop" (eos or a stop string), "length" or "cancelled"
+    finish_reason: str  # "stop" (eos or a stop string), "length", "cancelled" or "error"
     logprobs: list[Logprob] | None = None  # one per token of token_ids (Request.logprobs)
     prompt_logprobs: list[Logprob | None] | None = None  # one per prompt token, None for the first one
+    error: str | None = None  # why it ended with finish_reason "error" (the model gave no usable logits)
+
+
+# a request's error when its logits were not finite (sampling.NOT_FINITE)
+NOT_FINITE_ERROR = ("the model's logits are not finite (NaN or infinity): a NaN or infinite weight in the bundle "
+                    "(`infinigen-prep inspect --verify` checks every weight), or values past the range of the "
+                    "dtype (try --dtype float32)")  # fmt: skip
 
 
 @dataclass
@@ -151,7 +158,7 @@ class _Seq:
     req: Request
     policy: Policy
     need: int  # KV slots it reserves in the pool: prompt + new tokens, fewer where eviction frees slots for reuse
-    gen: torch.Generator | None
+    gen: object  # sampling.seeded's draws, or None
     cache: object = None
     done: int = 0  # prompt tokens prefilled
     split: int = 0  # prompt tokens to prefill (Request.split); the others are forced through decode steps
@@ -163,6 +170,7 @@ class _Seq:
     pending: torch.Tensor | None = None  # the sampled token not yet fed to the model: [1] on the device
     pos: torch.Tensor | None = None  # its position: [1, 1] on the device (advanced there, never read)
     reason: str | None = None
+    error: str | None = None  # with reason "error": why (Generation.error)
     text: str | None = None
     report: KVReport | None = None
 
@@ -228,9 +236,7 @@ class Runner:
                 "tokens"
             )
         seed = req.sampling.seed
-        if seed is not None and not -(2**63) <= seed < 2**64:
-            raise InfinigenError(f"seed must be a 64-bit integer, got {seed}")
-        gen = torch.Generator(device=eng.device).manual_seed(seed) if seed is not None else None
+        gen = seeded(seed, eng.device) if seed is not None else None
         seq = _Seq(next(self.ids), req, policy, need, gen, split=split, forced=split + 1)
         self.waiting.append(seq)
         return seq.id
@@ -455,8 +461,13 @@ class Runner:
         seq.forced = t + 1  # the next logits score the token after it (past the prompt: a new token is sampled)
 
     def _accept(self, seq: _Seq, t: int, outs: dict[int, Output], lp: Logprob | None = None) -> None:
-        """A sampled token: the end (eos), or one more token, then maybe a stop string or the limit."""
+        """A sampled token: the end (eos), or one more token, then maybe a stop string or the limit; NOT_FINITE ends
+        the request with an error (no token of it is kept)."""
         out = self._output(seq, outs)
+        if t == NOT_FINITE:
+            seq.error = NOT_FINITE_ERROR
+            self._finish(seq, "error", outs)
+            return
         if t in self.eos and not seq.req.ignore_eos:
             seq.reason = "stop"
         else:
@@ -515,7 +526,7 @@ class Runner:
         return Generation(
             text, seq.out, list(req.prompt_ids), seq.reason or "length",
             logprobs=seq.out_lp if req.logprobs is not None else None,
-            prompt_logprobs=seq.prompt_lp if req.prompt_logprobs is not None else None,
+            prompt_logprobs=seq.prompt_lp if req.prompt_logprobs is not None else None, error=seq.error,
         )  # fmt: skip
 
 
@@ -525,7 +536,7 @@ def logprobs(logits: torch.Tensor, tokens: torch.Tensor, tops: list[int]) -> lis
     if not tops:
         return []
     lp = torch.log_softmax(logits.float(), -1)
-    chosen = lp.gather(-1, tokens.view(-1, 1)).squeeze(-1).tolist()
+    chosen = lp.gather(-1, tokens.view(-1, 1).clamp(min=0)).squeeze(-1).tolist()  # NOT_FINITE's row ends anyway
     best_v, best_i = lp.topk(max(tops), -1) if max(tops) else (lp[:, :0], lp[:, :0].long())
     best_v, best_i = best_v.tolist(), best_i.tolist()
     return [
@@ -563,24 +574,42 @@ def pool_tokens(engine: Engine, policy: Policy, max_batch: int, kv_tokens: int |
                 kv_memory: int | None = None) -> int:  # fmt: skip
     """The paged pool's size in tokens: `kv_tokens`; or `kv_memory` bytes at the policy's bytes per token
     (host memory for a host-pool policy, device memory for the others); or by default room for `max_batch`
-    requests of the model's whole context, for a host-pool policy at most half the host memory available now."""
+    requests of the model's whole context, at most half the memory free now where the pool lives (pool_room). A size
+    asked for that does not fit in what is free is an error before anything is allocated."""
     check_pool_options(kv_tokens, kv_memory)
-    if kv_tokens is not None:
-        return kv_tokens
     device, host, _ = policy.kv_bytes(engine, engine.cfg.num_key_value_heads, engine.dtype.itemsize)
     per_token = host or device
-    if kv_memory is not None:
+    room, where = pool_room(engine, host > 0)
+    if kv_tokens is None and kv_memory is not None:
         kv_tokens = kv_memory // per_token
         if kv_tokens < BLOCK_TOKENS:
             raise InfinigenError(
                 f"--kv-memory {kv_memory} bytes holds {kv_tokens} tokens of KV ({per_token} bytes each under "
                 f"{policy.name}); give at least {BLOCK_TOKENS * per_token} bytes (one block)"
             )
+    if kv_tokens is not None:  # asked for: refused, not allocated, when it cannot fit
+        if room is not None and kv_tokens * per_token > room:
+            raise InfinigenError(
+                f"a KV pool of {kv_tokens:,} tokens needs {kv_tokens * per_token / 1e9:,.1f} GB of {where} memory "
+                f"({per_token:,} bytes a token under {policy.name}) and {room / 1e9:,.1f} GB are free; ask for at most "
+                f"{room // per_token:,} tokens (--kv-tokens) or less --kv-memory"
+            )
         return kv_tokens
     kv_tokens = max_batch * engine.cfg.max_position_embeddings
-    if host:
-        kv_tokens = max(BLOCK_TOKENS, min(kv_tokens, host_available() // 2 // per_token))
+    if room is not None:  # the default never takes more than half of what is free
+        kv_tokens = max(BLOCK_TOKENS, min(kv_tokens, room // 2 // per_token))
     return kv_tokens
+
+
+def pool_room(engine: Engine, host: bool) -> tuple[int | None, str]:
+    """(free bytes, and a name) of the memory the pool lives in: the host's for a host pool or a CPU engine, the
+    GPU's otherwise (None where it cannot be read)."""
+    if host or engine.device.type == "cpu":
+        return host_available(), "host"
+    try:
+        return torch.cuda.mem_get_info(engine.device)[0], "device"
+    except (RuntimeError, AssertionError, AttributeError):
+        return None, "device"
 
 
 def blocks_for(tokens: int) -> int:

@@ -182,7 +182,44 @@ def _proc_bytes(path: str, key: str, default: int) -> int:
 
 
 def host_available() -> int:
-    return _proc_bytes("/proc/meminfo", "MemAvailable", 1 << 62)
+    """Bytes of host memory this process may still take: the machine's MemAvailable, or less where the process's
+    cgroup (memory.max) or its address-space limit (RLIMIT_AS, `ulimit -v`) leaves less."""
+    room = _proc_bytes("/proc/meminfo", "MemAvailable", 1 << 62)
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if limit != resource.RLIM_INFINITY:
+            room = min(room, max(0, limit - _proc_bytes("/proc/self/status", "VmSize", 0)))
+    except (ImportError, OSError, ValueError):
+        pass
+    return min(room, _cgroup_room())
+
+
+def _cgroup_room() -> int:
+    """What this process's memory cgroup leaves free (v2's memory.max, v1's memory.limit_in_bytes, less what the
+    group uses), 2^62 where none limits it. Inside a container the group's own folder is the mount's root."""
+    try:
+        lines = open("/proc/self/cgroup").read().splitlines()
+    except OSError:
+        return 1 << 62
+    for line in lines:
+        _, controllers, group = line.split(":", 2)
+        if controllers == "":
+            base, names = "/sys/fs/cgroup", ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            base, names = "/sys/fs/cgroup/memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        for folder in (base + group.rstrip("/"), base):
+            try:
+                limit, used = (open(f"{folder}/{n}").read().strip() for n in names)
+                if limit.isdigit() and int(limit) < 1 << 62:  # "max" (v2) or a huge number (v1): no limit
+                    return max(0, int(limit) - int(used))
+            except (OSError, ValueError):
+                continue
+            break
+    return 1 << 62
 
 
 def host_rss() -> int:

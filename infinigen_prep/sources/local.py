@@ -3,7 +3,6 @@ pytorch_model*.bin files, and a tokenizer (tokenizer.json, or GPT-2 style vocab.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -11,13 +10,15 @@ import torch
 
 from infinigen_prep.sources.base import Source, TokenizerInfo
 from infinigen_rt.errors import InfinigenError
+from infinigen_rt.files import read_json
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InfinigenError(f"{path} is not readable JSON ({e})") from None
+    value = read_json(path, str(path), "is it a Hugging Face checkpoint folder?")
+    if not isinstance(value, dict):
+        raise InfinigenError(f"{path} holds a JSON {type(value).__name__}, not an object; is it a Hugging Face "
+                             "checkpoint folder?")  # fmt: skip
+    return value
 
 
 def _token_str(v) -> str | None:

@@ -178,11 +178,13 @@ def bench_cmd(
     quiet = json_out or follower_env()
     with console.status("building the model", spinner="dots") if not quiet else nullcontext():
         engine, model_name, tp = _load(bundle, synthetic, device, dtype, seed)
+        if synthetic is None:  # (a synthetic model's random weights time any position alike)
+            _check_positions(engine.cfg.max_position_embeddings, max(contexts), gen, warmup)
         prompt = None
         if text is not None:
             from infinigen_rt.measure.perplexity import text_ids
 
-            prompt, _ = text_ids(engine, text, max(contexts), max(contexts) - 1)
+            prompt, _ = text_ids(engine, text, max(contexts), max(contexts) - 1, "the largest --context")
         from infinigen_rt.measure.floor import measure_bandwidths
 
         bw = measure_bandwidths(engine.device, probe)
@@ -313,6 +315,18 @@ def _variants(names: list[str], spec_keys: str | None, correct: str | None, reus
         out += [Variant(n, k, c, reuse or None, s) for k in keys for c in shares for s in lists] if spec else [
             Variant(n)]
     return out
+
+
+def _check_positions(positions: int, context: int, gen: int, warmup: int) -> None:
+    """A point's prompt and every token it decodes (its warm-up, --gen, and a few spare) fit the model's positions:
+    past them a bundle's model gives numbers that mean nothing."""
+    from infinigen_rt.errors import InfinigenError
+    from infinigen_rt.measure.bench import SPARE_TOKENS
+
+    room = positions - warmup - gen - SPARE_TOKENS
+    if context > room:
+        raise InfinigenError(f"--context {context} is past what the model's {positions:,} positions hold with --gen "
+                             f"{gen} and --warmup {warmup}: give contexts of at most {room:,}")  # fmt: skip
 
 
 def _load(bundle, synthetic, device: str, dtype: str, seed: int):

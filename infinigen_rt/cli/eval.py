@@ -84,6 +84,9 @@ def eval_cmd(
             check_value(name, v, flag)  # each in the KV option's range (policies/options.py)
     if resume and out is None:
         raise InfinigenError("--resume reads the rows already in --out: pass --out FILE")
+    if out is not None and not resume and (out.is_file() or out.is_symlink()):  # (a folder: check_outputs says so)
+        raise InfinigenError(f"--out {out} exists: pass --resume to add this run's rows to it, or give a path where "
+                             "nothing is (it would be overwritten)")  # fmt: skip
     if task not in ("perplexity", "needle"):
         raise InfinigenError(f"--task must be perplexity or needle, got {task!r}")
     spec = {k: v for k, v in (("spec_keys", spec_keys), ("correct", correct), ("shortlist", shortlist))
@@ -170,7 +173,7 @@ def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depth
     from infinigen_rt.errors import InfinigenError
     from infinigen_rt.files import read_utf8, write_atomic
     from infinigen_rt.measure import needle
-    from infinigen_rt.measure.perplexity import load_finished
+    from infinigen_rt.measure.perplexity import check_text_file, load_finished
 
     task_list = [t.strip() for t in tasks.split(",") if t.strip()]
     if not task_list or any(t not in needle.TASKS for t in task_list):
@@ -196,8 +199,7 @@ def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depth
     alpha = alphas[0] if alphas else None
     if len(alphas) > 1:
         raise InfinigenError("--task needle takes one --alphas value (or none: the budget alone)")
-    if not text.is_file():
-        raise InfinigenError(f"--text {text} does not exist")
+    check_text_file(text)
     hay, sha = read_utf8(text, f"--text {text}")
     cases = needle.build_cases(engine.tokenizer, hay, task_list, context_list, depth_list, per_cell, seed)
     keys = engine.speculation.defaults.spec_keys if engine.speculation else None  # the bundle's default keys

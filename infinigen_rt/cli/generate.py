@@ -81,9 +81,14 @@ def generate(
         if prompt == "-":
             raise InfinigenError("--tp with the prompt on standard input: give it as an argument, or run torchrun")
         raise typer.Exit(launch(tp, sys.argv[1:], bundle, revision))
-    prompt = _read_prompt(prompt)
+    from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.hub import resolve_bundle
+
+    path = resolve_bundle(bundle, revision)
+    context = read_bundle(path, verify=False).config.max_position_embeddings  # its hashes are checked by _load
+    prompt = _read_prompt(prompt, context)
     quiet = json_out or follower_env()
-    engine, run_policy, follower = _load(bundle, revision, verify, device, dtype, policy, kv, quiet)
+    engine, run_policy, follower = _load(path, verify, device, dtype, policy, kv, quiet)
     ids, max_new_tokens = _prompt_ids(engine, prompt, chat, max_new_tokens)
     printer = _StreamPrinter(engine.tokenizer, stop or []) if stream and not quiet else None
     progress = _progress(max_new_tokens) if printer is None and not quiet else None
@@ -92,31 +97,38 @@ def generate(
         _show(res, stats, prompt if not chat else "", json_out, printer)
 
 
-def _read_prompt(prompt: str) -> str:
-    """The prompt argument, or standard input for '-': UTF-8 text (a one-line error otherwise)."""
+def _read_prompt(prompt: str, context: int) -> str:
+    """The prompt argument, or standard input for '-': UTF-8 text that could fit the model's `context` (a one-line
+    error otherwise; standard input is read no further than that: a 2 GB prompt is refused, not tokenized)."""
     from infinigen_rt.errors import InfinigenError
-    from infinigen_rt.tokenizer import check_text
+    from infinigen_rt.tokenizer import check_text, text_limit
 
+    limit = text_limit(context)
     if prompt == "-":
+        data = sys.stdin.buffer.read(limit + 1)
+        if len(data) > limit:
+            raise InfinigenError(f"the prompt on standard input is over {limit:,} bytes, more text than the model's "
+                                 f"context of {context:,} tokens can hold; shorten it")  # fmt: skip
         try:
-            prompt = sys.stdin.buffer.read().decode("utf-8")
+            prompt = data.decode("utf-8")
         except UnicodeDecodeError as e:
             byte = e.object[e.start]
             raise InfinigenError(f"standard input is not UTF-8 text (byte 0x{byte:02X} at {e.start})") from None
     check_text(prompt, "the prompt")
+    if (n := len(prompt.encode("utf-8"))) > limit:
+        raise InfinigenError(f"the prompt is {n:,} bytes, more text than the model's context of {context:,} tokens "
+                             "can hold; shorten it")  # fmt: skip
     return prompt
 
 
-def _load(bundle, revision, verify, device, dtype, policy, kv, quiet: bool):
-    """(the engine, its policy, whether this process is a tensor-parallel follower) for the bundle."""
+def _load(path, verify, device, dtype, policy, kv, quiet: bool):
+    """(the engine, its policy, whether this process is a tensor-parallel follower) for the bundle at `path`."""
     from infinigen_rt.bundle import read_bundle
     from infinigen_rt.engine import Engine
-    from infinigen_rt.hub import resolve_bundle
     from infinigen_rt.policies import configure
     from infinigen_rt.system import resolve_device
     from infinigen_rt.tp import from_env
 
-    path = resolve_bundle(bundle, revision)
     with console.status("loading bundle", spinner="dots") if not quiet else nullcontext():
         b = read_bundle(path, verify=verify)
         tp = from_env(resolve_device(device), b.config)  # under torchrun: one rank of a tensor-parallel group

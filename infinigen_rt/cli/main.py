@@ -34,9 +34,9 @@ def pull(
       infinigen-rt pull user/smollm2-135m-infinigen --revision v1 --out bundles/smol
     """
     from infinigen_rt.bundle import read_bundle
-    from infinigen_rt.hub import download, pull_into
+    from infinigen_rt.hub import download_bundle, pull_into
 
-    path = download(repo_id, revision) if out is None else pull_into(repo_id, revision, out)
+    path = download_bundle(repo_id, revision) if out is None else pull_into(repo_id, revision, out)
     b = read_bundle(path, verify=out is None)  # pull_into verified it before moving it into place
     if json_out:
         print_json({"path": str(path), "repo_id": repo_id, "architecture": b.config.arch, "verified": True})

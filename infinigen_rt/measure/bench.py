@@ -29,6 +29,7 @@ from infinigen_rt.runner import BLOCK_TOKENS, Request, Runner, blocks_for, reser
 from infinigen_rt.system import host_available, host_rss
 
 OOM_STATUS = ("oom-device", "oom-host")
+SPARE_TOKENS = 4  # tokens a point's requests may hold past its warm-up and --gen (the runner's headroom)
 
 
 # -------------------------------------------------------------------------------------------- the points
@@ -204,7 +205,7 @@ def run_points(
         for i, (pt, policy) in enumerate(zip(points, configured, strict=True)):
             if pt.status == "ok":
                 try:
-                    runner, pt.prefill_s = start_runner(engine, policy, prompts, warmup + gen + 4, warmup)
+                    runner, pt.prefill_s = start_runner(engine, policy, prompts, warmup + gen + SPARE_TOKENS, warmup)
                     runs[i] = runner, [], runner.live_report()
                 except Exception as ex:
                     _out_of_memory(pt, ex, dev)

@@ -19,7 +19,7 @@ import torch
 from infinigen_rt.bundle import FALLBACK_SPEC_KEYS
 from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
-from infinigen_rt.files import pyplot, read_utf8, save_figure, write_atomic
+from infinigen_rt.files import pyplot, read_json, read_utf8, save_figure, write_atomic
 from infinigen_rt.policies import BASELINE, POLICIES, KVOptions, KVReport, Policy, configure
 from infinigen_rt.step import decode_step, prefill
 
@@ -74,20 +74,33 @@ def label(policy: str, spec_keys: str | None, correct: float | None, alpha: floa
     return f"{policy} ({', '.join(parts)})"
 
 
-def text_ids(engine: Engine, path: str | Path, seq_len: int, score_from: int) -> tuple[list[int], str]:
-    """The first seq_len tokens of a UTF-8 text file, and the text's sha256."""
+def text_ids(engine: Engine, path: str | Path, seq_len: int, score_from: int,
+             length: str = "--seq-len") -> tuple[list[int], str]:  # fmt: skip
+    """The first seq_len tokens of a UTF-8 text file, and the text's sha256; `length` names what asked for seq_len
+    in an error (eval's --seq-len, bench's largest --context)."""
     p = Path(path)
-    if not p.is_file():
-        raise InfinigenError(f"--text {p} does not exist")
+    check_text_file(p)
     text, sha = read_utf8(p, f"--text {p}")
     if not text.strip():
         raise InfinigenError(f"--text {p} is empty")
-    if not 0 < score_from < seq_len:
-        raise InfinigenError(f"--score-from must be in (0, --seq-len), got {score_from} with --seq-len {seq_len}")
+    if length == "--seq-len":
+        if not 0 < score_from < seq_len:
+            raise InfinigenError(f"--score-from must be in (0, --seq-len), got {score_from} with --seq-len {seq_len}")
+        if seq_len > (context := engine.cfg.max_position_embeddings):
+            raise InfinigenError(f"--seq-len {seq_len} is past the model's context of {context:,} tokens: its "
+                                 f"perplexity there would mean nothing; give at most {context}")  # fmt: skip
     ids = engine.tokenizer.encode(text)
     if len(ids) < seq_len:
-        raise InfinigenError(f"--text {p} has {len(ids)} tokens, fewer than --seq-len {seq_len}; give a longer text")
+        raise InfinigenError(f"--text {p} has {len(ids)} tokens, fewer than {length} {seq_len}; give a longer text")
     return ids[:seq_len], sha
+
+
+def check_text_file(p: Path) -> None:
+    """--text names a file (a one-line error for a folder or nothing there)."""
+    if p.is_dir():
+        raise InfinigenError(f"--text {p} is a folder; give a UTF-8 text file")
+    if not p.is_file():
+        raise InfinigenError(f"--text {p} does not exist")
 
 
 @torch.inference_mode()
@@ -252,10 +265,10 @@ def load_finished(path: Path, meta: dict, field: str, make, what: str, same: tup
     of `meta`; nothing when there is no file; a one-line error for another kind of file or another run."""
     if not path.is_file():
         return []
+    old = read_json(path, f"--out {path}", "cannot resume from it: give --out a new file")
     try:
-        old = json.loads(path.read_text())
         done = [make(r) for r in old[field]]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (KeyError, TypeError) as e:
         raise InfinigenError(f"cannot resume from {path}: not {what} result file ({e})") from None
     for k in same:
         if old.get(k) != meta[k]:

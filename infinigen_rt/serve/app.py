@@ -159,3 +159,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, e: HTTPException):
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
         return refuse(request, e.status_code, error_body(str(e.detail), kind), e.headers)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, e: Exception):
+        """Anything else: the OpenAI error body (a 500, its traceback in the log), never Starlette's plain text."""
+        log.error("%s %s failed", request.method, request.url.path, exc_info=e)
+        return ErrorResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), 500)

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.policies.options import OPTS, TYPES
 from infinigen_rt.runner import MAX_LOGPROBS, Logprob, check_stops
+from infinigen_rt.sampling import SEED_RANGE
 from infinigen_rt.tokenizer import check_text
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -103,7 +104,7 @@ class BaseRequest(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what a torch generator takes
+    seed: int | None = Field(None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])  # a signed 64-bit integer, as vLLM's
     stream: bool = False
     stream_options: StreamOptions | None = None
     infinigen: KVOverrides | None = None

@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from infinigen_rt.engine import Engine
 from infinigen_rt.policies import Policy, read_by
-from infinigen_rt.sampling import SamplingParams
+from infinigen_rt.sampling import SEED_RANGE, SamplingParams
 from infinigen_rt.serve.metrics import Metrics
 from infinigen_rt.serve.protocol import (
     CHAT_MAX_TOKENS,
@@ -212,7 +212,7 @@ class Routes:
         jobs: list[Job] = []
         for spec in specs:
             for j in range(body.n):  # choice i * n + j of prompt i; a seeded request's choices differ by seed + j
-                seed = None if body.seed is None else (body.seed + j) % 2**64
+                seed = None if body.seed is None else (body.seed + j - SEED_RANGE[0]) % 2**64 + SEED_RANGE[0]
                 sampling = SamplingParams(temperature=temperature, top_p=body.top_p or 1.0, seed=seed)
                 jobs.append(Job(
                     spec.ids, spec.max_tokens, sampling, body.stops(), policy,

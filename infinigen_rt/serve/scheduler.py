@@ -242,7 +242,9 @@ class Scheduler:
                 job, gen = self.jobs.pop(out.id), out.generation
                 self.metrics.record_request(len(gen.prompt_token_ids), out.report)
                 self.metrics.e2e.observe(now - job.arrived)
-                if job.stream:
+                if gen.error is not None:  # the model's fault, not the request's
+                    _emit(job, Failed(500, gen.error))
+                elif job.stream:
                     _emit(job, Done(job.text.finish(gen.text), gen.finish_reason, len(gen.token_ids)))
                 else:
                     _emit(job, Done(gen.text, gen.finish_reason, len(gen.token_ids), gen.logprobs,

@@ -124,7 +124,11 @@ def test_eval_bad_inputs(bundles, tiny_text, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")
     one_line_error(run_cli("rt", "eval", b, "--text", empty), "empty")
-    one_line_error(run_cli("rt", "eval", b, "--text", tiny_text, "--seq-len", 100000), "fewer than --seq-len")
+    one_line_error(run_cli("rt", "eval", b, "--text", tiny_text, "--seq-len", 100000), "past the model's context")
+    short = tmp_path / "short.txt"
+    short.write_text("the king and the queen")
+    one_line_error(run_cli("rt", "eval", b, "--text", short, "--seq-len", 256, "--score-from", 8),
+                   "fewer than --seq-len")  # fmt: skip
     one_line_error(run_cli("rt", "eval", b, "--text", tiny_text, "--policies", "full,magic"), "magic")
     one_line_error(run_cli("rt", "eval", b, "--text", tmp_path / "nope.txt"), "does not exist")
     one_line_error(run_cli("rt", "eval", b, "--text", tiny_text, "--resume"), "--out")

@@ -752,8 +752,16 @@ class FakeRunner:
 
 class FakeEngine:
     def __init__(self, hold=None, fail_at=None):
+        import torch
+
+        from infinigen_rt.config import ModelConfig
+
         self.policy, self.hold, self.fail_at = Policy(DenseCache, KVOptions()), hold, fail_at
-        self.cfg = SimpleNamespace(max_position_embeddings=64)
+        # a model's config, device and dtype: what the pool's size is checked against
+        self.cfg = ModelConfig(arch="llama", vocab_size=100, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                               num_attention_heads=1, num_key_value_heads=1, head_dim=8,
+                               max_position_embeddings=64)  # fmt: skip
+        self.device, self.dtype = torch.device("cpu"), torch.float32
 
     def runner(self, engine, policy, max_batch, prefill_chunk, kv_tokens):
         self.made = FakeRunner(max_batch, self.hold, self.fail_at)
