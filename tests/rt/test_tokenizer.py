@@ -192,6 +192,7 @@ def test_raise_exception_is_the_templates_own_message(tok_dir):
 def test_a_hostile_template_is_refused_fast_and_the_next_render_works(tok_dir, fast_deadline, template, words):
     tok = Tokenizer(fake_bundle(tok_dir, template=template))
     assert tok.max_chars == 1 << 20  # the floor, for a 256-position model
+    rss = rss_kb()
     t = time.monotonic()
     with pytest.raises(InfinigenError) as e:
         tok.render_chat([{"role": "user", "content": "hi"}])
@@ -203,8 +204,11 @@ def test_a_hostile_template_is_refused_fast_and_the_next_render_works(tok_dir, f
     # the render process was replaced where it had to be; this process is as small as it was
     good = Tokenizer(fake_bundle(tok_dir))
     assert good.render_chat([{"role": "user", "content": "hi"}]).endswith("<|im_start|>assistant\n")
-    status = Path("/proc/self/status").read_text()
-    assert int(status.split("VmRSS:")[1].split()[0]) < 2 << 20  # kB: the text was never built in this process
+    assert rss_kb() - rss < 100 << 10  # kB: the text (hundreds of MB) was never built in this process
+
+
+def rss_kb() -> int:
+    return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0])
 
 
 @pytest.mark.parametrize("template", ["smollm2", "qwen", "gemma3", "llama3", "mistral"])
