@@ -19,6 +19,7 @@ process only after its sha256 has been checked in this process."""
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import os
 import platform
@@ -29,12 +30,14 @@ import stat
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 SRC = Path(__file__).with_name("_cpu_kernels.c")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
          "-shared", "-fPIC"]  # fmt: skip
 CACHE_ENV = "INFINIGEN_KERNEL_CACHE"
+LOCK_NAME = "infinigen-cpu-kernels.lock"
 CHECK_TIMEOUT = 60  # seconds the child process that proves a build loads may take
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -234,15 +237,28 @@ def load(cc: list[str], notes: list[str]) -> ctypes.CDLL:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # (a loaded library stays mapped)
     lib = folder / kernel_name(cc)
-    try:
-        foreign = file_problem(lib)
-    except FileNotFoundError:  # not built yet
-        build(cc, folder, lib.name)
+    with _locked(folder):  # another process's first build renames the library in before its record
+        try:
+            foreign = file_problem(lib)
+        except FileNotFoundError:  # not built yet
+            build(cc, folder, lib.name)
+            return _open(lib)
+        if foreign is not None:
+            notes.append(f"the cached kernel library {lib} is {foreign}: not loaded; built again in its place")
+            build(cc, folder, lib.name)
+        elif (why := damage(lib)) is not None:
+            notes.append(f"the cached kernel library {lib} was damaged ({why}): rebuilt")
+            build(cc, folder, lib.name)
         return _open(lib)
-    if foreign is not None:
-        notes.append(f"the cached kernel library {lib} is {foreign}: not loaded; built again in its place")
-        build(cc, folder, lib.name)
-    elif (why := damage(lib)) is not None:
-        notes.append(f"the cached kernel library {lib} was damaged ({why}): rebuilt")
-        build(cc, folder, lib.name)
-    return _open(lib)
+
+
+@contextmanager
+def _locked(folder: Path):
+    """The cache's lock, held while a process checks, builds and opens its library: two first builds at once (two
+    servers started together) each see the other's library whole, with its record."""
+    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # (releases the lock)

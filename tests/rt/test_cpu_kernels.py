@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from contextlib import nullcontext
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -315,6 +316,15 @@ def test_quantizing_into_slots_writes_the_codes_torch_writes_bit_for_bit(bits, d
         assert torch.equal(got_m.view(torch.int16), want_m.view(torch.int16))
 
 
+def cached(cache: Path) -> list[str]:
+    return sorted(p.name for p in cache.iterdir())
+
+
+def cached_names(lib: Path) -> list[str]:
+    """What a cache holding the library `lib` holds: it, its record and the lock."""
+    return sorted([lib.name, cpu_build.record_of(lib).name, cpu_build.LOCK_NAME])
+
+
 def test_a_failed_build_falls_back_to_the_torch_path_and_leaves_nothing(tmp_path, monkeypatch):
     """A compiler that fails (or none, or INFINIGEN_CPU_KERNELS=0): the scores still come, from the torch path, and
     the cache holds no half-written library; a working build leaves exactly the library."""
@@ -347,7 +357,7 @@ def test_a_failed_build_falls_back_to_the_torch_path_and_leaves_nothing(tmp_path
         pytest.skip("no C compiler here")
     assert cpu.library() is not None, cpu.reason()
     (lib,) = cache.glob("infinigen-cpu-kernels-*.so")
-    assert sorted(p.name for p in cache.iterdir()) == [lib.name, cpu_build.record_of(lib).name]
+    assert cached(cache) == cached_names(lib)
     torch.testing.assert_close(quant.scores(q, codes, meta, 50, group, 4), want, rtol=1e-4, atol=1e-2)
 
 
@@ -475,7 +485,38 @@ def test_a_cut_short_cached_library_is_rebuilt_not_loaded(tmp_path, built):
     (line,) = warning_lines(r)
     assert f"the cached kernel library {lib} was damaged" in line and "rebuilt" in line
     assert lib.stat().st_size > 4000 and whole(lib)
-    assert sorted(p.name for p in cache.iterdir()) == [lib.name, cpu_build.record_of(lib).name]
+    assert cached(cache) == cached_names(lib)
+
+
+def test_a_process_checks_builds_and_opens_the_cache_under_its_lock(tmp_path):
+    """Another process's first build renames its library in before its record: one that checked the cache between
+    the two would call the library damaged and rebuild it, with a warning (a one-line error test's second line).
+    So the check, the build and the open hold the cache's lock: while this test holds it, a loader waits and writes
+    nothing; once it is free the loader builds, silently."""
+    import fcntl
+
+    if cpu_build.compiler() is None:
+        pytest.skip("no C compiler here")
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    (tmp_path / "tmp").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "CC"} | {"TMPDIR": str(tmp_path / "tmp"),
+                                                                 "INFINIGEN_KERNEL_CACHE": str(cache)}  # fmt: skip
+    with open(cache / cpu_build.LOCK_NAME, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        proc = subprocess.Popen([sys.executable, "-c", LOADER], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            proc.wait(8)
+        except subprocess.TimeoutExpired:
+            pass
+        assert proc.poll() is None, proc.communicate()
+        assert cached(cache) == [cpu_build.LOCK_NAME]  # nothing built or read while the lock was held
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and out.split()[0] == "True", out + err
+    assert "warning:" not in err, err
+    (lib,) = cache.glob("*.so")
+    assert whole(lib) and cached(cache) == cached_names(lib)
 
 
 def test_a_compiler_that_says_it_succeeded_but_wrote_junk_fails_the_build_and_leaves_nothing(tmp_path, monkeypatch,
@@ -493,11 +534,11 @@ def test_a_compiler_that_says_it_succeeded_but_wrote_junk_fails_the_build_and_le
         fresh(monkeypatch, CC=str(junk_cc), INFINIGEN_KERNEL_CACHE=str(cache))
         assert cpu.library() is None
         assert "the build failed" in cpu.reason() and why in cpu.reason(), cpu.reason()
-        assert cache.is_dir() and not any(cache.iterdir())
+        assert cache.is_dir() and [p.name for p in cache.iterdir()] == [cpu_build.LOCK_NAME]  # the lock alone
     fresh(monkeypatch, CC=None)
     assert cpu.library() is not None, cpu.reason()
     (lib,) = cache.glob("*.so")
-    assert whole(lib) and sorted(p.name for p in cache.iterdir()) == [lib.name, cpu_build.record_of(lib).name]
+    assert whole(lib) and cached(cache) == cached_names(lib)
 
 
 def test_a_cc_that_is_not_found_is_said_and_no_other_compiler_is_taken(tmp_path, monkeypatch):
@@ -536,7 +577,7 @@ def test_a_cc_that_is_not_found_is_said_and_no_other_compiler_is_taken(tmp_path,
     assert cpu.library() is not None, cpu.reason()
     name = cpu_build.kernel_name([plain[0], "-O0"])
     assert name != cpu_build.kernel_name(plain)
-    assert sorted(p.name for p in cache.iterdir()) == [name, cpu_build.record_of(cache / name).name]
+    assert cached(cache) == cached_names(cache / name)
 
 
 @needs_kernel
