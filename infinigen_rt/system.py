@@ -278,8 +278,8 @@ def keep_host_heap() -> None:
 
     By default glibc hands blocks above 128 KiB back to the OS on free and takes fresh zeroed pages on the
     next allocation. A CPU decode step allocates dozens of such temporaries per layer (scores over the
-    context, fetched rows), so it pays page faults on every one: measured on SmolLM2 at 8k context on the
-    2-core VM, infinigen 160 -> 118 ms per step, full 131 -> 129. Blocks up to 32 MiB now come from the heap,
+    context, fetched rows), so it pays page faults on every one (infinigen's step, which makes the most of them,
+    gains the most). Blocks up to 32 MiB now come from the heap,
     and the heap is not trimmed; the process keeps its peak footprint instead."""
     if not sys.platform.startswith("linux") or any(k.startswith("MALLOC_") for k in os.environ):
         return

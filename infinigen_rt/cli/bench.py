@@ -155,7 +155,8 @@ def bench_cmd(
     """
     import math
 
-    from infinigen_rt.tp import check_tp_option, follower_env, launch
+    from infinigen_rt.cli.launch import launch
+    from infinigen_rt.tp import check_tp_option, follower_env
 
     names, batches, contexts = _check(bundle, synthetic, policies, batch, context, gen, warmup, probe, text, tp)
     for name, value in (("budget", budget), ("max_kv", max_kv), ("alpha", alpha), ("prefill_chunk", prefill_chunk)):

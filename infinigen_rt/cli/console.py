@@ -19,7 +19,7 @@ from infinigen_rt.errors import InfinigenError, InfinigenWarning
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
 DEBUG_ENV = "INFINIGEN_DEBUG"
-RANK_ERRORS_ENV = "INFINIGEN_RANK_ERRORS"  # set by `--tp`'s launcher (tp.launch): where each rank writes its error
+RANK_ERRORS_ENV = "INFINIGEN_RANK_ERRORS"  # set by `--tp`'s launcher (cli/launch.py): where each rank writes its error
 
 
 def print_json(obj) -> None:

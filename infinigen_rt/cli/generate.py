@@ -60,11 +60,12 @@ def generate(
     Tensor parallelism (each rank its share of the heads; rank 0 prints):
       torchrun --nproc-per-node 2 -m infinigen_rt.cli generate BUNDLE "Hello" --device cpu
     """
+    from infinigen_rt.cli.launch import launch
     from infinigen_rt.errors import InfinigenError
     from infinigen_rt.policies import policy_class
     from infinigen_rt.runner import check_stops
     from infinigen_rt.sampling import SamplingParams
-    from infinigen_rt.tp import check_tp_option, follower_env, launch
+    from infinigen_rt.tp import check_tp_option, follower_env
 
     # a bad name, option, limit, sampling value or stop string fails before anything loads
     policy_class(policy)

@@ -79,10 +79,11 @@ def serve(
     """
     from pathlib import Path
 
+    from infinigen_rt.cli.launch import launch
     from infinigen_rt.engine import Engine
     from infinigen_rt.errors import InfinigenError
     from infinigen_rt.policies import configure, policy_class
-    from infinigen_rt.tp import check_tp_option, launch
+    from infinigen_rt.tp import check_tp_option
 
     try:  # the serve extra: imported only here, so the rest of the runtime works without it
         import fastapi  # noqa: F401

@@ -10,7 +10,7 @@ not specialised (see _gather_kernel.py)."""
 import triton
 import triton.language as tl
 
-from infinigen_rt.kv.kernels import interpreter_loop_bounds
+from infinigen_rt.kv._triton import interpreter_loop_bounds
 
 interpreter_loop_bounds()  # a split's loop runs to its own tokens, in Triton's interpreter too
 

@@ -1352,11 +1352,9 @@ int infinigen_attend_rows(const float *q, const float *K, const float *V, const 
    float32, or in float16 or bfloat16 as the bundle stores it, each weight widened to float32 exactly in registers),
    rows lo .. hi of w, M at most 8. Each row of w is read once, in order, and meets every row of x: eight
    accumulators of 16 lanes, the rows of x past M reading the same 16 zeros, then each summed across its lanes.
-   torch's matmul at these shapes reads the weights at about half the memory's speed (SmolLM2's layers at batch 1 on
-   this repo's VM: 12 GB/s on one thread or two, this loop 17-22 on one). At batch 8 the loop waits on the memory
-   too: a float16 weight, half the bytes of the same value in float32, took an MLP matrix of SmolLM2 from 0.41 ms
-   to 0.27 (0.17 to 0.12 at batch 1; one thread, 60 matrices in turn), with the same sums bit for bit, since the
-   widening is exact and the order of the multiply-adds is the same. An output's sum does not depend on M, the
+   torch's matmul at these shapes reads the weights well below the memory's speed; this loop waits on the memory,
+   at batch 8 too, so a float16 weight (half the bytes of the same value in float32) takes less time, with the same
+   sums bit for bit, since the widening is exact and the order of the multiply-adds is the same. An output's sum does not depend on M, the
    rows' share or the weights' width: a request's logits are the same in any batch. Returns 0, -1 for shapes or
    widths it does not take (or a machine without AVX-512: torch's then runs). `next` NULL: rows lo .. hi; else a
    counter shared by the threads that call this at once, each taking the next LINEAR_BLOCK rows from lo on until hi
@@ -1405,11 +1403,9 @@ static inline __attribute__((always_inline)) void linear_rows(const float *x, co
     }
 }
 
-/* one copy of the loop per width and prefetch, each compiled on its own (a test of `ahead` inside the loop took
-   batch 1 to half the speed). Above four rows of x the loop spends long enough on a row of w that the hardware's
-   prefetch falls behind: asking for the next row's lines a row early (`ahead`) made an MLP matrix of SmolLM2 at
-   batch 8 from memory 0.44 ms against 0.52-0.55 (float32, one thread, this repo's VM; 2 to 8 rows early:
-   0.44-0.47); at batch 1 it cost 10 % */
+/* one copy of the loop per width and prefetch, each compiled on its own (a test of `ahead` inside the loop slows
+   batch 1 badly). Above four rows of x the loop spends long enough on a row of w that the hardware's prefetch falls
+   behind, so it asks for the next row's lines a row early (`ahead`); with fewer rows that costs more than it saves */
 #define LINEAR_WIDTH(name, wide)                                                                                      \
     static __attribute__((noinline)) void name(const float *x, const void *w, float *out, int64_t M, int64_t N,       \
                                                int64_t K, int64_t lo, int64_t hi) {                                   \

@@ -7,7 +7,7 @@ inside a timed decode step whenever a growing count crosses one of those lines."
 import triton
 import triton.language as tl
 
-from infinigen_rt.kv.kernels import interpreter_loop_bounds
+from infinigen_rt.kv._triton import interpreter_loop_bounds
 
 interpreter_loop_bounds()  # the chunk loop's bound is computed from a runtime count, in Triton's interpreter too
 

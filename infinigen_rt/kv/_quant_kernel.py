@@ -2,19 +2,17 @@
 
 `score_codes_kernel`: one program per (sequence, KV head, split of its slots) scores every query head of the group
 against the split's keys straight from their packed codes and fp16 scales, a tile of tokens at a time, the dot
-products on the matrix units: the codes and scales are read once and no key is ever written out (the torch path
-writes each span's float32 keys and reads them back, several times over). On an H200 at Llama-3.1-8B's shapes
-(32k slots) it scores a layer in 90 us at batch 1 and 326 us at batch 4, where the first version (the products
-summed on the vector units, [G, TOKENS, D] at a time) took 224 and 841 (benchmarks/score_sweep.py;
-artifacts/results/gpu-h200-2026-11-26). `quantize_rows_kernel`: each new key row's groups quantized and packed into
-its slot, one launch for a layer's new rows. `quantize_channel_kernel`: each new key into its run of per-channel
-codes (ChannelKeys), the run quantized again, one launch for a layer's new rows. The counts that change every step
-are not specialised (see _gather_kernel.py)."""
+products on the matrix units: the codes and scales are read once and no key is ever written out (the torch path writes
+each span's float32 keys and reads them back, several times over; benchmarks/score_sweep.py measures it, and
+artifacts/results/gpu-h200-2026-11-26 holds an H200's figures). `quantize_rows_kernel`: each new key row's groups
+quantized and packed into its slot, one launch for a layer's new rows. `quantize_channel_kernel`: each new key into
+its run of per-channel codes (ChannelKeys), the run quantized again, one launch for a layer's new rows. The counts
+that change every step are not specialised (see _gather_kernel.py)."""
 
 import triton
 import triton.language as tl
 
-from infinigen_rt.kv.kernels import interpreter_loop_bounds
+from infinigen_rt.kv._triton import interpreter_loop_bounds
 
 interpreter_loop_bounds()  # a split's loop runs to its own tokens, in Triton's interpreter too
 

@@ -335,9 +335,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     narrow_weights), on the calling thread (and `lending`'s worker): the same sums whatever the batch, the share
     and the weight's width, up to float32 rounding of F.linear's; None where it does not apply.
 
-    On one thread it reads SmolLM2's weights at 17-22 GB/s where torch's matmul reads 12 on one thread or two (this
-    repo's 2-core VM; at batch 8 about as fast as torch's on two). Shares over a second thread were slower inside a
-    decode step (SmolLM2 8k, batch 1: 77.6 ms against 71.8 on one thread), most likely because torch's OpenMP
+    On one thread it reads small models' weights faster than torch's matmul does on one thread or two. It runs on one
+    thread: shares over a second thread were slower inside a decode step, most likely because torch's OpenMP
     threads, which spin a while after each parallel op, held the core the share needed."""
     lib = _floats(x)
     if (lib is None or x.dim() < 1 or weight.dtype not in WIDE or weight.device.type != "cpu"

@@ -36,24 +36,6 @@ def words(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
-def interpreter_loop_bounds() -> None:
-    """Under Triton's interpreter (TRITON_INTERPRET=1: fake CUDA, the tests), a loop bound computed in a kernel from
-    a runtime count (`range(0, hi - lo, TOKENS)`: a split's own tokens) is a one-element array, which the
-    interpreter's int() of it refuses under numpy 2; compiled, the same bound is a plain scalar. Taken as its one
-    element here, so the interpreter runs a split's live tiles only, as the GPU does."""
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_infinigen_bounds", False):
-        return
-    patch = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor, interpreter._infinigen_bounds = patched, True
-
-
 def available() -> bool:
     """Whether triton is installed (CUDA builds of torch bring it; a CPU install runs the torch path)."""
     return importlib.util.find_spec("triton") is not None

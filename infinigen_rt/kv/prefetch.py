@@ -125,8 +125,8 @@ class WorkerThread(Prefetch):
     def sharing(self):
         """Once the worker has work (a speculative policy decodes), the decode step's own ops run on one core fewer
         than torch's threads, restored after: the worker's speculation and copies take the core left. Both on every
-        core oversubscribed them (SmolLM2 8k on this repo's 2-core VM, batch 1: the step's matmuls 73.6 ms beside
-        the worker against 49.2 in `full`; the main thread at one thread made the step 13-20 % faster)."""
+        core oversubscribe the machine: the step's matmuls slow down beside the worker by more than the second
+        thread gives them."""
         n = torch.get_num_threads()
         if not self.used or n < 2:
             yield

@@ -90,8 +90,8 @@ def scores(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, group: 
     t = at if isinstance(at, int) else at.stop - at.start if isinstance(at, slice) else at.shape[-1]
     if fused(q, d):
         return _scores_kernel(q, codes, meta, at, t, group, bits)
-    # the kernel where it is the faster (benchmarks/cpu_score.py: 4 bits 5-10x the torch path; at 2 bits its plain
-    # loop lost, 1.45 against 1.24 ms at SmolLM2's shapes)
+    # the kernel where it is the faster (benchmarks/cpu_score.py compares: at 4 bits it is; at 2 bits its plain loop
+    # loses to the torch path)
     kernel_wins = q.device.type == "cpu" and bits == 4
     if kernel_wins and (out := cpu.score_codes(q, codes, meta, at, t, group, bits)) is not None:
         return out
@@ -117,10 +117,9 @@ def score_span(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, group: 
     in float32 (computed so whatever q's dtype), as q @ dequantize(...).T, without forming the keys: a group's dot
     product is scale * (q . codes) + minimum * sum(q). The codes are regrouped group-major as bytes, and each nibble
     position's codes unpacked by a shift and a mask over 32-bit words (four bytes at once), so that every product
-    reads contiguous rows. Measured on a CPU (one thread, 8k slots, a group of 3 query heads): 1.8-1.9x faster than
-    dequantizing and scoring at head_dim 64 to 256, which spent most of its time interleaving the unpacked codes back
-    into columns; inductor's kernel for the same sums (torch.compile, dynamic shapes) was no faster, and torch's int4
-    matmul for a CPU (_weight_int4pack_mm_for_cpu) 4.6x slower than dequantizing, for a query of 3 rows."""
+    reads contiguous rows: dequantizing first spends most of its time interleaving the unpacked codes back into
+    columns (benchmarks/cpu_score.py compares the two; inductor's kernel for the same sums and torch's int4 matmul for
+    a CPU, _weight_int4pack_mm_for_cpu, are no faster for a query of a few rows)."""
     d = q.shape[-1]
     per, groups = 8 // bits, d // group
     width = group // per  # a group's bytes

@@ -71,9 +71,9 @@ class Batch:
         return t, torch.arange(t, device=self.table.device) < old[:, None]
 
 
-# the batch from which a pooled layer's new rows are written after attention on a CPU (Selector.attend): SmolLM2 at 8k
-# (A/Bs in one process), batch 8 175.4 against 179.9 ms a step (once; once equal), batch 1 63.2 against 59.7, where
-# the worker's speculation is mostly Python beside them and both threads wait for the GIL
+# the batch from which a pooled layer's new rows are written after attention on a CPU (Selector.attend): at a large
+# batch the write then runs while the worker scores the next layer in C; at a small one the worker's speculation is
+# mostly Python beside it, both threads wait for the GIL, and writing first is no slower
 WRITE_AFTER = 5
 LEDGER_HELD = 4096  # host counts a ledger keeps before it sums them (see Ledger.add)
 
@@ -98,8 +98,8 @@ class Ledger:
             counts = counts.tolist()
         elif isinstance(counts, np.ndarray):
             counts = counts.tolist()
-        # plain Python from here: a few calls a layer and request, each step (numpy's broadcast cost 6 ms a step at
-        # SmolLM2 batch 1); summed when read (a decode step's 8 calls a layer at batch 8: 2 ms a step one by one)
+        # plain Python from here: a few calls a layer and request, each step (numpy's per-call overhead is larger
+        # than the work); summed when read, not one by one
         if isinstance(counts, list) and len(counts) not in (1, len(rids)):
             raise ValueError(f"{len(counts)} counts for {len(rids)} requests")
         self.later.append((key, tuple(rids), counts, scale))  # (as they are now)
@@ -361,7 +361,7 @@ class KVStore:
         """One query token per row, q [B, H, 1, D] (its own row already written), over each row's keys of a device
         layer: [B, H, 1, D]. A GPU attends for the whole batch in one kernel; a CPU row by row over views of each
         request's blocks where they are one run (the gather the reference makes would double its KV's memory
-        traffic: `full` 1.7x slower at SmolLM2 4k), gathered where they are not; the rows shared with the worker
+        traffic), gathered where they are not; the rows shared with the worker
         where a speculative policy lends it (cpu.each: its dense layers, while it has nothing to speculate)."""
         k, v = self.k[layer], self.v[layer]
         if self.device.type != "cpu":

@@ -506,7 +506,7 @@ class InfinigenSelector(Selector):
     def room(self, step, j: int) -> int:
         """The rows layer j's correction adds at most (its largest count, at most the slots held): speculation's
         gather leaves them between its rows and the new token's, and the correction writes its rows there, in
-        place of joining the two (a copy of every row: 2.5 ms a layer at SmolLM2, batch 8 x 8k)."""
+        place of joining the two (a copy of every row a layer reads)."""
         if not self.opts.correct:
             return 0
         return max(0, min(max(self.counts(step, j)), step.held[0]))

@@ -188,7 +188,7 @@ def test_bench_under_torchrun_reports_per_rank_and_total_bytes(bundles):
 
 
 def test_bad_tp_options_are_one_line_errors(bundles):
-    from infinigen_rt.tp import strip_tp
+    from infinigen_rt.cli.launch import strip_tp
 
     assert strip_tp(["generate", "b", "--tp", "2", "x", "--tp=3", "-n", "4"]) == ["generate", "b", "x", "-n", "4"]
     b = str(bundles["llama31_gqa"])
