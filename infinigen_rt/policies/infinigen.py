@@ -132,8 +132,8 @@ class InfinigenCache(OffloadCache):
 
     @classmethod
     def selector(cls, engine, opts, prefetch=None):
-        """InfiniGen in the store, under the capacity if any; not with the recall trace."""
-        if opts.trace_recall or prefetch is None:
+        """InfiniGen in the store, under the capacity if any."""
+        if prefetch is None:
             return None
         return InfinigenSelector(engine, opts, prefetch)
 
@@ -411,7 +411,7 @@ class InfinigenSelector(Selector):
         one_call = isinstance(self.keys, ChannelKeys) and not self.opts.shortlist and self.opts.group_agg == "sum"
         self.in_place = (not store.kernel and store.device.type == "cpu" and type(store.layout) is Plain
                          and store.layout.dtype == torch.float32 and cpu.library() is not None
-                         and (not self.opts.correct or one_call))  # fmt: skip
+                         and (not self.opts.correct or one_call) and not self.opts.trace_recall)  # fmt: skip
 
     def written(self, batch, layer, k, phys, reusing=None) -> None:
         b, h, s, d = k.shape  # the batch's new keys as one sequence of the store's, at their flat slots
@@ -523,6 +523,9 @@ class InfinigenSelector(Selector):
                 self.prefetch.flush()  # the next layer's copy, after this correction's
         if self.evicting is not None:
             self.evicting.mark(step, layer, sel.slots, None if sel.every else sel.ok)
+        if self.opts.trace_recall:
+            led.add("recall", rids, self.recall(step, layer, q, sel))
+            led.add("recalls", rids, 1)
         led.add(f"held{layer}", rids, self.kept(step) * self.store.n_kv)
         led.add("per_row", rids, sel.per_row)
         led.add("per_row_n", rids, 1)
@@ -530,6 +533,24 @@ class InfinigenSelector(Selector):
             (src_k,), (src_v,) = self.store.k[layer], self.store.v[layer]
             return PoolRows(src_k, src_v, [k] if v is None else [k, v], self.prefetch), None, None
         return k, v, None if sel.every else sel.ok
+
+    def recall(self, step, layer: int, q: torch.Tensor, sel: Selection) -> torch.Tensor:
+        """Diagnosis only (`trace_recall`: it reads every held row of the layer, moving the whole context on a GPU):
+        the true attention mass over each row's held tokens that its selection `sel` holds, q [B, H, 1, D] the
+        layer's true query; [B], the mean over the query heads."""
+        store, (b, h, _) = self.store, sel.slots.shape
+        t, held = step.held[0], self.held(step, layer)[0]
+        every = torch.arange(t, device=store.device).expand(b, h, t)
+        keys, _ = store.gather(layer, step.batch, every, held, extra=0)  # (not counted: nothing a step moves)
+        keys = store.layout.decode(keys).to(q.dtype).repeat_interleave(q.shape[1] // h, 1)  # [B, H, T, D]
+        p = (q @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1])).float()  # [B, H, 1, T]
+        if held is not None:
+            p = p.masked_fill(~held.repeat_interleave(q.shape[1] // h, 1)[:, :, None], float("-inf"))
+        chosen = torch.zeros(b, h, t, dtype=torch.int32, device=store.device)
+        ok = sel.ok.expand(sel.slots.shape)
+        chosen.scatter_add_(2, sel.slots.clamp(max=max(t - 1, 0)), (ok & (sel.slots < t)).int())  # (slots past T: none)
+        inside = (chosen > 0).repeat_interleave(q.shape[1] // h, 1)  # [B, H, T]
+        return (p.softmax(-1)[:, :, 0] * inside).sum(-1).mean(1)
 
     def correct(self, step, layer: int, q: torch.Tensor, sel: Selection, k, v) -> tuple:
         """The correction step for every request: layer j's true query q [B, H, 1, D] scored against the same keys;
@@ -651,3 +672,5 @@ class InfinigenSelector(Selector):
         r.tokens_per_head_max = led.max("per_row", rid) if n else None
         r.per_layer["kv_fetched_share"] = [round(fetched[i] / held[i], 6) if held.get(i) else None
                                            for i in range(self.cfg.num_hidden_layers)]  # fmt: skip
+        if n := led.get("recalls", rid):
+            r.attention_recall = round(led.get("recall", rid) / n, 6)

@@ -460,3 +460,73 @@ def test_speculations_one_call_makes_the_tokens_and_reports_its_steps_make(bundl
         assert bool(calls) == fused and None not in calls
     assert got[True] == got[False]
     assert taken or not isinstance(run.prefetch, WorkerThread)  # (the compute thread joined, or found it done)
+
+
+@pytest.mark.parametrize("name", ["oracle", "oracle-per-head"])
+def test_the_oracle_runs_its_batch_through_the_store_with_the_tokens_and_report_of_each_request_alone(name, bundles):
+    """The equal-bytes oracle (and the per-query-head one) over a paged pool: every request in the runner's store,
+    each decode step's true top rows chosen for the whole batch; each request's tokens, the share of rows it kept and
+    the attention mass kept are those of its own cache (OracleCache) alone, at a budget that chooses (0.3)."""
+    from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.engine import Engine
+    from infinigen_rt.policies import KVOptions, configure
+    from infinigen_rt.policies.oracle import OracleCache
+    from infinigen_rt.runner import Request, Runner
+
+    e = Engine(read_bundle(bundles["llama31_gqa"]), device="cpu", dtype="float32")
+    policy = configure(e, name, KVOptions(budget=0.3, dense_layers=1))
+    prompts = [list(range(5, 42)), list(range(50, 57)), list(range(60, 83))]
+    alone = []
+    for p in prompts:
+        run = Runner(e, policy, prefill_chunk=8)
+        run.add(Request(p, 6))
+        alone.append(_drain(run)[-1])
+        assert run.kv is None  # its own cache (no pool)
+    run = Runner(e, policy, max_batch=3, prefill_chunk=8, kv_tokens=512)
+    ids = [run.add(Request(p, 6)) for p in prompts]
+    outs = {}
+    while run.has_work:
+        outs.update({o.id: o for o in run.step() if o.finished})
+        assert run.kv is not None and run.kv_policy.name == name, "the oracle's requests kept caches of their own"
+        run.kv.check()
+    assert issubclass(policy.cls, OracleCache)
+    for rid, solo in zip(ids, alone, strict=True):
+        got, want = outs[rid], solo
+        assert got.generation.token_ids == want.generation.token_ids
+        assert 0 < want.report.kv_fetched_share < 1 and want.report.attention_recall < 1
+        for f in ("kv_fetched_share", "kv_attended_share", "share_rows"):
+            assert getattr(got.report, f) == getattr(want.report, f), f
+        assert got.report.attention_recall == pytest.approx(want.report.attention_recall, abs=1e-6)
+    assert run.kv.alloc.used == 0 and not run.kv.length
+
+
+def test_infinigen_traces_its_recall_in_the_store_as_each_request_alone(bundles):
+    """The recall trace (`trace_recall`: the true attention mass each step's selection holds) is a diagnostic of the
+    store: a batch's requests stay in the runner's store with it on, with the tokens and the mean recall each request
+    has in its own cache (InfinigenCache) alone; at a budget that fetches everything the recall is 1."""
+    from infinigen_rt.bundle import read_bundle
+    from infinigen_rt.engine import Engine
+    from infinigen_rt.policies import KVOptions, configure
+    from infinigen_rt.runner import Request, Runner
+
+    e = Engine(read_bundle(bundles["llama31_gqa"]), device="cpu", dtype="float32")
+    prompts = [list(range(5, 42)), list(range(50, 57)), list(range(60, 83))]
+    for budget in (0.3, 1.0):
+        policy = configure(e, "infinigen", KVOptions(budget=budget, alpha=None, trace_recall=True))
+        alone = []
+        for p in prompts:
+            run = Runner(e, policy, prefill_chunk=8)
+            run.add(Request(p, 6))
+            alone.append(_drain(run)[-1])
+        run = Runner(e, policy, max_batch=3, prefill_chunk=8, kv_tokens=512)
+        ids = [run.add(Request(p, 6)) for p in prompts]
+        outs = {}
+        while run.has_work:
+            outs.update({o.id: o for o in run.step() if o.finished})
+            assert run.kv is not None and run.kv_policy.name == "infinigen", "the traced requests left the store"
+        for rid, solo in zip(ids, alone, strict=True):
+            got = outs[rid]
+            assert got.generation.token_ids == solo.generation.token_ids
+            assert got.report.attention_recall == pytest.approx(solo.report.attention_recall, abs=1e-5)
+            assert got.report.attention_recall == pytest.approx(1.0, abs=1e-5) if budget == 1.0 else (
+                0 < got.report.attention_recall < 1)  # fmt: skip
