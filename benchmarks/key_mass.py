@@ -21,6 +21,7 @@ import torch
 
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.engine import Engine
+from infinigen_rt.kv.store import Solo
 from infinigen_rt.measure.perplexity import text_ids
 from infinigen_rt.models import llama
 from infinigen_rt.policies import configure
@@ -47,8 +48,9 @@ def capture(engine: Engine, ids: list[int]) -> dict:
     llama.Attention.forward = tapped
     try:
         policy = configure(engine)
-        cache = policy.cls.build(engine, policy.opts, 1, len(ids))
-        engine.model(torch.tensor([ids]), torch.arange(len(ids))[None], cache, None)
+        cache = Solo(engine, policy, len(ids))
+        engine.model(torch.tensor([ids]), torch.arange(len(ids))[None], cache.prompt, None)
+        cache.close()
     finally:
         llama.Attention.forward = forward
     return got

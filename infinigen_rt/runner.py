@@ -17,15 +17,14 @@ that every request shares: an admitted request takes the blocks for its prompt a
 capacity for what its pools reach (its policy's `pool_slots`: eviction frees slots it reuses), its block table.
 
 Over that pool the runner keeps the batch's KV store (kv/store.py), made for the first policy (with its options)
-that can run in it (`KVCache.selector`: today `full`, `offload`, `h2o`, `int4`, and `infinigen` without the recall
-trace; `offload`, `int4` and `infinigen` under a capacity too: store.Evicting; a sliding-window layer keeps its rings
-in the store whatever the policy). Its requests' prompts go through the store request by request (`RequestPass`), and
-every decode step is one pass for all of them (`StoreStep`): speculation, selection, the gather and attention (h2o's
-scores too) once a layer for the whole batch.
-A request the store cannot hold (another policy, or options the store does not run yet) keeps a cache of its own,
-built by its policy, its rows in the same pool's blocks; a step then attends the store's rows as one part and each
-other request through its own cache (cache.Rows). Without `kv_tokens` every request's cache has buffers of its own
-and nothing limits admission but `max_batch`.
+that a request brings: every policy runs in a store (its `selector`: which layers stay on the device, which rows a
+step reads; under a capacity store.Evicting; a sliding-window layer keeps its rings in the store whatever the
+policy). Its requests' prompts go through the store request by request (`RequestPass`), and every decode step is
+one pass for all of them (`StoreStep`): speculation, selection, the gather and attention once a layer for the
+whole batch. A request whose policy or options differ from the store's (a server request's own `budget`, say), or
+whose store would not fit the device, runs in a store of its own (`store.Solo`, its rows in buffers of its own); a
+step then attends the batch's store as one part and each such request as another (cache.Rows). Without `kv_tokens`
+every request has a store of its own and nothing limits admission but `max_batch`.
 
 A request's KV is released, its blocks returned, the moment it finishes or is aborted. A request's tokens are the
 same whichever requests share its steps (the runner's tests hold this for every policy, in the store or not). The
@@ -47,7 +46,7 @@ from infinigen_rt.errors import InfinigenError
 from infinigen_rt.kv.cache import KVReport, Rows, merge_reports
 from infinigen_rt.kv.paged import PagedStore
 from infinigen_rt.kv.prefetch import prefetcher
-from infinigen_rt.kv.store import KVStore, RequestPass, StoreStep
+from infinigen_rt.kv.store import KVStore, RequestPass, Solo, StoreStep
 from infinigen_rt.kv.window import Rings
 from infinigen_rt.policies import Policy
 from infinigen_rt.sampling import NOT_FINITE, SamplingParams, sample, sample_rows, seeded
@@ -299,13 +298,14 @@ class Runner:
             if self.store is not None and not self.store.alloc.room(seq.id, seq.need):
                 break  # first come, first served: the next one waits for room too
             self.waiting.popleft()
-            pages = None if self.store is None else self.store.pages(seq.id, seq.need)
+            if self.store is not None:
+                self.store.pages(seq.id, seq.need)
             try:
                 if self._stored(seq.policy):
                     seq.cache = RequestPass(self.kv, seq.id)
-                else:
-                    seq.cache = seq.policy.build(self.engine, 1, len(seq.req.prompt_ids) + seq.req.max_new_tokens,
-                                                 pages, self.prefetch.lane())  # fmt: skip
+                else:  # a store of its own
+                    seq.cache = Solo(self.engine, seq.policy, len(seq.req.prompt_ids) + seq.req.max_new_tokens,
+                                     self.prefetch.lane())  # fmt: skip
             except Exception:
                 seq.reason = "error"
                 self._free(seq)
@@ -349,7 +349,8 @@ class Runner:
             pos = torch.arange(seq.done, seq.done + n, device=dev)[None]
             try:
                 with self.prefill_clock.span():
-                    logits = prefill(self.engine, seq.cache, ids, pos, every=scored)
+                    prompt_pass = seq.cache.prompt if isinstance(seq.cache, Solo) else seq.cache
+                    logits = prefill(self.engine, prompt_pass, ids, pos, every=scored)
                     if scored:  # position j scores the prompt token after it
                         m = min(n, len(prompt) - 1 - seq.done)
                         targets = to_device(torch.tensor(prompt[seq.done + 1 : seq.done + 1 + m]), dev)

@@ -7,8 +7,6 @@ from __future__ import annotations
 import torch
 
 from infinigen_rt.kv.cache import KVCache
-from infinigen_rt.kv.window import inner
-from infinigen_rt.policies.full import DenseCache
 
 
 def prefill(engine, cache: KVCache | list[KVCache], ids: torch.Tensor, positions: torch.Tensor,
@@ -18,8 +16,9 @@ def prefill(engine, cache: KVCache | list[KVCache], ids: torch.Tensor, positions
     once); the logits of the last position [B, V], or with `every` of every position [B, S, V] (to score the
     prompt). `valid` [B, S] bool: False at left padding (`pad_batch`); None: no padding.
 
-    A list of caches shares one prefill: each stores what it keeps, and attention runs on the first, which must be
-    a DenseCache (the exact prefill every policy with `dense_prefill` computes); each then decodes on its own."""
+    A list of request passes shares one prefill: each keeps what it keeps and attends its own pass, and the forward
+    goes on with the first one's output (`full`'s: the exact prefill of every policy with `dense_prefill`, which
+    alone may share); each then decodes on its own."""
     if isinstance(cache, list):
         cache = cache[0] if len(cache) == 1 else _Shared(cache)
     chunk = chunk or ids.shape[1]
@@ -55,8 +54,6 @@ class _Shared(KVCache):
     """One forward pass feeding several caches (see `prefill`)."""
 
     def __init__(self, caches: list[KVCache]):
-        if type(inner(caches[0])) is not DenseCache:
-            raise TypeError("a shared prefill attends on its first cache: it must be a DenseCache")
         self.caches = caches
 
     def begin(self, valid, positions):
@@ -69,8 +66,8 @@ class _Shared(KVCache):
 
     def attend(self, layer, q, k, v):
         out = self.caches[0].attend(layer, q, k, v)
-        for c in self.caches[1:]:
-            c.store(layer, q, k, v)
+        for c in self.caches[1:]:  # each attends its own pass (h2o's scores come from it); the first's output goes on
+            c.attend(layer, q, k, v)
         return out
 
     def end(self):

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from infinigen_rt.errors import InfinigenError
-from infinigen_rt.system import host_buffer, to_device, unpin
+from infinigen_rt.system import host_buffer, retire, to_device, unpin
 
 
 class PoolFull(InfinigenError):
@@ -133,6 +133,14 @@ class PagedStore:
 
     def release(self, rid: int) -> int:
         return self.alloc.release(rid)
+
+    def close(self) -> None:
+        """Done with its memory (a request's own store, store.Solo): page-locked pages go once the device has passed
+        this point (system.retire), without waiting for it inside a step."""
+        if self.registered is not None:
+            self._unpin.detach()
+            retire(self.registered, list(self.buffers.values()), self.device)
+        self.buffers = {}
 
     @property
     def nbytes(self) -> int:

@@ -850,3 +850,51 @@ class RequestPass(KVCache):
 
     def close(self) -> None:
         self.store.release(self.rid)
+
+
+class Solo(KVCache):
+    """One request in a KV store of its own: its prompt goes through `prompt` (the request's pass, RequestPass), and
+    each decode step through the Solo itself (a StoreStep of a batch of one), exactly as the runner runs a request of
+    its batch's store. What eval, the needle test and a runner's request whose policy (or options) its batch's store
+    does not hold run in: every policy's KV goes through the store, one way. `prefetch` (prefetch.Lane): the
+    runner's; None: the store's own, closed with it."""
+
+    def __init__(self, engine, policy, max_len: int, prefetch=None):
+        from infinigen_rt.kv.prefetch import prefetcher
+
+        self.policy, self.own = policy, None
+        if prefetch is None:
+            self.own = prefetcher(engine.device, overlap=engine.tp is None or engine.device.type == "cuda")
+            prefetch = self.own.lane()
+        selector = policy.selector(engine, prefetch)
+        if selector is None:
+            raise ValueError(f"{policy.name} has no selector: it cannot run in the KV store")
+        self.host = PagedStore(-(-max_len // BLOCK), BLOCK, engine.device)
+        self.host.pages(0, max_len)
+        self.store = KVStore(self.host, selector, engine.cfg, engine.device, engine.dtype, 1, max_len)
+        self.prompt = RequestPass(self.store, 0)
+        self.now: StoreStep | None = None
+
+    def begin(self, valid, positions) -> None:
+        assert positions.shape[1] == 1, "a decode step: one token (a prompt goes through `prompt`)"
+        self.now = StoreStep(self.store, [0])
+        self.now.begin(valid, positions)
+
+    def observe(self, layer, x) -> None:
+        self.now.observe(layer, x)
+
+    def attend(self, layer, q, k, v) -> torch.Tensor:
+        return self.now.attend(layer, q, k, v)
+
+    def end(self) -> None:
+        self.now.end()
+
+    def report(self) -> KVReport:
+        return self.store.report(0)
+
+    def close(self) -> None:
+        self.store.release(0)
+        self.host.release(0)
+        self.host.close()
+        if self.own is not None:
+            self.own.close()

@@ -28,6 +28,7 @@ from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.files import pyplot, save_figure
 from infinigen_rt.kv.cache import KVCache
+from infinigen_rt.kv.store import Solo
 from infinigen_rt.measure.perplexity import label
 from infinigen_rt.policies import BASELINE, POLICIES, KVOptions, configure
 from infinigen_rt.step import decode_step, prefill
@@ -223,13 +224,13 @@ def answer_all(engine: Engine, case: Case, todo: list[tuple]) -> list[Result]:
 def _answer(engine: Engine, case: Case, todo: list[tuple]) -> list[Result]:
     dev, n = engine.device, len(case.ids)
     max_new = MAX_NEW[case.task]
-    caches = [configure(engine, c[0], options(c)).build(engine, 1, n + max_new) for c in todo]
+    caches = [Solo(engine, configure(engine, c[0], options(c)), n + max_new) for c in todo]
     ref = []  # a shared prefill attends on an exact dense cache: the baseline's, else one of its own
     if len(todo) > 1:
-        ref = [] if todo[0][0] == BASELINE else [configure(engine, BASELINE).build(engine, 1, n + max_new)]
+        ref = [] if todo[0][0] == BASELINE else [Solo(engine, configure(engine, BASELINE), n + max_new)]
     try:
         x = torch.tensor([case.ids], device=dev)
-        first = prefill(engine, ref + caches, x, torch.arange(n, device=dev)[None]).argmax(-1)
+        first = prefill(engine, [c.prompt for c in ref + caches], x, torch.arange(n, device=dev)[None]).argmax(-1)
         out = []
         for (policy, budget, alpha, keys, correct), cache in zip(todo, caches, strict=True):
             text = engine.tokenizer.decode(greedy(engine, cache, first, n, max_new))

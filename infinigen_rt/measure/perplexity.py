@@ -20,6 +20,7 @@ from infinigen_rt.bundle import FALLBACK_SPEC_KEYS
 from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.files import pyplot, read_json, read_utf8, save_figure, write_atomic
+from infinigen_rt.kv.store import Solo
 from infinigen_rt.policies import BASELINE, POLICIES, KVOptions, KVReport, Policy, configure
 from infinigen_rt.step import decode_step, prefill
 
@@ -150,7 +151,7 @@ def score(engine: Engine, policy: Policy, ids: list[int], score_from: int, progr
     the same ids) the KL divergence from it, the run's fidelity to the reference whichever way its perplexity
     moves."""
     dev = engine.device
-    cache = policy.build(engine, 1, len(ids))
+    cache = Solo(engine, policy, len(ids))
     lps, dists, kls = [], [], []
 
     def scored(logits, target):
@@ -163,7 +164,7 @@ def score(engine: Engine, policy: Policy, ids: list[int], score_from: int, progr
 
     try:
         x = torch.tensor([ids[:score_from]], device=dev)
-        scored(prefill(engine, cache, x, torch.arange(score_from, device=dev)[None], policy.opts.prefill_chunk),
+        scored(prefill(engine, cache.prompt, x, torch.arange(score_from, device=dev)[None], policy.opts.prefill_chunk),
                ids[score_from])  # fmt: skip
         steps = len(ids) - 1 - score_from
         for i, t in enumerate(range(score_from, len(ids) - 1)):

@@ -193,14 +193,13 @@ def test_a_capacity_reserves_exactly_what_its_pool_reaches(capacity, window, chu
     e = engine_for(bundles["llama31_gqa"], "infinigen", KVOptions(budget=0.5, capacity=capacity, window=window))
     prompt, n = list(range(5, 65)), 30
 
-    def peaks(run, rids):  # the slots a request took: its own pools', or the store's (its length there)
+    def peaks(run, rids):  # the slots a request took: in the batch's store, or in its own (its length there)
         peak = dict.fromkeys(rids, 0)
         outs = {}
         while run.has_work:
             for s in run.running:
-                taken = [run.kv.length[s.id]] if isinstance(s.cache, RequestPass) else [
-                    p.fill for p in s.cache.pools if p is not None]  # fmt: skip
-                peak[s.id] = max(peak[s.id], *taken)
+                taken = run.kv.length[s.id] if isinstance(s.cache, RequestPass) else s.cache.store.length[0]
+                peak[s.id] = max(peak[s.id], taken)
             outs.update({o.id: o.generation.token_ids for o in run.step() if o.finished})
         return peak, outs
 
