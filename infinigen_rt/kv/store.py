@@ -866,6 +866,7 @@ class Solo(KVCache):
         if prefetch is None:
             self.own = prefetcher(engine.device, overlap=engine.tp is None or engine.device.type == "cuda")
             prefetch = self.own.lane()
+        self.lane = prefetch
         selector = policy.selector(engine, prefetch)
         if selector is None:
             raise ValueError(f"{policy.name} has no selector: it cannot run in the KV store")
@@ -896,5 +897,6 @@ class Solo(KVCache):
         self.store.release(0)
         self.host.release(0)
         self.host.close()
+        self.lane.close()  # (whatever its layers left on the side stream or worker)
         if self.own is not None:
             self.own.close()
