@@ -45,7 +45,7 @@ import torch
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.kv.cache import KVReport, Rows, merge_reports
 from infinigen_rt.kv.paged import PagedStore
-from infinigen_rt.kv.prefetch import prefetcher
+from infinigen_rt.kv.prefetch import engine_prefetcher
 from infinigen_rt.kv.store import KVStore, RequestPass, Solo, StoreStep
 from infinigen_rt.kv.window import Rings
 from infinigen_rt.policies import Policy
@@ -193,7 +193,7 @@ class Runner:
         self.store = None if kv_tokens is None else PagedStore(kv_tokens // BLOCK_TOKENS, BLOCK_TOKENS, engine.device)
         # one side stream (a GPU) or worker thread (a CPU with a core to spare) for every request's row copies: the
         # caches take lanes of it (on a CPU under tensor parallelism speculation runs inline: collectives in order)
-        self.prefetch = prefetcher(engine.device, overlap=engine.tp is None or engine.device.type == "cuda")
+        self.prefetch = engine_prefetcher(engine)
         self.kv: KVStore | None = None  # the batch's KV store (kv/store.py), made for the first policy it can run
         self.kv_policy: Policy | None = None  # the policy (with its options) whose requests it holds
         self.waiting: deque[_Seq] = deque()

@@ -274,6 +274,12 @@ def _tensors(obj):
             yield from _tensors(getattr(obj, name))
 
 
+def engine_prefetcher(engine) -> Prefetch:
+    """The way an engine's rows move: on a CPU under tensor parallelism inline (every rank's collectives in the
+    same order), else overlapped with compute."""
+    return prefetcher(engine.device, overlap=engine.tp is None or engine.device.type == "cuda")
+
+
 def prefetcher(device: torch.device, overlap: bool = True) -> Prefetch:
     """The way rows move on `device` (`overlap` False: inline, as on a one-thread CPU)."""
     if device.type == "cuda":

@@ -860,11 +860,11 @@ class Solo(KVCache):
     runner's; None: the store's own, closed with it."""
 
     def __init__(self, engine, policy, max_len: int, prefetch=None):
-        from infinigen_rt.kv.prefetch import prefetcher
+        from infinigen_rt.kv.prefetch import engine_prefetcher
 
         self.policy, self.own = policy, None
         if prefetch is None:
-            self.own = prefetcher(engine.device, overlap=engine.tp is None or engine.device.type == "cuda")
+            self.own = engine_prefetcher(engine)
             prefetch = self.own.lane()
         self.lane = prefetch
         selector = policy.selector(engine, prefetch)
