@@ -49,7 +49,7 @@ def capture(engine: Engine, ids: list[int]) -> dict:
     try:
         policy = configure(engine)
         cache = Solo(engine, policy, len(ids))
-        engine.model(torch.tensor([ids]), torch.arange(len(ids))[None], cache.prompt, None)
+        engine.model(torch.tensor([ids]), torch.arange(len(ids))[None], cache.prompt)
         cache.close()
     finally:
         llama.Attention.forward = forward

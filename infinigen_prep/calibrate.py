@@ -16,9 +16,7 @@ import torch
 from infinigen_rt.errors import InfinigenError, notice
 from infinigen_rt.files import read_utf8
 from infinigen_rt.kv.cache import KVCache
-from infinigen_rt.kv.window import windowed
-from infinigen_rt.policies.full import DenseCache
-from infinigen_rt.step import pad_batch
+from infinigen_rt.kv.store import dense_request
 
 DEFAULT_CALIB = "hf://datasets/roneneldan/TinyStories/TinyStories-valid.txt"
 MIN_CALIB_TOKENS = 64
@@ -99,8 +97,8 @@ class _Tap(KVCache):
     def __init__(self, cache: KVCache, fn):
         self.cache, self.fn = cache, fn
 
-    def begin(self, valid, positions):
-        self.cache.begin(valid, positions)
+    def begin(self, positions):
+        self.cache.begin(positions)
 
     def attend(self, layer, q, k, v):
         hkv = k.shape[1]
@@ -118,10 +116,9 @@ def for_each_layer_qk(model, cfg, ids: list[int], fn) -> None:
     q: [Hkv, G, T, D] (grouped by KV head), k: [Hkv, T, D], fp32, exactly as the layer attends with them (normed,
     post-RoPE, the queries with the model's query scale). The model code is the runtime's, untouched."""
     param = next(model.parameters())
-    x, positions, valid = pad_batch([ids], 0, param.device)
-    cache = windowed(cfg, DenseCache(cfg, 1, len(ids), param.device, param.dtype), 1, len(ids), param.device,
-                     param.dtype)  # fmt: skip
-    model(x, positions, _Tap(cache, fn), valid, last_only=True)
+    x = torch.tensor([ids], device=param.device)
+    cache = dense_request(cfg, len(ids), param.device, param.dtype)
+    model(x, torch.arange(len(ids), device=param.device)[None], _Tap(cache, fn), last_only=True)
 
 
 MASS = 0.9  # the attention mass whose key share calibration measures per layer

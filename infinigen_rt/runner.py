@@ -299,7 +299,7 @@ class Runner:
                 break  # first come, first served: the next one waits for room too
             self.waiting.popleft()
             if self.store is not None:
-                self.store.pages(seq.id, seq.need)
+                self.store.reserve(seq.id, seq.need)
             try:
                 if self._stored(seq.policy):
                     seq.cache = RequestPass(self.kv, seq.id)
@@ -314,17 +314,15 @@ class Runner:
 
     def _stored(self, policy: Policy) -> bool:
         """Whether a request of `policy` keeps its KV in the batch's store: over a paged pool, for the policy (with its
-        options) the store was made for; it is made for the first request whose policy can run in it
-        (`KVCache.selector`), if its device layers' KV and the sliding layers' rings fit the device (else that policy's
-        requests keep caches of their own, exactly their size, as before the store)."""
+        options) the store was made for; it is made for the first request's policy, if its device layers' KV and the
+        sliding layers' rings fit the device (else that policy's requests each run in a store of their own, exactly
+        their size: store.Solo)."""
         cfg, dev = self.engine.cfg, self.engine.device
         if self.store is None:
             return False
         if self.kv_policy is not None:
             return self.kv is not None and policy == self.kv_policy
         selector = policy.selector(self.engine, self.prefetch.lane())
-        if selector is None:
-            return False
         self.kv_policy = policy
         size = self.engine.dtype.itemsize
         slots = KVStore.device_slots(self.store, selector, self.max_batch, self.max_positions)

@@ -1,6 +1,6 @@
 """The only two places the model runs: `prefill` feeds prompt tokens into a cache, `decode_step` one token per
 row. Every caller goes through them: the runner (generate and serve; bench times the runner's steps), eval and
-needle. What a policy does with its KV happens inside the cache the model calls (cache.py)."""
+needle. What a policy does with its KV happens inside the pass the model calls (kv/store.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ from infinigen_rt.kv.cache import KVCache
 
 
 def prefill(engine, cache: KVCache | list[KVCache], ids: torch.Tensor, positions: torch.Tensor,
-            chunk: int | None = None, valid: torch.Tensor | None = None,
-            every: bool = False) -> torch.Tensor:  # fmt: skip
+            chunk: int | None = None, every: bool = False) -> torch.Tensor:  # fmt: skip
     """Prompt tokens ids [B, S] at positions [B, S] through the model, `chunk` tokens per forward (None: all at
     once); the logits of the last position [B, V], or with `every` of every position [B, S, V] (to score the
-    prompt). `valid` [B, S] bool: False at left padding (`pad_batch`); None: no padding.
+    prompt).
 
     A list of request passes shares one prefill: each keeps what it keeps and attends its own pass, and the forward
     goes on with the first one's output (`full`'s: the exact prefill of every policy with `dense_prefill`, which
@@ -25,8 +24,7 @@ def prefill(engine, cache: KVCache | list[KVCache], ids: torch.Tensor, positions
     out = []
     for start in range(0, ids.shape[1], chunk):
         sl = slice(start, start + chunk)
-        logits = engine.model(ids[:, sl], positions[:, sl], cache, None if valid is None else valid[:, sl],
-                              last_only=not every)  # fmt: skip
+        logits = engine.model(ids[:, sl], positions[:, sl], cache, last_only=not every)
         if every:
             out.append(logits)
     return torch.cat(out, 1) if every else logits[:, -1]
@@ -34,20 +32,7 @@ def prefill(engine, cache: KVCache | list[KVCache], ids: torch.Tensor, positions
 
 def decode_step(engine, cache: KVCache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """One token per row: ids and positions [B, 1] (on the device: nothing here reads them); logits [B, V]."""
-    return engine.model(ids, positions, cache, None, last_only=True)[:, -1]
-
-
-def pad_batch(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Left-pad prompts for one batched prefill. Returns input_ids, positions and valid, each [B, S]."""
-    s = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), s), pad_id, dtype=torch.long)
-    valid = torch.zeros(len(prompts), s, dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        if p:
-            ids[i, s - len(p) :] = torch.tensor(p)
-            valid[i, s - len(p) :] = True
-    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-    return ids.to(device), positions.to(device), valid.to(device)
+    return engine.model(ids, positions, cache, last_only=True)[:, -1]
 
 
 class _Shared(KVCache):
@@ -56,9 +41,9 @@ class _Shared(KVCache):
     def __init__(self, caches: list[KVCache]):
         self.caches = caches
 
-    def begin(self, valid, positions):
+    def begin(self, positions):
         for c in self.caches:
-            c.begin(valid, positions)
+            c.begin(positions)
 
     def observe(self, layer, x):
         for c in self.caches:

@@ -2,8 +2,8 @@
 and per request a block table (its blocks, in order).
 
 BlockAllocator is the bookkeeping (host-side and small); PagedStore is the memory: per layer, host buffers of
-every block's slots, which the runner's requests share. A request's caches get `Pages` (its physical slot for each
-of its token slots, from its table) and read and write the shared buffers through them (pool.KVPool).
+every block's slots, which the runner's requests share through the batch's KV store (store.py), which reads and
+writes them through the requests' tables.
 
 Invariants (`check`): a block is free or owned by exactly one request; a request's table covers the tokens it
 reserved and no more than one block beyond; all blocks are free once every request is released.
@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from infinigen_rt.errors import InfinigenError
-from infinigen_rt.system import host_buffer, retire, to_device, unpin
+from infinigen_rt.system import host_buffer, retire, unpin
 
 
 class PoolFull(InfinigenError):
@@ -89,24 +88,9 @@ class BlockAllocator:
             assert len(table) == self.blocks_for(self.reserved[rid]), f"request {rid}'s table is not its size"
 
 
-@dataclass
-class Pages:
-    """Where one request's KV lives in shared host buffers: `slots[i]` is the physical slot of its token slot i."""
-
-    store: PagedStore
-    slots: np.ndarray  # int64 [tokens]
-    _on: dict = field(default_factory=dict, repr=False)
-
-    def on(self, device: torch.device) -> torch.Tensor:
-        """The slots as a tensor on `device` (copied once, shared by every layer's pool)."""
-        if device not in self._on:
-            self._on[device] = to_device(torch.from_numpy(self.slots), device)
-        return self._on[device]
-
-
 class PagedStore:
     """The shared host memory of a paged pool: for each layer and tensor a [blocks * block_size, 1, Hkv, X] buffer,
-    allocated the first time a cache asks for it (so a server running one policy holds one layout), page-locked at
+    allocated the first time a store asks for it (so a server running one policy holds one layout), page-locked at
     its exact size when a GPU computes. Every request's blocks are slices of the same buffers."""
 
     def __init__(self, n_blocks: int, block_size: int, device):
@@ -126,10 +110,9 @@ class PagedStore:
             self.buffers[key] = host_buffer(shape, dtype, self.registered, zero=False)
         return self.buffers[key]
 
-    def pages(self, rid: int, tokens: int) -> Pages:
+    def reserve(self, rid: int, tokens: int) -> None:
         """Blocks for `tokens` tokens of request `rid` (PoolFull when there is no room: nothing changes then)."""
         self.alloc.grow(rid, tokens)
-        return Pages(self, self.alloc.slots(rid, 0, tokens))
 
     def release(self, rid: int) -> int:
         return self.alloc.release(rid)

@@ -15,7 +15,7 @@ What a policy decides is its `Selector`: which layers stay on the device, which 
 of what moved (`Ledger`, per request).
 
 Under a capacity (KVOptions.capacity: offload's, int4's, infinigen's) a request keeps at most that many tokens per
-(pooled layer, KV head), and its new tokens reuse the slots it freed, as its own cache's pools do (`Evicting`): its
+(pooled layer, KV head), and its new tokens reuse the slots it freed (`Evicting`): its
 pool slots (`length`) are then fewer than its tokens (`seen`), and the device layers (infinigen's dense ones, which
 keep every token) have blocks and tables of their own (`dense`).
 
@@ -205,7 +205,7 @@ class KVStore:
     @staticmethod
     def apart(selector: Selector) -> bool:
         """Whether the device layers have blocks of their own: under a capacity, whose requests reserve the slots
-        their pooled layers reach (eviction frees slots they reuse: OffloadCache.pool_slots), while a device layer
+        their pooled layers reach (eviction frees slots they reuse: Offload.pool_slots), while a device layer
         (InfiniGen's dense ones) keeps every token."""
         return selector.evicting is not None and bool(selector.device_layers)
 
@@ -417,15 +417,14 @@ class KVStore:
 class Evicting:
     """A capacity in the store (KVOptions' capacity, eviction and window): after every pass each request keeps at most
     that many tokens per (pooled layer, KV head), and its new tokens go into the slots it freed before it takes more,
-    as its own cache's pools do (pool.KVPool: the same slots, the same victims, the same counts), so its reservation
-    is what OffloadCache.pool_slots replays. On the device, the position each (pooled layer, KV head, flat slot)
-    holds, -1 where free, with a last sink slot that never holds one (where the rows of a pass shorter than its
-    longest look), and beside it, for a policy that selects rows and evicts by counter or lru, each slot's times
+    so its reservation is what Offload.pool_slots replays. On the device, the position each (pooled layer, KV head,
+    flat slot) holds, -1 where free, with a last sink slot that never holds one (where the rows of a pass shorter than
+    its longest look), and beside it, for a policy that selects rows and evicts by counter or lru, each slot's times
     selected or last pass selected (`key`); on the host, per request, the tokens it holds per head (the same for every
     head and layer: each evicts as many), and whether it ever freed a slot: no pass reads the device.
 
-    offload and int4 never select rows, so their pools' counters stay zero and every eviction frees the oldest
-    tokens (the ranking's tie-break), whichever `eviction`: here too."""
+    offload and int4 never select rows, so their counters stay zero and every eviction frees the oldest tokens (the
+    ranking's tie-break), whichever `eviction`."""
 
     def __init__(self, opts, selects: bool = False):
         """`selects`: the policy marks the rows it selects (`mark`), which counter and lru evict by."""
@@ -452,7 +451,7 @@ class Evicting:
         self.holes.discard(rid)
 
     def reuse(self, p, rids: list[int], n: int) -> np.ndarray:
-        """KVPool.insert's rule: of its n new tokens a request puts min(freed, n) into freed slots (freed: the slots
+        """Of its n new tokens a request puts min(freed, n) into freed slots (freed: the slots
         it took less the tokens it holds), and those come first. Returns them per request ([B], host); the counts
         advance, and pass p keeps its new tokens' positions ([B, n] on the device), which of them reuse a slot
         (`reusing` [B, n] on the device, None where none does), the tokens each request held per head before it
@@ -487,7 +486,7 @@ class Evicting:
 
     def mark(self, p, layer: int, slots: torch.Tensor, ok: torch.Tensor | None) -> None:
         """Pass p selected rows `slots` [B, Hkv, n] (of those held before it; where `ok`, None: all) of pooled layer
-        `layer`: counted for counter's and lru's ranking, as KVPool.mark_selected counts them."""
+        `layer`: counted for counter's and lru's ranking."""
         if self.key is None:
             return
         h = slots.shape[1]
@@ -776,7 +775,7 @@ class StoreStep(KVCache):
     def __init__(self, store: KVStore, rids: list[int]):
         self.store, self.rids = store, rids
 
-    def begin(self, valid, positions) -> None:
+    def begin(self, positions) -> None:
         self.positions = positions
         self.reused = self.store.selector.reuse(self, self.rids, 1)
         self.slots = self.store.append(self.rids, 1, self.reused)
@@ -821,8 +820,7 @@ class RequestPass(KVCache):
         self.store, self.rid = store, rid
         store.admit(rid)
 
-    def begin(self, valid, positions) -> None:
-        assert valid is None or bool(valid.all()), "a request's pass through the store has no padding"
+    def begin(self, positions) -> None:
         s = positions.shape[1]
         self.start, self.first = self.store.length[self.rid], self.store.seen[self.rid]  # pool slots, tokens before
         self.reused = self.store.selector.reuse(self, [self.rid], s)
@@ -868,18 +866,16 @@ class Solo(KVCache):
             prefetch = self.own.lane()
         self.lane = prefetch
         selector = policy.selector(engine, prefetch)
-        if selector is None:
-            raise ValueError(f"{policy.name} has no selector: it cannot run in the KV store")
         self.host = PagedStore(-(-max_len // BLOCK), BLOCK, engine.device)
-        self.host.pages(0, max_len)
+        self.host.reserve(0, max_len)
         self.store = KVStore(self.host, selector, engine.cfg, engine.device, engine.dtype, 1, max_len)
         self.prompt = RequestPass(self.store, 0)
         self.now: StoreStep | None = None
 
-    def begin(self, valid, positions) -> None:
+    def begin(self, positions) -> None:
         assert positions.shape[1] == 1, "a decode step: one token (a prompt goes through `prompt`)"
         self.now = StoreStep(self.store, [0])
-        self.now.begin(valid, positions)
+        self.now.begin(positions)
 
     def observe(self, layer, x) -> None:
         self.now.observe(layer, x)
@@ -900,3 +896,12 @@ class Solo(KVCache):
         self.lane.close()  # (whatever its layers left on the side stream or worker)
         if self.own is not None:
             self.own.close()
+
+
+def dense_request(cfg, tokens: int, device, dtype) -> RequestPass:
+    """One request of up to `tokens` tokens in a store of its own with every layer's KV on the device, as `full` keeps
+    it (calibration's dense pass: the model runs it as any other)."""
+    host = PagedStore(-(-tokens // BLOCK), BLOCK, device)
+    host.reserve(0, tokens)
+    store = KVStore(host, Selector(cfg.global_layers, []), cfg, device, dtype, 1, tokens)
+    return RequestPass(store, 0)

@@ -11,7 +11,7 @@ import time
 import torch
 
 from infinigen_rt.engine import Engine
-from infinigen_rt.kv.window import WindowCache
+from infinigen_rt.kv.window import Rings
 from infinigen_rt.policies import Policy
 from infinigen_rt.system import sync
 
@@ -89,7 +89,7 @@ def memory_needs(engine: Engine, policy: Policy, batch: int, context: int, gen: 
     scores = cfg.num_attention_heads * step * seq * (4 + 2) if cls.scores else 0
     act = step * (cfg.intermediate_size * 3 + cfg.hidden_size * 8) * esz + scores
     kv_device, kv_host, _ = policy.kv_bytes(engine, tokens, esz)
-    rings = WindowCache.bytes(cfg, batch * cfg.num_key_value_heads, seq, esz)  # sliding layers, on the device
+    rings = Rings.bytes(cfg, batch, esz, seq)  # sliding layers, on the device
     return {"device": weights + act + kv_device + rings, "host": kv_host}
 
 
@@ -97,7 +97,7 @@ def floor_seconds(engine: Engine, policy: Policy, batch: int, context: int, h2d_
     """The memory-bound floor of one decode step (see the module docstring)."""
     esz = torch.empty(0, dtype=engine.dtype).element_size()
     tokens = batch * engine.cfg.num_key_value_heads * context
-    rings = WindowCache.bytes(engine.cfg, batch * engine.cfg.num_key_value_heads, context, esz)  # read every step
+    rings = Rings.bytes(engine.cfg, batch, esz, context)  # read every step
     dev = weight_bytes(engine) + policy.kv_bytes(engine, tokens, esz)[2] + rings
     t_dev = dev / bw["device_bytes_per_s"]
     t_h2d = h2d_bytes / bw["h2d_bytes_per_s"]

@@ -12,7 +12,7 @@ defines them (Hsieh et al., 2024):
 
 The prompt is prefilled once for all the policies compared whose prefill is exact dense attention (step.prefill
 over several caches: each stores what it keeps of it; `int4`, whose prompt attends over its quantized KV,
-prefills on its own), then each policy decodes its own answer from its own cache.
+prefills on its own), then each policy decodes its own answer from its own store.
 """
 
 from __future__ import annotations

@@ -94,15 +94,15 @@ class Gemma3(nn.Module):
             query_scale=self.cfg.query_scale,
         )
 
-    def forward(self, input_ids, positions, cache: KVCache, valid, last_only: bool = False):
-        """input_ids, positions: [B, S]; valid: [B, S] bool, or None: no padding. Returns logits [B, S or 1, V]."""
+    def forward(self, input_ids, positions, cache: KVCache, last_only: bool = False):
+        """input_ids, positions: [B, S]. Returns logits [B, S or 1, V]."""
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(math.sqrt(self.cfg.hidden_size), dtype=x.dtype)
         rope = {
             False: rope_cos_sin(self.inv_freq, positions, x.dtype),
             True: rope_cos_sin(self.inv_freq_local, positions, x.dtype),
         }
-        cache.begin(valid, positions)
+        cache.begin(positions)
         for block in self.layers:
             x = block(x, rope, cache)
         cache.end()

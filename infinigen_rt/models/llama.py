@@ -246,11 +246,11 @@ class Llama(nn.Module):
             query_scale=self.cfg.query_scale,
         )
 
-    def forward(self, input_ids, positions, cache: KVCache, valid, last_only: bool = False):
-        """input_ids, positions: [B, S]; valid: [B, S] bool, or None: no padding. Returns logits [B, S or 1, V]."""
+    def forward(self, input_ids, positions, cache: KVCache, last_only: bool = False):
+        """input_ids, positions: [B, S]. Returns logits [B, S or 1, V]."""
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
-        cache.begin(valid, positions)
+        cache.begin(positions)
         for block in self.layers:
             x = block(x, cos, sin, cache)
         cache.end()

@@ -87,13 +87,13 @@ class OPT(nn.Module):
             normalised_input=self.cfg.do_layer_norm_before,
         )
 
-    def forward(self, input_ids, positions, cache: KVCache, valid, last_only: bool = False):
-        """input_ids, positions: [B, S]; valid: [B, S] bool, or None: no padding. Returns logits [B, S or 1, V]."""
+    def forward(self, input_ids, positions, cache: KVCache, last_only: bool = False):
+        """input_ids, positions: [B, S]. Returns logits [B, S or 1, V]."""
         x = self.embed_tokens(input_ids)
         if hasattr(self, "project_in"):
             x = self.project_in(x)
         x = x + self.embed_positions(positions + self.cfg.position_offset)
-        cache.begin(valid, positions)
+        cache.begin(positions)
         for block in self.layers:
             x = block(x, cache)
         cache.end()

@@ -1,31 +1,32 @@
-"""KV policies by name: how one engine treats KV. A policy is one KVCache subclass; everything a caller needs
-(its options, what it reports, its memory needs, whether it speculates) is on the class, so adding a policy
-adds a module and an entry here, and no model code or caller changes (the CLIs' help texts list the names). A
-request runs a `Policy` value: the class with its options, checked against the engine once (`configure`)."""
+"""KV policies by name: how one engine treats KV. A policy is one KVPolicy subclass and its selector (base.py);
+everything a caller needs (its options, what it reports, its memory needs, whether it speculates) is on the class,
+so adding a policy adds a module and an entry here, and no model code or caller changes (the CLIs' help texts list
+the names). A request runs a `Policy` value: the class with its options, checked against the engine once
+(`configure`)."""
 
 from __future__ import annotations
 
 from infinigen_rt.errors import InfinigenError
-from infinigen_rt.kv.cache import KVCache, KVReport, Policy
-from infinigen_rt.policies.full import DenseCache
-from infinigen_rt.policies.h2o import H2OCache
-from infinigen_rt.policies.infinigen import InfinigenCache
-from infinigen_rt.policies.int4 import Int4Cache
-from infinigen_rt.policies.offload import OffloadCache
+from infinigen_rt.kv.cache import KVReport
+from infinigen_rt.policies.base import KVPolicy, Policy
+from infinigen_rt.policies.full import Full
+from infinigen_rt.policies.h2o import H2O
+from infinigen_rt.policies.infinigen import Infinigen
+from infinigen_rt.policies.int4 import Int4
+from infinigen_rt.policies.offload import Offload
 from infinigen_rt.policies.options import KVOptions
-from infinigen_rt.policies.oracle import OracleCache, PerHeadOracleCache
+from infinigen_rt.policies.oracle import Oracle, PerHeadOracle
 
-POLICIES: dict[str, type[KVCache]] = {
-    cls.name: cls
-    for cls in (DenseCache, OffloadCache, InfinigenCache, H2OCache, Int4Cache, OracleCache, PerHeadOracleCache)
+POLICIES: dict[str, type[KVPolicy]] = {
+    cls.name: cls for cls in (Full, Offload, Infinigen, H2O, Int4, Oracle, PerHeadOracle)
 }
 # oracle, oracle-per-head: eval only, the true top-k at equal bytes (per KV head) and per query head (masks over
 # dense attention)
 RUNTIME_POLICIES = tuple(name for name, cls in POLICIES.items() if cls.runtime)
-BASELINE = DenseCache.name  # what eval and needle measure every other policy against
+BASELINE = Full.name  # what eval and needle measure every other policy against
 
 
-def policy_class(name: str) -> type[KVCache]:
+def policy_class(name: str) -> type[KVPolicy]:
     """The policy called `name` (a one-line error naming the others)."""
     if name not in POLICIES:
         raise InfinigenError(f"unknown policy {name!r}; available: {', '.join(POLICIES)}")

@@ -7,9 +7,8 @@ ceil(budget * length) remain.
 The buffers stay allocated (tokens are masked out, not compacted): this policy measures H2O's accuracy
 and the share of KV it attends, not its memory savings.
 
-A request keeps its own cache (`H2OCache`), or runs in the batch's KV store (kv/store.py) as `H2OSelector`: the
-same attention, scores and eviction (`scored`, `kept`, `survivors`) over the store's flat slots, for every request
-of a decode step at once.
+In the batch's KV store (kv/store.py) it runs as `H2OSelector`: attention with its scores written out, and the
+eviction (`scored`, `kept`, `survivors`) over the store's flat slots, for every request of a decode step at once.
 """
 
 from __future__ import annotations
@@ -18,9 +17,10 @@ import math
 
 import torch
 
-from infinigen_rt.kv.cache import KVReport, causal_mask, kv_layers
+from infinigen_rt.kv.cache import KVReport, causal_mask
 from infinigen_rt.kv.store import BLOCK, Selector
-from infinigen_rt.policies.full import DenseCache
+from infinigen_rt.policies.base import KVPolicy, kv_layers
+from infinigen_rt.policies.full import Full
 from infinigen_rt.policies.options import KVOptions
 
 
@@ -62,15 +62,11 @@ def survivors(alive: torch.Tensor, score: torch.Tensor, recent: torch.Tensor, ke
     return alive & (recent | (nth < n_heavy[..., None]))
 
 
-class H2OCache(DenseCache):
+class H2O(KVPolicy):
     name = "h2o"
     knobs = frozenset({"budget", "window", "prefill_chunk"})
     sweep = ("budget",)
     scores = True  # its attention builds the scores over the context
-
-    @classmethod
-    def build(cls, engine, opts, batch, max_len, pages=None, prefetch=None):
-        return cls(engine.cfg, batch, max_len, engine.device, engine.dtype, opts)
 
     @classmethod
     def selector(cls, engine, opts, prefetch=None):
@@ -79,52 +75,9 @@ class H2OCache(DenseCache):
 
     @classmethod
     def kv_bytes(cls, engine, opts, tokens, dtype_bytes):
-        kv, _, read = super().kv_bytes(engine, opts, tokens, dtype_bytes)
+        kv, _, read = Full.kv_bytes(engine, opts, tokens, dtype_bytes)
         state = tokens * 5 * len(kv_layers(engine.cfg))  # alive flags and accumulated scores (fp32)
         return kv + state, 0, read
-
-    def __init__(self, cfg, batch, max_len, device, dtype, opts: KVOptions):
-        super().__init__(cfg, batch, max_len, device, dtype)
-        shape = (batch, cfg.num_key_value_heads, max_len)
-        layers = kv_layers(cfg)
-        self.alive = {i: torch.zeros(shape, dtype=torch.bool, device=device) for i in layers}
-        self.score = {i: torch.zeros(shape, dtype=torch.float32, device=device) for i in layers}
-        self.group = cfg.num_attention_heads // cfg.num_key_value_heads
-        self.opts = opts
-        # counted on the device, read by `report` (a decode step reads nothing)
-        self.attended = self.possible = self.evictions = torch.zeros((), dtype=torch.int64, device=device)
-
-    def update(self, layer, q, k, v):
-        keys, values, _ = super().update(layer, q, k, v)
-        t, s = self.length, q.shape[2]
-        self.alive[layer][:, :, self.start : t] = self.valid[:, None, self.start : t]  # new tokens join
-        alive = self.alive[layer][:, :, :t]  # [B, Hkv, T]
-        allowed = self.mask & alive[:, :, None, :]  # [B, Hkv, s, T]
-        dev = q.device  # index tensors on the host would be copied over with a wait, every layer
-        allowed[:, :, torch.arange(s, device=dev), torch.arange(self.start, t, device=dev)] = True  # sees itself
-        _, received = scored(q.unflatten(1, (-1, self.group)), keys, allowed)
-        self.score[layer][:, :, :t] += received
-        if s == 1:
-            self.attended = self.attended + alive.sum()
-            self.possible = self.possible + self.valid[:, None, :t].sum() * alive.shape[1]
-        return keys, values, allowed.repeat_interleave(self.group, 1)
-
-    def end(self) -> None:
-        t = self.length
-        keep = kept(self.opts.budget, self.valid[:, :t].sum(-1))[:, None]  # [B, 1]
-        recent = torch.arange(t, device=keep.device) >= t - self.opts.window  # [T]
-        for layer in self.alive:
-            alive = self.alive[layer][:, :, :t]
-            survive = survivors(alive, self.score[layer][:, :, :t], recent, keep)
-            self.evictions = self.evictions + (alive & ~survive).sum()
-            self.alive[layer][:, :, :t] = survive
-
-    def report(self) -> KVReport:
-        attended, possible, evictions = torch.stack([self.attended, self.possible, self.evictions]).tolist()
-        share = round(attended / possible, 6) if possible else None
-        return KVReport(
-            kv_fetched_share=share, kv_attended_share=share, evictions=evictions, share_rows=possible or None
-        )  # fmt: skip
 
 
 class H2OSelector(Selector):
@@ -135,7 +88,7 @@ class H2OSelector(Selector):
     A decode step gathers every row's rows through their flat slots (the paged attention kernel never forms the
     probabilities whose sums are the scores), attends with them written out, adds them into the scores in one
     scatter a layer, and after the step evicts for every request and layer at once; a prompt chunk attends over its
-    request's alive rows and its own and evicts for it, as H2OCache does pass by pass."""
+    request's alive rows and its own and evicts for it."""
 
     indexed = True
 
@@ -207,7 +160,7 @@ class H2OSelector(Selector):
 
     def end(self, p) -> None:
         """The eviction after a pass, for every row and layer at once; counted per request (the rows attended and
-        their share only for a pass of one query a row, as H2OCache counts them)."""
+        their share only for a pass of one query a row)."""
         n = len(self.at)
         state = self.alive.view(n, -1)
         alive = state[:, p.state_at]  # [L, B, Hkv, T]

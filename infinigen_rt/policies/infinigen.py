@@ -27,17 +27,16 @@ import torch
 from infinigen_rt.bundle import InfinigenDefaults
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.kv import cpu
-from infinigen_rt.kv.cache import KVReport, kv_layers
+from infinigen_rt.kv.cache import KVReport
 from infinigen_rt.kv.kernels import gather_reused
-from infinigen_rt.kv.prefetch import prefetcher
 from infinigen_rt.kv.store import BLOCK, Evicting, Plain, PoolRows, Selector
-from infinigen_rt.policies.offload import POOL_KNOBS, OffloadCache, device_pairs
+from infinigen_rt.policies.base import kv_layers
+from infinigen_rt.policies.offload import POOL_KNOBS, Offload
 from infinigen_rt.policies.options import KVOptions
 from infinigen_rt.policies.speculation import (
     BUCKET,
     ChannelKeys,
     Selection,
-    Speculator,
     correction_counts,
     correction_gathered,
     correction_rows,
@@ -101,7 +100,7 @@ def speculated(cfg, dense: int) -> list[int]:
     return [j for j in kv_layers(cfg) if j >= dense]
 
 
-class InfinigenCache(OffloadCache):
+class Infinigen(Offload):
     name = "infinigen"
     speculative = True
     layer_copy = False  # a decode step fetches the speculated rows
@@ -124,17 +123,8 @@ class InfinigenCache(OffloadCache):
         return super().configure(opts, engine)
 
     @classmethod
-    def build(cls, engine, opts, batch, max_len, pages=None, prefetch=None):
-        return cls(
-            engine.cfg, batch, max_len, engine.device, engine.dtype, opts, engine.speculator,
-            engine.speculation.defaults, pages, engine.tp, prefetch,
-        )  # fmt: skip
-
-    @classmethod
     def selector(cls, engine, opts, prefetch=None):
         """InfiniGen in the store, under the capacity if any."""
-        if prefetch is None:
-            return None
         return InfinigenSelector(engine, opts, prefetch)
 
     @classmethod
@@ -146,176 +136,6 @@ class InfinigenCache(OffloadCache):
         row = spec_key_bytes(opts.spec_keys, cfg.head_dim, d_prime, dtype_bytes)
         keys = tokens * row * len(speculated(cfg, dense))  # (`tokens`: token-heads) read every step
         return device + keys, host, read + keys
-
-    def __init__(
-        self, cfg, batch, max_len, device, dtype, opts, spec: Speculator, defaults: InfinigenDefaults, pages=None,
-        tp=None, prefetch=None,
-    ):  # fmt: skip
-        """`spec`: the engine's Speculator (one per engine). `tp`: one rank of a tensor-parallel group (cfg and the
-        speculator: its heads); the fetch count, a mean over every query head, is all-reduced, and on a CPU
-        speculation runs inline (collectives in one order on every rank). `prefetch`: see KVCache.build."""
-        dense = opts.dense_layers
-        # the dense layers stay on the device
-        super().__init__(cfg, batch, max_len, device, dtype, opts, resident=dense, pages=pages)
-        self.alpha = math.inf if opts.alpha is None else opts.alpha
-        layers = speculated(cfg, dense)
-        self.alphas = layer_alphas(opts, defaults, dense, cfg.num_hidden_layers, layers)
-        self.dense_layers = dense
-        self.spec = spec
-        # the speculated layers' speculation keys (the skewed partial columns, or every column at a few bits), in
-        # the pool's slots, on the device
-        self.keys = spec_keys(opts.spec_keys, self.spec, layers, batch, max_len, self.device, dtype)
-        self.tp = tp
-        self.prefetch = prefetch or prefetcher(self.device, overlap=tp is None or self.device.type == "cuda")
-        self.sync_free = self.device.type == "cuda"  # no device read for the fetch size (see the docstring)
-        self.layer_opts = layer_options(opts, defaults, dense, cfg.num_hidden_layers, layers)
-        # with a correction step, speculation fetches 1 - correct of each layer's budget and the correction the rest
-        self.spec_opts = speculated_share(self.layer_opts, opts.correct)
-        self.last_sel: Selection | None = None  # of the layer being computed
-        # on a GPU the speculated rows land in two device buffers used in turn (layer j reads one while layer j+1's
-        # rows arrive in the other): a new tensor per layer, made on the side stream and freed on the compute stream
-        # while the host runs ahead of the copies, could not be reused before they caught up (measured under fake
-        # CUDA: +6.2 GiB per decode step at Llama-2-7B, 4 x 32k, 10 %)
-        self.rows = self.row_buffers() if self.sync_free and layers else None
-
-    def row_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Two (keys, values) buffers [B, Hkv, N + 1, D], N the widest fetch any speculated layer can make."""
-        pool = next(p for p in self.pools if p is not None)
-        n = max(fetch_width(pool.slots, pool.slots, o, BUCKET) for o in self.spec_opts.values())
-        return device_pairs((pool.batch, pool.n_kv, n + 1, pool.k.shape[-1]), pool.k.dtype, self.device)
-
-    def begin(self, valid, positions) -> None:
-        super().begin(valid, positions)
-        # one new token over a held context (a one-token prompt's first pass holds nothing to choose from)
-        self.decoding = positions.shape[1] == 1 and int(self.lengths.max()) > 1
-        self.cos_sin = self.spec.rope(positions, self.dtype)
-
-    def observe(self, layer: int, x: torch.Tensor) -> None:
-        j = layer + 1
-        if not self.decoding or j < self.dense_layers or j >= self.cfg.num_hidden_layers or self.pools[j] is None:
-            return
-        self.prefetch.start(j, self.speculate, j, x, copy=self.copy_selected)  # while layer j-1 computes
-
-    @torch.inference_mode()
-    def speculate(self, j: int, x: torch.Tensor) -> tuple[int, Selection]:
-        """Choose layer j's rows from layer j-1's normalised input x: (j, the selection)."""
-        q = self.spec.query(j, x, self.cos_sin, self.opts.renorm, self.keys.full)  # [B, Hkv, G, d' or D], scaled
-        pool = self.pools[j]
-        t = pool.fill
-        # the common case: no eviction yet and no padding, so the held slots are exactly 0..t-1 in position order
-        held = pos = None
-        if not self.every_slot_held(j):
-            pos = pool.pos[..., :t]
-            held = pos >= 0
-        opts = self.spec_opts[j]
-        held_max = int(pool.n_held.max())
-        width = fetch_width(held_max, t, opts, BUCKET) if self.sync_free else None
-        k = 0  # the correction's candidates: every held slot, or a shortlist
-        if self.opts.correct and self.opts.shortlist:
-            counts = correction_counts(pool.n_held.max(1).tolist(), self.layer_opts[j], opts)
-            k = shortlist_size(held_max, t, opts, counts, self.opts.shortlist)
-        return j, select(self.keys.scores(j, q, t), self.alphas[j], opts, held, pos, width, self.tp, k)
-
-    @torch.inference_mode()
-    def copy_selected(self, chosen: tuple[int, Selection]) -> tuple:
-        """Copy the chosen rows of layer j: (selection, keys, values), each [B, Hkv, n + 1, D] with the last row for
-        the new token."""
-        j, sel = chosen
-        k, v = self.pools[j].gather(sel.slots, None if sel.every else sel.ok, extra=1,
-                                    out=self.rows and self.rows[j % 2])  # fmt: skip
-        return sel, k, v
-
-    def fetch(self, layer: int, extra: int = 0, q: torch.Tensor | None = None):
-        if layer not in self.prefetch:
-            self.last_sel = None
-            return super().fetch(layer, extra)
-        sel, k, v = self.prefetch.result(layer)
-        pool, (b, h, n) = self.pools[layer], sel.slots.shape
-        if pool.kernel:  # the kernel read the rows that count, on the device's count
-            self.stats.h2d_rows[layer].append(sel.ok.sum())
-        else:  # index_select copied every row, and one for the new token
-            self.stats.h2d[layer] += (n + 1) * b * h * pool.row_bytes
-        if self.opts.correct and q is not None:
-            sel, k, v = self.correct(layer, q, sel, k, v)
-        self.last_sel = sel
-        return sel.slots, sel.ok, k, v
-
-    def correct(self, layer: int, q: torch.Tensor, sel: Selection, k: torch.Tensor, v: torch.Tensor) -> tuple:
-        """The correction step: layer j's true query q [B, H, 1, D] (known now, on the critical path) scored against
-        the same speculation keys; the best rows speculation did not fetch, up to the rest of the budget, are
-        gathered (a second, small copy) and joined to the speculated ones (before the new token's row)."""
-        pool = self.pools[layer]
-        per_row = correction_counts(pool.n_held.max(1).tolist(), self.layer_opts[layer], self.spec_opts[layer])
-        if max(per_row) <= 0:
-            return sel, k, v
-        t, (b, hkv) = pool.fill, pool.n_held.shape
-        qk = self.spec.keys_side(layer, q.reshape(b, hkv, -1, q.shape[-1]), self.keys.full)
-        s = self.keys.scores(layer, qk, t) if sel.cand is None else self.keys.scores_at(layer, qk, sel.cand)
-        held = None if self.every_slot_held(layer) else pool.pos[..., :t] >= 0
-        slots, ok = correction_rows(s, sel, held, per_row, self.opts.group_agg)
-        kc, vc = pool.gather(slots, ok)
-        if pool.kernel:
-            self.stats.h2d_rows[layer].append(ok.sum())
-        else:
-            self.stats.h2d[layer] += slots.numel() * pool.row_bytes
-        self.stats.corrected.append(ok.sum())
-        return joined(sel, slots, ok, k, v, kc, vc)
-
-    def every_fetched_row_counts(self) -> bool:
-        return self.last_sel is None or self.last_sel.every
-
-    def after_fetch(self, layer, q, slots, ok) -> None:
-        sel, stats = self.last_sel, self.stats
-        if sel is None:  # not a speculated fetch
-            return
-        pool = self.pools[layer]
-        if self.opts.capacity is not None and self.opts.eviction != "fifo":  # what counter and lru evict by
-            pool.mark_selected(slots, None if sel.every else ok, self.step)
-        stats.fetched.setdefault(layer, []).append(ok.numel() if sel.every else ok.sum())
-        stats.held[layer] = stats.held.get(layer, 0) + int(pool.n_held.sum())
-        stats.per_row.append(sel.per_row)
-        if self.opts.trace_recall:
-            stats.recall.append(self.recall(layer, q, slots, ok))
-
-    def recall(self, layer, q, slots, ok) -> float:
-        """Diagnosis only (reads the device): the true attention mass over every held token inside the fetched set."""
-        pool = self.pools[layer]
-        all_slots, all_ok = pool.held_slots()
-        k_all, _ = pool.gather(all_slots)
-        k_all = k_all.to(q.dtype).repeat_interleave(self.group, dim=1)  # [B, H, n_all, D]
-        p = (q @ k_all.transpose(-1, -2) / math.sqrt(q.shape[-1])).float()  # [B, H, 1, n_all]
-        p = p.masked_fill(~all_ok.repeat_interleave(self.group, 1)[:, :, None], float("-inf")).softmax(-1)
-        chosen = torch.zeros(pool.pos.shape, dtype=torch.bool, device=pool.pos.device)
-        chosen.scatter_(2, slots, ok)  # [B, Hkv, S]
-        in_set = torch.gather(chosen, 2, all_slots).repeat_interleave(self.group, 1)
-        return float((p[:, :, 0] * in_set).sum(-1).mean())
-
-    def after_insert(self, layer, k, start) -> None:
-        self.keys.write(layer, k, start)
-
-    def report(self) -> KVReport:
-        stats, r = self.stats, super().report()  # (which settles every device count, in one read)
-        fetched = {j: stats.fetched_rows(j) for j in stats.fetched}
-        share = sum(fetched.values()) / sum(stats.held.values()) if stats.held else None
-        # the other layers (dense, or not the policy's) attend all they hold
-        dense = 1 - len(speculated(self.cfg, self.dense_layers)) / self.cfg.num_hidden_layers
-        r.kv_fetched_share = None if share is None else round(share, 6)
-        r.share_rows = sum(stats.held.values()) if stats.held else None
-        if self.opts.correct and stats.held:
-            stats.settle()
-            r.kv_corrected_share = round(sum(stats.corrected) / sum(stats.held.values()), 6)
-        r.kv_attended_share = None if share is None else round(dense + (1 - dense) * share, 6)
-        if dense == 1:  # nothing to speculate (no layer past the dense ones is the policy's)
-            r.kv_attended_share = 1.0
-        n = stats.per_row_n
-        r.tokens_per_head_mean = round(stats.per_row_sum / n, 3) if n else None
-        r.tokens_per_head_max = float(stats.per_row_max) if n else None
-        r.attention_recall = round(sum(stats.recall) / len(stats.recall), 6) if stats.recall else None
-        r.per_layer["kv_fetched_share"] = [
-            round(fetched[i] / stats.held[i], 6) if i in fetched and stats.held[i] else None
-            for i in range(self.cfg.num_hidden_layers)
-        ]
-        return r
 
 
 class LastRows:

@@ -112,7 +112,7 @@ class KVOptions:
     # what speculation scores against, on the device: "partial" (the paper's d' skewed columns in the model's dtype)
     # or every column at 4 or 2 bits ("int4", "int2": about the device bytes of r = 0.3 and half of them). None =
     # the bundle's, chosen at convert time by each store's perplexity on the text past calibration (SmolLM2: int4,
-    # as six tuning texts chose, docs/accuracy.md; Qwen2.5-Coder: partial); resolved in InfinigenCache.configure
+    # as six tuning texts chose, docs/accuracy.md; Qwen2.5-Coder: partial); resolved in Infinigen.configure
     spec_keys: str | None = opt(
         None,
         "infinigen: what speculation scores on the device: partial (skewed columns), int4, int2 (every column) "

@@ -17,13 +17,14 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from infinigen_rt.kv.cache import KVReport, kv_layers
+from infinigen_rt.kv.cache import KVReport
 from infinigen_rt.kv.store import BLOCK, Selector
-from infinigen_rt.policies.full import DenseCache
+from infinigen_rt.policies.base import KVPolicy, kv_layers
+from infinigen_rt.policies.full import Full
 from infinigen_rt.policies.options import KVOptions
 
 
-class OracleCache(DenseCache):
+class Oracle(KVPolicy):
     name = "oracle"
     knobs = frozenset({"budget", "max_kv", "dense_layers", "prefill_chunk"})
     runtime = False
@@ -37,44 +38,15 @@ class OracleCache(DenseCache):
         return super().configure(replace(opts, dense_layers=opts.dense_layers or engine.dense_layers), engine)
 
     @classmethod
-    def build(cls, engine, opts, batch, max_len, pages=None, prefetch=None):
-        return cls(engine.cfg, batch, max_len, engine.device, engine.dtype, opts, opts.dense_layers)
-
-    @classmethod
     def selector(cls, engine, opts, prefetch=None):
         return OracleSelector(engine, opts, cls.per_query_head)
 
-    def __init__(self, cfg, batch, max_len, device, dtype, opts: KVOptions, dense_layers: int):
-        super().__init__(cfg, batch, max_len, device, dtype)
-        self.cfg, self.opts, self.dense_layers = cfg, opts, dense_layers
-        self.group = cfg.num_attention_heads // cfg.num_key_value_heads
-        self.kept = self.possible = 0  # KV rows (per KV head) kept, and held, over the decode steps
-        self.recall: list[float] = []
-
-    def update(self, layer, q, k, v):
-        keys, values, mask = super().update(layer, q, k, v)
-        mask = self.mask if mask is None else mask  # [B, 1, s, T]
-        if q.shape[2] != 1 or layer < self.dense_layers:
-            return keys, values, mask
-        attend, recall, kept, possible = true_top(q, keys, mask, self.group, self.opts, self.per_query_head)
-        self.recall.append(float(recall.mean()))
-        self.kept += int(kept.sum())
-        self.possible += int(possible.sum())
-        return keys, values, attend
-
-    def report(self) -> KVReport:
-        share = round(self.kept / self.possible, 6) if self.possible else None
-        # the other layers (dense, or not the policy's) attend all they hold
-        dense = 1 - sum(1 for j in kv_layers(self.cfg) if j >= self.dense_layers) / self.cfg.num_hidden_layers
-        return KVReport(
-            kv_fetched_share=share,
-            kv_attended_share=None if share is None else round(dense + (1 - dense) * share, 6),
-            attention_recall=round(sum(self.recall) / len(self.recall), 6) if self.recall else None,
-            share_rows=self.possible or None,
-        )
+    @classmethod
+    def kv_bytes(cls, engine, opts, tokens, dtype_bytes):
+        return Full.kv_bytes(engine, opts, tokens, dtype_bytes)
 
 
-class PerHeadOracleCache(OracleCache):
+class PerHeadOracle(Oracle):
     name = "oracle-per-head"
     per_query_head = True
 

@@ -65,11 +65,10 @@ def test_opt_folded_model_equals_original_and_partial_query_is_real(checkpoints,
     b, t = check_tensors(folded)
     assert b.meta["infinigen"]["skew_storage"] == "folded" and not any(k.endswith(".skew") for k in t)
     m0, m1 = load_model(read_bundle(dense), "cpu", torch.float32), load_model(b, "cpu", torch.float32)
-    from infinigen_rt.policies.full import DenseCache
-    from infinigen_rt.step import pad_batch
+    from infinigen_rt.kv.store import dense_request
 
-    ids, pos, valid = pad_batch([list(range(5, 40))], 1, "cpu")
-    logits = [m(ids, pos, DenseCache(b.config, 1, 35, "cpu", torch.float32), valid) for m in (m0, m1)]
+    ids, pos = torch.arange(5, 40)[None], torch.arange(35)[None]
+    logits = [m(ids, pos, dense_request(b.config, 35, "cpu", torch.float32)) for m in (m0, m1)]
     assert (logits[0] - logits[1]).abs().max().item() <= 1e-4
     assert not torch.equal(m0.layers[0].self_attn.q_proj.weight, m1.layers[0].self_attn.q_proj.weight)
 

@@ -5,22 +5,16 @@ from __future__ import annotations
 
 import torch
 
-from infinigen_rt.policies import configure
-from infinigen_rt.step import decode_step, prefill
+from infinigen_rt.kv.store import dense_request
+from tests.rt.stored import Stored
 
 
-@torch.inference_mode()
-def greedy(engine, policy, prompt: list[int], steps: int) -> tuple[list[int], object]:
-    """`steps` greedy tokens after `prompt` under `policy`, and the cache they ran in."""
-    cache = policy.build(engine, 1, len(prompt) + steps)
-    ids = torch.tensor([prompt])
-    logits = prefill(engine, cache, ids, torch.arange(len(prompt))[None])
-    out = []
-    for i in range(steps):
-        out.append(int(logits[0].argmax()))
-        if i + 1 < steps:
-            logits = decode_step(engine, cache, torch.tensor([[out[-1]]]), torch.tensor([[len(prompt) + i]]))
-    return out, cache
+def greedy(engine, policy, prompt: list[int], steps: int) -> tuple[list[int], Stored]:
+    """`steps` greedy tokens after `prompt` under `policy`, and the store they ran in (its prefetcher closed)."""
+    run = Stored(engine, policy, [prompt], steps)
+    logits, _ = run.greedy(steps - 1)
+    run.prefetch.close()
+    return logits[:, 0].argmax(-1).tolist(), run
 
 
 @torch.inference_mode()
@@ -28,13 +22,13 @@ def assert_logits_match(engine, ref: dict, tol: float = 1e-3) -> None:
     """`full`'s logits over ref["ids"] at ref["positions"]: the same argmax, the reference's top logits and
     log-normaliser within `tol`."""
     ids = torch.tensor([ref["ids"]])
-    cache = configure(engine).build(engine, 1, ids.shape[1])
+    cache = dense_request(engine.cfg, ids.shape[1], engine.device, engine.dtype)
     model, norm = engine.model, engine.model.norm
     # the head at the checked positions only (at 8k positions and Qwen's 152k words, every position's logits were a
     # teraflop: most of the test's minute); the final norm and the head act on each position alone
     model.norm = Picked(norm, ref["positions"])
     try:
-        logits = model(ids, torch.arange(ids.shape[1])[None], cache, None)[0].float()
+        logits = model(ids, torch.arange(ids.shape[1])[None], cache)[0].float()
     finally:
         model.norm = norm
     assert logits.shape[0] == len(ref["positions"])

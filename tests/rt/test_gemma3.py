@@ -13,7 +13,6 @@ import pytest
 
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.engine import Engine
-from infinigen_rt.kv.window import Hybrid
 from infinigen_rt.policies import KVOptions, configure
 from infinigen_rt.tokenizer import Tokenizer
 from tests.conftest import shakespeare
@@ -73,14 +72,13 @@ def test_infinigen_fetches_only_for_global_layers_and_is_exact_at_a_full_budget(
     prompt = engine.tokenizer.encode(text[30000:36000])[:700]  # past the window: the rings wrap
     ref, _ = greedy(engine, configure(engine), prompt, 6)
     every = KVOptions(budget=1.0, alpha=math.inf)
-    toks, cache = greedy(engine, configure(engine, "infinigen", every), prompt, 6)
+    toks, run = greedy(engine, configure(engine, "infinigen", every), prompt, 6)
     assert toks == ref
-    assert isinstance(cache, Hybrid) and cache.report().kv_fetched_share == 1.0
-    pools = cache.inner.pools
-    assert [i for i, p in enumerate(pools) if p is not None] == [5, 11, 17]  # host pool: global layers only
-    assert all(cache.ring.k[i].shape[2] == 512 for i in engine.cfg.sliding_layers)  # the window, on the device
-    per_layer = cache.report().per_layer["bytes_h2d"]
+    assert run.report().kv_fetched_share == 1.0
+    assert run.store.pooled == {5, 11, 17}  # host pool: global layers only
+    assert all(run.store.rings.k[i].shape[2] == 512 for i in engine.cfg.sliding_layers)  # the window, on the device
+    per_layer = run.report().per_layer["bytes_h2d"]
     assert [i for i, b in enumerate(per_layer) if b] == [5, 11, 17]
     # at 10 % the global layers fetch about a tenth of what they hold
-    _, cache = greedy(engine, configure(engine, "infinigen", KVOptions(budget=0.1)), prompt, 6)
-    assert 0.05 < cache.report().kv_fetched_share < 0.2
+    _, run = greedy(engine, configure(engine, "infinigen", KVOptions(budget=0.1)), prompt, 6)
+    assert 0.05 < run.report().kv_fetched_share < 0.2

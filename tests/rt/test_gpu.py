@@ -69,15 +69,6 @@ def test_a_paged_pools_buffers_are_pinned_at_their_exact_size_and_released():
     assert not k.is_pinned()
 
 
-def test_pool_pages_are_pinned_at_their_exact_size_and_released(bundles):
-    from infinigen_rt.kv.pool import KVPool
-
-    pool = KVPool(2, 3, 64, 1000, torch.float16, "cuda")
-    assert pool.k.is_pinned() and pool.k.untyped_storage().nbytes() == 1000 * 2 * 3 * 64 * 2
-    pool.close()
-    assert not pool.k.is_pinned()
-
-
 def test_the_gpus_numa_node_is_read_or_unknown():
     from infinigen_rt.tp import gpu_node
 

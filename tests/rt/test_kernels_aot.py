@@ -22,8 +22,6 @@ import torch
 
 from infinigen_rt.kv import kernels
 from infinigen_rt.kv.kernels import available
-from infinigen_rt.kv.pool import KVPool
-from infinigen_rt.policies.int4 import Int4Pool
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs triton (pip install triton)")
@@ -53,20 +51,36 @@ def in_a_process_of_its_own(test):
 
 
 def pool_launches(monkeypatch) -> list[tuple]:
-    """(kernel, args, meta) of every launch the pools make for the layouts above (recorded, not run)."""
+    """(kernel, args, meta) of every launch the store makes for the layouts above (recorded, not run): a pooled
+    layer's rows as they are in every dtype (store.Plain) and as int4's codes (Codes), written and gathered."""
+    from types import SimpleNamespace
+
+    from infinigen_rt.kv.paged import PagedStore
+    from infinigen_rt.kv.store import BLOCK, KVStore, Selector
+    from infinigen_rt.policies.int4 import Codes
+
     seen = []
     monkeypatch.setattr(kernels, "launch", lambda kernel, grid, *args, **meta: seen.append((kernel, args, meta)))
     for d in HEAD_DIMS:
-        pools = [KVPool(1, 2, d, 8, dt, "cpu") for dt in DTYPES] + [Int4Pool(1, 2, d, 8, torch.float16, "cpu")]
-        for pool in pools:
-            pool.kernel = True  # the GPU's way: the kernels (recorded here)
-            slots = torch.tensor([[[0, 3, 5], [1, 2, 7]]])
+        cfg = SimpleNamespace(num_key_value_heads=2, head_dim=d, sliding_layers=[])
+        for dt, layout in [(dt, None) for dt in DTYPES] + [(torch.float16, Codes)]:
+            selector = Selector([], [0])
+            if layout is not None:
+                selector.layout = layout
+            store = KVStore(PagedStore(1, BLOCK, "cpu"), selector, cfg, "cpu", dt)
+            store.kernel = True  # the GPU's way: the kernels (recorded here)
+            store.alloc.grow(0, 8)
+            store.admit(0)
+            slots = store.append([0], 8)
+            new = torch.randn(1, 2, 8, d).to(dt)
+            store.write(0, slots, new, new)
+            batch = store.batch([0], 0)
+            rows = torch.tensor([[[0, 3, 5], [1, 2, 7]]])
             ok = torch.tensor([[[True, False, True], [True, True, False]]])
-            pool.gather(slots, ok, extra=1)  # a selection: some rows do not count
-            pool.gather(slots, None, extra=1)  # every row counts
+            store.gather(0, batch, rows, ok)  # a selection: some rows do not count
+            store.gather(0, batch, rows, None)  # every row counts
             where = torch.tensor([[[4], [6]]])  # new tokens into freed slots, each head its own
-            new = torch.randn(1, 2, 1, d).to(pool.out_dtype if isinstance(pool, Int4Pool) else pool.k.dtype)
-            pool.store(where, new, new)
+            store.write(0, where, new[:, :, :1], new[:, :, :1])
     return seen
 
 
@@ -98,7 +112,7 @@ def resource_usage(cubin: bytes, tmp_path: Path) -> dict:
 
 
 @in_a_process_of_its_own
-def test_every_launch_the_pools_make_compiles_for_sm80_and_sm90(monkeypatch, tmp_path):
+def test_every_launch_the_store_makes_compiles_for_sm80_and_sm90(monkeypatch, tmp_path):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

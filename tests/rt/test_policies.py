@@ -1,5 +1,6 @@
-"""The KV policies on real models (tiny parity configs, SmolLM2): exactness at full budget, byte accounting
-from the copies made, per-sequence selection, capacity and eviction through the engine, bad options."""
+"""The KV policies on real models (tiny parity configs, SmolLM2), each in the KV store as its selector runs it:
+exactness at full budget, byte accounting from the copies made, per-sequence selection, capacity and eviction through
+the engine, bad options."""
 
 from __future__ import annotations
 
@@ -13,33 +14,19 @@ from infinigen_rt.bundle import read_bundle
 from infinigen_rt.engine import Engine
 from infinigen_rt.generate import generate
 from infinigen_rt.kv.paged import PagedStore
-from infinigen_rt.kv.pool import KVPool
 from infinigen_rt.kv.prefetch import Inline, WorkerThread
-from infinigen_rt.kv.window import inner
-from infinigen_rt.policies import KVOptions, Policy, configure
-from infinigen_rt.policies.full import DenseCache
+from infinigen_rt.kv.store import Selector
+from infinigen_rt.policies import KVOptions, configure
+from infinigen_rt.policies.base import kv_layers
+from infinigen_rt.policies.full import Full
 from infinigen_rt.policies.int4 import dequantize, group_size, quantize
-from infinigen_rt.step import decode_step, pad_batch, prefill
+from infinigen_rt.step import decode_step
 from tests.conftest import run_cli, shakespeare
+from tests.rt.stored import Stored, greedy_logits
 from tests.test_cli import one_line_error
 
 PROMPTS = [list(range(5, 17)), list(range(20, 25)), list(range(30, 50))]
 EVERYTHING = KVOptions(alpha=math.inf, budget=1.0)
-
-
-@torch.inference_mode()
-def greedy_logits(engine: Engine, policy: Policy, prompts, steps: int, cache=None):
-    """Prefill and `steps` greedy decode steps through `policy`: logits [steps+1, B, V], tokens."""
-    ids, pos, valid = pad_batch(prompts, engine.tokenizer.pad_id, engine.device)
-    cache = cache or policy.build(engine, len(prompts), ids.shape[1] + steps + 1)
-    out = [prefill(engine, cache, ids, pos, policy.opts.prefill_chunk, valid)]
-    toks = []
-    p = pos[:, -1:]
-    for _ in range(steps):
-        toks.append(out[-1].argmax(-1))
-        p = p + 1
-        out.append(decode_step(engine, cache, toks[-1][:, None], p))
-    return torch.stack(out), torch.stack(toks, 1), cache
 
 
 def engines(bundle, **policies):
@@ -61,20 +48,21 @@ def test_full_budget_equals_full(name, batch, bundles):
     prompts = PROMPTS[:batch] if batch == 3 else [PROMPTS[2]]
     ref, ref_toks, _ = greedy_logits(*es["full"], prompts, 12)
     for policy in ("offload", "infinigen"):
-        logits, toks, cache = greedy_logits(*es[policy], prompts, 12)
+        logits, toks, run = greedy_logits(*es[policy], prompts, 12)
         assert torch.equal(toks, ref_toks), policy
         assert (logits - ref).abs().max().item() <= 1e-4, policy
     # (a model whose every layer slides, Mistral's, fetches nothing: its rings stay on the device)
-    assert cache.report().kv_fetched_share == (1.0 if es["full"][0].cfg.global_layers else None)
+    r = run.report()
+    assert r.kv_fetched_share == 1.0 and (r.bytes_h2d > 0) == bool(es["full"][0].cfg.global_layers)
 
 
 def test_offload_moves_exactly_the_kv_bytes(bundles):
     e, pol = engines(bundles["llama31_gqa"], offload=("offload", KVOptions()))["offload"]
     cfg, steps, n = e.cfg, 5, len(PROMPTS[2])
-    _, _, cache = greedy_logits(e, pol, [PROMPTS[2]], steps)
+    _, _, run = greedy_logits(e, pol, [PROMPTS[2]], steps)
     row = 2 * cfg.head_dim * 4  # K and V of one token, one KV head, fp32
     per_layer_tokens = sum(n + i + 1 for i in range(steps))  # every held token, and a row for the new one
-    report = cache.report()
+    report = run.report()
     assert report.bytes_h2d == cfg.num_hidden_layers * cfg.num_key_value_heads * per_layer_tokens * row
     assert report.bytes_d2h == cfg.num_hidden_layers * cfg.num_key_value_heads * (n + steps) * row
 
@@ -82,16 +70,16 @@ def test_offload_moves_exactly_the_kv_bytes(bundles):
 def test_infinigen_moves_only_the_fetched_rows(bundles):
     e, pol = engines(bundles["llama31_gqa"], ig=("infinigen", KVOptions(alpha=1.0, budget=0.3)))["ig"]
     cfg, steps = e.cfg, 6
-    _, _, cache = greedy_logits(e, pol, [PROMPTS[2]], steps)
+    _, _, run = greedy_logits(e, pol, [PROMPTS[2]], steps)
     dense = pol.opts.dense_layers
     row = 2 * cfg.head_dim * 4
-    fetched = sum(cache.stats.fetched_rows(j) for j in cache.stats.fetched)
-    assert fetched < sum(cache.stats.held.values())  # speculation fetched a subset
+    led, layers = run.store.ledger, range(dense, cfg.num_hidden_layers)
+    fetched = sum(led.get(f"fetched{j}", 0) for j in layers)
+    assert fetched < sum(led.get(f"held{j}", 0) for j in layers)  # speculation fetched a subset
     spec_rows = (cfg.num_hidden_layers - dense) * cfg.num_key_value_heads * steps  # a row per step for the new token
-    report = cache.report()
+    report = run.report()
     assert report.bytes_h2d == (fetched + spec_rows) * row  # dense layers' KV stays on the device
-    assert cache.pools[:dense] == [None] * dense
-    assert [i for i, t in enumerate(cache.resident.k) if t is not None] == list(range(dense))
+    assert run.store.device_layers == set(range(dense)) and run.store.pooled == set(layers)
     assert 0 < report.kv_fetched_share <= 0.3 + 1e-9
     per = report.per_layer
     assert sum(per["bytes_h2d"]) == report.bytes_h2d and len(per["bytes_h2d"]) == cfg.num_hidden_layers
@@ -107,17 +95,25 @@ def test_per_sequence_selection(bundles):
     e, pol = engines(bundles["tied_hd64"], ig=("infinigen", kv))["ig"]
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(4, e.cfg.vocab_size, (40,), generator=g).tolist() for _ in range(2)]
-    _, _, cache = greedy_logits(e, pol, prompts, 4)
-    hits = cache.pools[e.cfg.num_hidden_layers - 1].hits  # [B, Hkv, S] times each slot was selected
+    _, _, run = greedy_logits(e, pol, prompts, 4)
+    hits = [selected(run, e.cfg.num_hidden_layers - 1, i) for i in range(2)]  # [Hkv, n] times each slot was selected
     assert hits[0].sum() > 0 and hits[1].sum() > 0
     assert not torch.equal(hits[0], hits[1])
 
 
+def selected(run: Stored, layer: int, i: int) -> torch.Tensor:
+    """[Hkv, n]: how often request i's pool slots (in token order) were selected in pooled `layer` (the counter
+    eviction's counts: a capacity makes the store keep them)."""
+    ev = run.store.selector.evicting
+    return ev.score[ev.at[layer]][:, run.slots(i)]
+
+
 @pytest.mark.parametrize("name", ["llama31_gqa", "opt"])
-def test_a_row_selects_the_same_alone_and_left_padded(name, bundles):
-    """Alone, a row's held slots are a host-known prefix (no masks); left-padded beside a longer row, speculation
-    masks the padding and fetches per row: the same tokens get selected, the same logits come out."""
-    # n > sinks + recent; a capacity of every token (nothing evicted) makes the pools count selections (`hits`)
+def test_a_row_selects_the_same_alone_and_beside_a_longer_one(name, bundles):
+    """Alone, a request's rows are every row of the step (no masks); beside a longer one, the step's rows past its
+    length are masked out and each request selects from its own: the same slots get selected, the same logits come
+    out."""
+    # n > sinks + recent; a capacity of every token (nothing evicted) makes the store count selections
     e, pol = engines(bundles[name], ig=("infinigen", KVOptions(alpha=math.inf, budget=0.3, capacity=1.0)))["ig"]
     g = torch.Generator().manual_seed(5)
     short, long = (torch.randint(4, e.cfg.vocab_size, (n,), generator=g).tolist() for n in (60, 71))
@@ -125,30 +121,29 @@ def test_a_row_selects_the_same_alone_and_left_padded(name, bundles):
     both_logits, _, both = greedy_logits(e, pol, [long, short], 5)
     torch.testing.assert_close(both_logits[:, 1], alone_logits[:, 0], rtol=1e-4, atol=1e-4)
     for j in range(pol.opts.dense_layers, e.cfg.num_hidden_layers):
-        a, b = alone.pools[j], both.pools[j]
-        held = b.pos[1] >= 0  # [Hkv, S]: the padded row's real tokens, in position order
-        hits_b = b.hits[1][held].view(held.shape[0], -1)
-        assert torch.equal(hits_b, a.hits[0][:, : hits_b.shape[1]]) and hits_b.sum() > 0
+        got = selected(both, j, 1)
+        assert torch.equal(got, selected(alone, j, 0)) and got.sum() > 0
 
 
 @pytest.mark.parametrize("batch", [1, 2])
 def test_speculating_on_a_worker_thread_changes_nothing(batch, bundles):
     """On a CPU with two threads, speculation and the row gather run on a worker while the layer before computes;
-    the tokens chosen, the logits and the bytes counted are those of the same work done inline. Batch 1 takes
-    the unmasked in-order path; batch 2 (left padding, a capacity that evicts) the masked one."""
+    the tokens chosen and the bytes counted are those of the same work done inline, the logits too up to float32
+    rounding (the step's own ops run on one thread fewer beside the worker, prefetch.WorkerThread.sharing). Batch 1
+    takes the unmasked in-order path; batch 2 (rows of two lengths, a capacity that evicts) the masked one."""
     kv = KVOptions(alpha=1.0, budget=0.3, capacity=0.6 if batch == 2 else 1.0)  # (1.0: all kept, selections counted)
     e, pol = engines(bundles["llama31_gqa"], ig=("infinigen", kv))["ig"]
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(4, e.cfg.vocab_size, (n,), generator=g).tolist() for n in (50, 37)[:batch]]
     runs = []
     for prefetch in (Inline(), WorkerThread()):
-        cache = pol.build(e, batch, 50 + 9)
-        cache.prefetch = prefetch
-        logits, _, cache = greedy_logits(e, pol, prompts, 8, cache=cache)
-        cache.close()
-        runs.append((logits, cache.report(), [p.hits.clone() for p in cache.pools[pol.opts.dense_layers:]]))
-    (l0, r0, h0), (l1, r1, h1) = runs
-    torch.testing.assert_close(l1, l0, rtol=0, atol=0)
+        logits, toks, run = greedy_logits(e, pol, prompts, 8, prefetch=prefetch)
+        hits = [selected(run, j, i) for j in run.store.pooled for i in range(batch)]
+        runs.append((logits, toks, run.report(), hits))
+        run.close()
+    (l0, t0, r0, h0), (l1, t1, r1, h1) = runs
+    assert torch.equal(t1, t0)
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-5)
     assert r1 == r0 and r0.bytes_h2d > 0 and (r0.evictions > 0) == (batch == 2)
     assert all(torch.equal(a, b) for a, b in zip(h0, h1, strict=True))
 
@@ -227,8 +222,8 @@ def test_a_runners_decode_step_leaves_the_speculation_worker_a_core(bundles, mon
 def test_a_one_token_prompt_generates(bundles):
     """Its first pass is one token over an empty pool: nothing to speculate on yet."""
     e, pol = engines(bundles["llama31_gqa"], ig=("infinigen", KVOptions(budget=0.3)))["ig"]
-    logits, toks, cache = greedy_logits(e, pol, [[5]], 6)
-    assert toks.shape == (1, 6) and torch.isfinite(logits).all() and cache.report().bytes_h2d > 0
+    logits, toks, run = greedy_logits(e, pol, [[5]], 6)
+    assert toks.shape == (1, 6) and torch.isfinite(logits).all() and run.report().bytes_h2d > 0
 
 
 @pytest.mark.parametrize("eviction", ["counter", "lru", "fifo"])
@@ -236,24 +231,18 @@ def test_capacity_holds_through_generation(eviction, bundles):
     kv = KVOptions(alpha=2.0, budget=0.5, capacity=24, window=6, eviction=eviction)
     e, pol = engines(bundles["llama31_gqa"], ig=("infinigen", kv))["ig"]
     prompt = list(range(4, 44))  # 40 tokens: over capacity from the start
-    ids, pos, valid = pad_batch([prompt], 0, "cpu")
-    cache = pol.build(e, 1, 41 + 20)
-    with torch.inference_mode():
-        logits = prefill(e, cache, ids, pos, valid=valid)
-        p = pos[:, -1:]
-        for step in range(20):
-            pools = [pl for pl in cache.pools if pl is not None]  # the dense layers' KV is on the device
-            assert len(pools) == e.cfg.num_hidden_layers - pol.opts.dense_layers
-            held = torch.stack([torch.from_numpy(pl.n_held) for pl in pools])
-            assert int(held.max()) <= 24
-            newest = int(p)
-            for pl in pools:  # the recent window survives in every (sequence, head)
-                for w in range(newest - 5, newest + 1):
-                    assert bool((pl.pos == w).any(-1).all()), (step, w)
-            tok = logits.argmax(-1)
-            p = p + 1
-            logits = decode_step(e, cache, tok[:, None], p)
-    assert cache.report().evictions > 0
+    run = Stored(e, pol, [prompt], 21)
+    ev, pooled = run.store.selector.evicting, sorted(run.store.pooled)
+    assert pooled == list(range(pol.opts.dense_layers, e.cfg.num_hidden_layers))  # the dense layers on the device
+    logits = run.prefill()
+    for step in range(20):
+        assert ev.held[0] <= 24
+        newest = int(run.pos) - 1
+        held = ev.pos[:, :, run.slots(0)]  # [pooled layers, Hkv, slots]: the position each slot holds
+        for w in range(newest - 5, newest + 1):  # the recent window survives in every (layer, head)
+            assert bool((held == w).any(-1).all()), (step, w)
+        logits = run.step(logits.argmax(-1))
+    assert run.report().evictions > 0
 
 
 def test_bad_policy_options(bundles, checkpoints, tmp_path):
@@ -298,31 +287,46 @@ def test_chunked_prefill_equals_one_pass(name, policy, bundles):
     assert torch.equal(ta, tc) and (a - c).abs().max().item() <= 1e-4
 
 
-class QuantizedDense(DenseCache):
-    """The int4 policy's definition, computed densely: attention over 4-bit quantize-dequantized K and V."""
+class RoundTrip:
+    """A layout (store.Plain's interface) holding every row as it is after a 4-bit round trip: int4's definition."""
 
-    def update(self, layer, q, k, v):
-        g = group_size(k.shape[-1])
-        return super().update(
-            layer, q, dequantize(*quantize(k, g), g, k.dtype), dequantize(*quantize(v, g), g, v.dtype)
-        )
+    def __init__(self, head_dim: int, dtype: torch.dtype):
+        self.group, self.dtype = group_size(head_dim), dtype
+        self.parts = [("", head_dim, dtype)]
+
+    def encode(self, x):
+        return (dequantize(*quantize(x, self.group), self.group, self.dtype),)
+
+    def decode(self, parts):
+        return parts[0]
+
+
+class QuantizedFull(Full):
+    """The int4 policy's definition, computed plainly: every layer's rows in host memory as 4-bit quantize-dequantized
+    K and V, every row attended (the new tokens too, as stored)."""
+
+    name = "quantized-full"
+
+    @classmethod
+    def selector(cls, engine, opts, prefetch=None):
+        sel = Selector([], kv_layers(engine.cfg), prefetch)
+        sel.layout = RoundTrip
+        return sel
 
 
 @pytest.mark.parametrize("name", ["llama31_gqa", "opt"])
 def test_int4_equals_its_definition_and_moves_packed_bytes(name, bundles):
     es = engines(bundles[name], int4=("int4", KVOptions()))
     e, pol = es["int4"]
-    ids, _, _ = pad_batch(PROMPTS, 0, "cpu")
-    ref_cache = QuantizedDense(e.cfg, 3, ids.shape[1] + 7, "cpu", torch.float32)
-    ref, ref_toks, _ = greedy_logits(*es["full"], PROMPTS, 6, cache=ref_cache)
-    got, toks, cache = greedy_logits(e, pol, PROMPTS, 6)
+    ref, ref_toks, _ = greedy_logits(e, QuantizedFull.configure(KVOptions(), e), PROMPTS, 6)
+    got, toks, run = greedy_logits(e, pol, PROMPTS, 6)
     assert torch.equal(toks, ref_toks) and (got - ref).abs().max().item() <= 1e-4
     full, _, _ = greedy_logits(*es["full"], PROMPTS, 6)
     assert (got - full).abs().max().item() > 0  # it really is quantized
     d = e.cfg.head_dim
     row = 2 * (d // 2 + 4 * (d // group_size(d)))  # packed K and V plus fp16 scale and min per group
-    assert cache.pools[0].row_bytes == row
-    moved = cache.report().bytes_h2d
+    assert run.store.row_bytes == row
+    moved = run.report().bytes_h2d
     assert moved == (moved // row) * row and moved > 0
 
 
@@ -333,73 +337,30 @@ def test_h2o_full_budget_is_exact_and_budget_bounds_the_kept_tokens(bundles):
     ref, ref_toks, _ = greedy_logits(*es["full"], PROMPTS, 8)
     got, toks, _ = greedy_logits(*es["all"], PROMPTS, 8)
     assert torch.equal(toks, ref_toks) and (got - ref).abs().max().item() <= 1e-4
-    _, _, cache = greedy_logits(*es["h2o"], PROMPTS, 8)
-    lengths = cache.valid[:, : cache.length].sum(-1)
-    keep = torch.ceil(0.3 * lengths.double()).long()
-    for alive in cache.alive.values():
-        held = alive.sum(-1)  # [B, Hkv]
-        assert bool((held <= torch.maximum(keep, torch.tensor(4))[:, None]).all())
-        assert bool(alive[:, :, cache.length - 4 : cache.length].all())  # the recent window is kept
-    r = cache.report()
+    _, _, run = greedy_logits(*es["h2o"], PROMPTS, 8)
+    sel = run.store.selector
+    for i in range(len(PROMPTS)):
+        slots = run.slots(i)
+        keep = max(math.ceil(0.3 * len(slots)), 4)
+        for alive in sel.alive[:, :, slots]:  # a layer's [Hkv, tokens]
+            assert bool((alive.sum(-1) <= keep).all())
+            assert bool(alive[:, -4:].all())  # the recent window is kept
+    r = run.report()
     assert r.evictions > 0 and 0 < r.kv_fetched_share < 1
 
 
 @pytest.mark.parametrize("name", ["llama31_gqa", "opt"])
 def test_renorm_gives_the_next_layers_normalised_input(name, bundles):
     """Rescaling layer j-1's normalised input equals layer j's norm applied to the same residual stream."""
-    e, pol = engines(bundles[name], ig=("infinigen", KVOptions(renorm=True)))["ig"]
-    cache = pol.build(e, 1, 8)
+    e = engines(bundles[name])["full"][0]
     h = torch.randn(1, 3, e.cfg.hidden_size)
     norms = [getattr(blk, "input_layernorm", None) or blk.self_attn_layer_norm for blk in e.model.layers]
     with torch.no_grad():
         for j in range(1, e.cfg.num_hidden_layers):
-            assert torch.allclose(cache.spec.renormed(j, norms[j - 1](h)), norms[j](h), atol=1e-4)
+            assert torch.allclose(e.speculator.renormed(j, norms[j - 1](h)), norms[j](h), atol=1e-4)
 
 
 # ---- the GPU's decode step, run here: sync-free selection, the gather kernel (Triton's interpreter) ----
-
-
-def gpu_step(hybrid):
-    """Make a CPU cache take the GPU's decode path: fetch sizes from host counts with ok masks (no device read),
-    rows gathered by the Triton kernel (here through TRITON_INTERPRET=1), offload's whole layers one ahead (block
-    copies from a pool of its own, the kernel's rows from a paged pool) into its two buffers. (A hybrid model's
-    sliding layers keep their rings: only the policy's own cache changes.)"""
-    cache = inner(hybrid)
-    cache.prefetch = Inline()
-    cache.sync_free = True
-    if cache.layer_copy and type(cache).pool_class is KVPool:
-        cache.ahead, cache.block_copy = True, not cache.paged
-        cache.blocks = cache.layer_blocks()
-    for pool in cache.pools:
-        if pool is not None:
-            pool.kernel = True
-    return hybrid
-
-
-class DeviceReads:
-    """Raises on every way Python code reads a tensor to the host (what a CUDA sync would be), while active."""
-
-    NAMES = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
-
-    def __init__(self):
-        self.active, self.saved = False, {}
-
-    def __enter__(self):
-        for name in self.NAMES:
-            original = getattr(torch.Tensor, name)
-            self.saved[name] = original
-
-            def guard(t, *a, _name=name, _orig=original, **kw):
-                if self.active:
-                    raise AssertionError(f"Tensor.{_name} in a decode step")
-                return _orig(t, *a, **kw)
-
-            setattr(torch.Tensor, name, guard)
-        return self
-
-    def __exit__(self, *exc):
-        for name, original in self.saved.items():
-            setattr(torch.Tensor, name, original)
 
 
 # the GPU path's CPU stand-in (the kernel through Triton's interpreter); on a GPU, test_gpu.py runs the real one
@@ -408,61 +369,57 @@ needs_triton = pytest.mark.skipif(
 )
 
 
-def scattered_pages(tokens: int):
-    """Pages for one request whose block table is not one run (blocks 0, 2, 3, ...: another request holds block
-    1), in buffers filled with NaN (255 for bytes) as soon as they are made: a row read before it was written, or
+def scattered(tokens: int) -> PagedStore:
+    """A paged pool for request 0 whose block table is not one run (blocks 0, 2, 3, ...: request 1 holds block 1),
+    in buffers filled with NaN (255 for bytes) as soon as they are made: a row read before it was written, or
     another request's, poisons the logits."""
-    store = PagedStore(n_blocks=tokens // 16 + 2, block_size=16, device="cpu")
-    store.pages(0, 16)
-    store.pages(1, 16)
-    pages = store.pages(0, tokens)
-    assert pages.slots[15] == 15 and pages.slots[16] == 32
-    make = store.buffer
+    host = PagedStore(n_blocks=tokens // 16 + 2, block_size=16, device="cpu")
+    host.reserve(0, 16)
+    host.reserve(1, 16)
+    make = host.buffer
 
     def poisoned(*args):
         t = make(*args)
         return t.fill_(float("nan") if t.is_floating_point() else 255)
 
-    store.buffer = poisoned
-    return pages
+    host.buffer = poisoned
+    return host
 
 
 @needs_triton
-@pytest.mark.parametrize("batch, paged", [(1, False), (1, True), (2, False)])
-def test_the_gpu_step_chooses_and_computes_what_the_cpu_step_does(batch, paged, bundles):
-    """Same selections (hits), tokens and logits; bytes counted from the rows the kernel read (those that count).
-    Batch 2 has left padding and a capacity that evicts (the masked path); `paged`: the GPU step's rows live in a
-    paged pool's shared buffers, through a scattered block table, the CPU step's in buffers of its own."""
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_gpu_step_chooses_and_computes_what_the_cpu_step_does(batch, bundles):
+    """Same selections, tokens and logits; bytes counted from the rows the kernel read (those that count). Batch 2
+    has rows of two lengths and a capacity that evicts (the masked path)."""
     kv = KVOptions(alpha=1.0, budget=0.3, capacity=0.6 if batch == 2 else 1.0)  # (1.0: all kept, selections counted)
     e, pol = engines(bundles["llama31_gqa"], ig=("infinigen", kv))["ig"]
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(4, e.cfg.vocab_size, (n,), generator=g).tolist() for n in (50, 37)[:batch]]
-    cpu = pol.build(e, batch, 59)
-    cpu.prefetch = Inline()
-    ref, ref_toks, cpu = greedy_logits(e, pol, prompts, 8, cache=cpu)
-    pages = scattered_pages(59) if paged else None
-    got, toks, gpu = greedy_logits(e, pol, prompts, 8, cache=gpu_step(pol.build(e, batch, 59, pages)))
+    ref, ref_toks, cpu = greedy_logits(e, pol, prompts, 8, prefetch=Inline())
+    got, toks, gpu = greedy_logits(e, pol, prompts, 8, prefetch=Inline(), gpu=True)
     assert torch.equal(toks, ref_toks)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
-    for a, b in zip(cpu.pools[pol.opts.dense_layers :], gpu.pools[pol.opts.dense_layers :], strict=True):
-        assert torch.equal(a.hits, b.hits) and a.hits.sum() > 0
-    fetched = sum(gpu.stats.fetched_rows(j) for j in gpu.stats.fetched)
-    r = gpu.report()
-    row = 2 * e.cfg.head_dim * 4
-    assert r.bytes_h2d == fetched * row  # only rows that count crossed
+    for j in cpu.store.pooled:
+        for i in range(batch):
+            assert torch.equal(selected(cpu, j, i), selected(gpu, j, i))
+    assert sum(selected(cpu, j, 0).sum() for j in cpu.store.pooled) > 0
+    led, r = gpu.store.ledger, gpu.report()
+    fetched = sum(led.get(f"fetched{j}", rid) for j in gpu.store.pooled for rid in gpu.rids)
+    assert r.bytes_h2d == fetched * 2 * e.cfg.head_dim * 4  # only rows that count crossed
     assert r.kv_fetched_share == cpu.report().kv_fetched_share and (r.evictions > 0) == (batch == 2)
 
 
 @needs_triton
-@pytest.mark.parametrize("policy", ["offload", "int4"])
-def test_a_paged_pool_computes_what_a_pool_of_its_own_does(policy, bundles):
-    """The rows written and read through a scattered block table (offload's layers gathered by the kernel on the GPU
-    path, int4's codes and scales) give the same logits as the rows in buffers of the cache's own."""
-    e, pol = engines(bundles["llama31_gqa"], x=(policy, KVOptions()))["x"]
+@pytest.mark.parametrize("policy", ["offload", "int4", "infinigen"])
+def test_a_scattered_block_table_computes_what_one_run_does(policy, bundles):
+    """The rows written and read through a block table that is not one run, in buffers whose unwritten rows are NaN
+    (offload's layers and infinigen's rows gathered by the kernel on the GPU path, int4's codes and scales) give the
+    logits of a request whose blocks are one run."""
+    e, pol = engines(bundles["llama31_gqa"], x=(policy, KVOptions(budget=0.3)))["x"]
     prompt = list(range(7, 50))
-    ref, ref_toks, _ = greedy_logits(e, pol, [prompt], 8)
-    cache = pol.build(e, 1, 52, scattered_pages(52))
-    got, toks, _ = greedy_logits(e, pol, [prompt], 8, cache=gpu_step(cache) if policy == "offload" else cache)
+    gpu = policy != "int4"
+    ref, ref_toks, _ = greedy_logits(e, pol, [prompt], 8, prefetch=Inline(), gpu=gpu)
+    got, toks, _ = greedy_logits(e, pol, [prompt], 8, prefetch=Inline(), gpu=gpu, host=scattered(52))
     assert torch.equal(toks, ref_toks) and torch.equal(got, ref)
 
 
@@ -471,41 +428,9 @@ def test_a_paged_pool_computes_what_a_pool_of_its_own_does(policy, bundles):
 def test_full_budget_on_the_gpu_path_equals_full(policy, bundles):
     es = engines(bundles["llama31_gqa"], x=(policy, EVERYTHING if policy == "infinigen" else KVOptions()))
     ref, ref_toks, _ = greedy_logits(*es["full"], PROMPTS, 8)
-    ids, _, _ = pad_batch(PROMPTS, 0, "cpu")
-    e, pol = es["x"]
-    got, toks, cache = greedy_logits(e, pol, PROMPTS, 8, cache=gpu_step(pol.build(e, 3, ids.shape[1] + 9)))
+    got, toks, run = greedy_logits(*es["x"], PROMPTS, 8, prefetch=Inline(), gpu=True)
     assert torch.equal(toks, ref_toks) and (got - ref).abs().max().item() <= 1e-4
-    assert cache.report().kv_fetched_share == 1.0
-
-
-@needs_triton
-@pytest.mark.parametrize(
-    "name, policy, capacity, keys, correct",
-    [("llama31_gqa", "infinigen", None, "partial", 0.0), ("llama31_gqa", "infinigen", 8, "partial", 0.0),
-     ("llama31_gqa", "offload", None, "partial", 0.0), ("llama31_gqa", "infinigen", None, "int4", 0.0),
-     ("llama31_gqa", "infinigen", 8, "int2", 0.25), ("llama31_gqa", "infinigen", None, "partial", 0.25),
-     ("gemma3", "infinigen", None, "int4", 0.25), ("gemma3", "offload", None, "partial", 0.0),  # rings wrap
-     ("llama31_gqa", "infinigen", 8, "int4c", 0.25)],
-)  # fmt: skip
-def test_a_gpu_decode_step_reads_nothing_from_the_device(name, policy, capacity, keys, correct, bundles):
-    """By construction: once the prompt is in, a decode step through the model never reads a tensor to the host
-    (fetch sizes, masks, counters and the eviction counts all come from what the host already knows), with every
-    choice of speculation keys and the correction step."""
-    kv = KVOptions(alpha=2.0, budget=0.3, capacity=capacity, window=6, spec_keys=keys, correct=correct)
-    e, pol = engines(bundles[name], x=(policy, kv))["x"]
-    ids, pos, valid = pad_batch(PROMPTS[:2], 0, "cpu")
-    cache = gpu_step(pol.build(e, 2, ids.shape[1] + 9))
-    with torch.inference_mode(), DeviceReads() as reads:
-        logits = prefill(e, cache, ids, pos, valid=valid)  # a prompt may read its padding once
-        tok, p = logits.argmax(-1), pos[:, -1:]
-        for _ in range(6):
-            p = p + 1
-            reads.active = True
-            logits = decode_step(e, cache, tok[:, None], p)
-            reads.active = False
-            tok = logits.argmax(-1)
-    r = cache.report()
-    assert r.bytes_h2d > 0 and (r.evictions > 0) == (capacity is not None)
+    assert run.report().kv_fetched_share == 1.0
 
 
 def test_the_kv_options_are_declared_once(tmp_path):

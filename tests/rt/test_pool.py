@@ -1,107 +1,72 @@
-"""The host KV pool on small deterministic scenarios: each eviction policy evicts what its definition says,
-capacity holds, the recent window survives, an evicted token is never fetched again."""
+"""Eviction in the host pool: each eviction policy's ranking (pool.victims) frees what its definition says and never
+the recent window; through the store (store.Evicting) capacity holds, a request's new tokens reuse the slots it
+freed (each KV head its own) so its pool stops growing, and an evicted token never comes back."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from infinigen_rt.kv.pool import KVPool
+from infinigen_rt.bundle import read_bundle
+from infinigen_rt.engine import Engine
+from infinigen_rt.kv.pool import victims
+from infinigen_rt.policies import KVOptions, configure
+from tests.rt.stored import Stored
 
-
-def scenario(eviction: str) -> KVPool:
-    """Six tokens (positions 0..5) in one (sequence, KV head); step 1 selects 0, 1, 3; step 2 selects 1, 2.
-    hits: 0:1 1:2 2:1 3:1; last selected: 0:1 1:2 2:2 3:1; window 2 protects positions 4 and 5."""
-    pool = KVPool(1, 1, 2, 8, torch.float32, "cpu", eviction=eviction, window=2)
-    k = torch.arange(6, dtype=torch.float32)[None, None, :, None].expand(1, 1, 6, 2)
-    start = pool.insert(k, -k, torch.arange(6)[None], torch.ones(1, 6, dtype=torch.bool))
-    slots = torch.arange(start, start + 6)[None, None]
-    for step, chosen in ((1, [0, 1, 3]), (2, [1, 2])):
-        sel = slots[:, :, chosen]
-        pool.mark_selected(sel, torch.ones_like(sel, dtype=torch.bool), step)
-    return pool
-
-
-def held_positions(pool: KVPool) -> list[int]:
-    return sorted(int(p) for p in pool.pos[0, 0] if p >= 0)
+# six tokens (positions 0..5) in one (sequence, KV head); step 1 selected 0, 1, 3; step 2 selected 1, 2:
+# times selected 0:1 1:2 2:1 3:1, last step selected 0:1 1:2 2:2 3:1; a window of 2 protects positions 4 and 5
+POS = torch.arange(6)[None]
+HITS = torch.tensor([[1, 2, 1, 1, 0, 0]])
+LAST = torch.tensor([[1, 2, 2, 1, 0, 0]])
+RECENT = POS >= 4
 
 
 @pytest.mark.parametrize(
-    "eviction, survivors",
+    "primary, survivors",
     [
-        ("counter", [1, 3, 4, 5]),  # fewest selections (1: positions 0, 2, 3), oldest first: 0 and 2 go
-        ("lru", [1, 2, 4, 5]),  # least recently selected (step 1: positions 0, 3): 0 and 3 go
-        ("fifo", [2, 3, 4, 5]),  # oldest: 0 and 1 go
+        (HITS, [1, 3, 4, 5]),  # counter: fewest selections (1: positions 0, 2, 3), oldest first: 0 and 2 go
+        (LAST, [1, 2, 4, 5]),  # lru: least recently selected (step 1: positions 0, 3): 0 and 3 go
+        (None, [2, 3, 4, 5]),  # fifo: oldest, 0 and 1 go
     ],
 )
-def test_each_policy_evicts_by_its_definition(eviction, survivors):
-    pool = scenario(eviction)
-    assert pool.evict(np.array([4])) == 2
-    assert held_positions(pool) == survivors
-    assert pool.evicted == 2
+def test_each_eviction_frees_by_its_definition(primary, survivors):
+    gone = victims(POS, primary, RECENT, torch.tensor([2]))
+    assert POS[~gone].tolist() == survivors
 
 
-def test_evicted_tokens_are_never_fetched_and_a_prompts_tokens_take_fresh_slots():
-    pool = scenario("fifo")
-    pool.evict(np.array([4]))
-    slots, ok = pool.held_slots()
-    k, v = pool.gather(slots)
-    held = k[0, 0, :, 0][ok[0, 0]]
-    assert sorted(held.tolist()) == [2.0, 3.0, 4.0, 5.0] and ok.sum() == 4
-    assert torch.equal(v[0, 0][ok[0, 0]], -k[0, 0][ok[0, 0]])
-    new = pool.insert(
-        torch.full((1, 1, 1, 2), 9.0), torch.zeros(1, 1, 1, 2), torch.tensor([[6]]), torch.ones(1, 1, dtype=torch.bool)
-    )
-    assert new == 6 and pool.fill == 7  # arrival order: the freed slots stay free
-    assert held_positions(pool) == [2, 3, 4, 5, 6] and pool.hits[0, 0, 6] == 0
-    assert pool.n_held.tolist() == [[5]]
-    pool.evict(np.array([4]))
-    assert held_positions(pool) == [3, 4, 5, 6] and pool.evicted == 3
+def test_the_window_and_freed_slots_are_never_victims():
+    pos = torch.tensor([[0, -1, 2, 3, -1, 5]])  # slots 1 and 4 freed before
+    gone = victims(pos, None, pos >= 3, torch.tensor([5]))  # asks for more than the candidates
+    assert gone.tolist() == [[True, False, True, False, False, False]]  # only 0 and 2: the window (3, 5) stays
+    per_head = victims(torch.arange(4).expand(2, 4), torch.tensor([[0, 1, 1, 1], [1, 0, 1, 1]]),
+                       torch.zeros(4, dtype=torch.bool), torch.tensor([1, 1]))  # fmt: skip
+    assert per_head.tolist() == [[True, False, False, False], [False, True, False, False]]  # each head its own
 
 
-def test_window_is_never_evicted_and_padding_takes_no_slot():
-    pool = KVPool(2, 2, 4, 10, torch.float32, "cpu", eviction="counter", window=3)
-    valid = torch.tensor([[False, False, True, True, True, True], [True] * 6])
-    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-    pool.insert(torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4), positions, valid)
-    assert pool.n_held.tolist() == [[4, 4], [6, 6]]
-    assert pool.evict(np.array([1, 1])) == 8  # asks for less than the window: the window stays
-    assert pool.n_held.tolist() == [[3, 3], [3, 3]]
-    assert sorted(int(p) for p in pool.pos[1, 0] if p >= 0) == [3, 4, 5]
-
-
-def decode(pool: KVPool, value: float, position: int):
-    """One decode step's token (K = value, V = -value) for every (sequence, KV head)."""
-    b, h, d = pool.batch, pool.n_kv, pool.k.shape[-1]
-    k = torch.full((b, h, 1, d), value)
-    return pool.insert(k, -k, torch.full((b, 1), position), torch.ones(b, 1, dtype=torch.bool), np.ones(b, int))
-
-
-@pytest.mark.parametrize("kernel", [False, True])
-def test_a_sequence_reuses_the_slots_it_evicted_each_head_its_own(kernel):
-    """Two KV heads that evicted different tokens: a decode step's token goes into each head's lowest freed slot
-    (the scatter kernel through Triton's interpreter, or index_copy), the pool stops growing, the new token is
-    fetched from there with fresh counters, and what was evicted is gone for good."""
-    if kernel:
-        pytest.importorskip("triton")
-    pool = KVPool(1, 2, 2, 8, torch.float32, "cpu", eviction="counter", window=2)
-    pool.kernel = kernel
-    k = torch.arange(6, dtype=torch.float32)[None, None, :, None].expand(1, 2, 6, 2).contiguous()
-    pool.insert(k, -k, torch.arange(6)[None], torch.ones(1, 6, dtype=torch.bool))
-    sel = torch.tensor([[[0, 1, 3], [0, 1, 4]]])  # head 0 never selects 2, head 1 never 2 and 3
-    pool.mark_selected(sel, torch.ones_like(sel, dtype=torch.bool), 1)
-    pool.mark_selected(sel[:, :, :1], torch.ones_like(sel[:, :, :1], dtype=torch.bool), 2)  # 0 twice
-    assert pool.evict(np.array([4])) == 4  # each head drops its two least selected outside the window (4, 5)
-    assert [sorted(int(p) for p in pool.pos[0, h] if p >= 0) for h in (0, 1)] == [[0, 3, 4, 5], [0, 1, 4, 5]]
-    slots = decode(pool, 9.0, 6)
-    assert slots.tolist() == [[[1], [2]]] and pool.fill == 6  # head 0's lowest hole is 1, head 1's is 2
-    assert pool.pos[0, 0, 1] == 6 and pool.pos[0, 1, 2] == 6 and pool.hits[0, 0, 1] == 0 and pool.hits[0, 1, 2] == 0
-    got, _ = pool.gather(*pool.held_slots())
-    assert got[0, 0, 1, 0] == 9.0 and got[0, 1, 2, 0] == 9.0 and got[0, 1, 1, 0] == 1.0  # head 1 kept its slot 1
-    assert pool.n_held.tolist() == [[5, 5]]
-    assert decode(pool, 10.0, 7).tolist() == [[[2], [3]]]  # the last holes
-    assert pool.fill == 6 and pool.n_held.tolist() == [[6, 6]]
-    assert decode(pool, 11.0, 8) == 6 and pool.fill == 7  # no hole left: the pool grows again
-    held = [sorted(int(p) for p in pool.pos[0, h] if p >= 0) for h in (0, 1)]
-    assert held == [[0, 3, 4, 5, 6, 7, 8], [0, 1, 4, 5, 6, 7, 8]]  # every evicted position stays gone
+@pytest.mark.parametrize(("policy", "eviction"), [("offload", "fifo"), ("infinigen", "counter"), ("infinigen", "lru")])
+def test_a_request_reuses_the_slots_it_evicted_and_never_sees_an_evicted_token_again(policy, eviction, bundles):
+    """40 prompt tokens and 24 new ones under a capacity of 16 tokens and a window of 4: after every pass the request
+    holds at most 16 a (pooled layer, KV head), the window among them; its new tokens go into the slots it freed, so
+    its pool stops at what Offload.pool_slots reserved; a position once evicted is never held again."""
+    e = Engine(read_bundle(bundles["llama31_gqa"]), device="cpu", dtype="float32")
+    kv = KVOptions(capacity=16, window=4, eviction=eviction, **({"budget": 0.3} if policy == "infinigen" else {}))
+    pol = configure(e, policy, kv)
+    run = Stored(e, pol, [list(range(4, 44))], 25)
+    ev = run.store.selector.evicting
+    logits = run.prefill()
+    gone: set[tuple[int, int, int]] = set()
+    before = None
+    for _ in range(24):
+        held = ev.pos[:, :, run.slots(0)]  # [pooled layers, Hkv, slots taken]: the position each holds, -1 if freed
+        newest = int(run.pos) - 1
+        assert ev.held[0] <= 16 and bool(((held >= 0).sum(-1) == ev.held[0]).all())
+        for w in range(newest - 3, newest + 1):  # the recent window survives in every (layer, head)
+            assert bool((held == w).any(-1).all()), w
+        now = {(i, h, int(held[i, h, s])) for i, h, s in torch.nonzero(held >= 0).tolist()}  # (layer, head, position)
+        assert not now & gone, "an evicted position came back"
+        if before is not None:
+            gone |= before - now
+        before = now
+        logits = run.step(logits.argmax(-1))
+    assert run.report().evictions > 0 and gone
+    assert run.store.length[0] == pol.pool_slots(40, 25, 40) < 40 + 25  # the pool stopped growing

@@ -234,7 +234,8 @@ def test_prompt_scoring_by_decode_steps_on_the_gpu_path(bundles):
     assert max(abs(a[1] - b[1]) for a, b in zip(got_lp, want_lp, strict=True)) < 1e-4
 
 
-@pytest.mark.parametrize("keys, correct", [("int4", 0.0), ("int2", 0.25), ("partial", 0.25), ("int4", 0.5)])
+@pytest.mark.parametrize("keys, correct", [("int4", 0.0), ("int2", 0.25), ("partial", 0.25), ("int4", 0.5),
+                                           ("int4c", 0.25)])  # fmt: skip
 def test_every_speculation_key_choice_and_the_correction_on_the_gpu_path(keys, correct, bundles):
     """infinigen's low-bit speculation keys (written on the device as each key arrives) and its correction step
     (scored with the layer's true query, a second gather on the compute stream) through the runner on a (fake)
@@ -369,25 +370,20 @@ def test_bench_runs_its_batch_through_the_runner_on_the_gpu_path(policy, tiny_pr
 
 
 @pytest.mark.parametrize("policy", ["offload", "infinigen", "int4"])
-def test_a_cache_holding_two_sequences_on_the_gpu_path(policy, tiny_preset):
-    """One cache of batch 2 through step.py's prefill and decode steps (infinigen with a finite alpha: defect 3, an
-    expanded `ok` viewed as flat rows): finite logits, no race."""
+def test_a_store_holding_two_requests_on_the_gpu_path(policy, tiny_preset):
+    """A store of two requests through step.py's prefill and decode steps (infinigen with a finite alpha: defect 3,
+    an expanded `ok` viewed as flat rows): finite logits, no race."""
     from infinigen_rt.measure.synthetic import synthetic_engine
-    from infinigen_rt.step import decode_step, prefill
+    from tests.rt.stored import Stored
 
     with FakeCuda() as gpu:
         engine = synthetic_engine(tiny_preset, CUDA, torch.float16)
-        with torch.inference_mode():
-            cache = configure(engine, policy, KVOptions(alpha=4.0, budget=0.5)).build(engine, 2, 64 + 4)
-            ids = torch.randint(3, 512, (2, 64), generator=torch.Generator().manual_seed(0)).to(CUDA)
-            pos = torch.arange(64, device=CUDA).expand(2, -1)
-            tok = prefill(engine, cache, ids, pos).argmax(-1)
-            for i in range(3):
-                logits = decode_step(engine, cache, tok[:, None], torch.full((2, 1), 64 + i, device=CUDA))
-                tok = logits.argmax(-1)
-            assert bool(torch.isfinite(logits).all())
-            cache.close()
-        del engine, cache
+        prompts = torch.randint(3, 512, (2, 64), generator=torch.Generator().manual_seed(0)).tolist()
+        run = Stored(engine, configure(engine, policy, KVOptions(alpha=4.0, budget=0.5)), prompts, 4)
+        logits, _ = run.greedy(3)
+        assert bool(torch.isfinite(logits).all())
+        run.close()
+        del engine, run
     assert gpu.races == []
 
 

@@ -25,7 +25,7 @@ import pytest
 
 from infinigen_rt.kv.cache import KVReport
 from infinigen_rt.policies import KVOptions, Policy
-from infinigen_rt.policies.full import DenseCache
+from infinigen_rt.policies.full import Full
 from infinigen_rt.runner import Generation, Output, RunStats
 from infinigen_rt.sampling import SamplingParams
 from infinigen_rt.serve.metrics import Metrics
@@ -756,7 +756,7 @@ class FakeEngine:
 
         from infinigen_rt.config import ModelConfig
 
-        self.policy, self.hold, self.fail_at = Policy(DenseCache, KVOptions()), hold, fail_at
+        self.policy, self.hold, self.fail_at = Policy(Full, KVOptions()), hold, fail_at
         # a model's config, device and dtype: what the pool's size is checked against
         self.cfg = ModelConfig(arch="llama", vocab_size=100, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                                num_attention_heads=1, num_key_value_heads=1, head_dim=8,
@@ -784,7 +784,7 @@ def wait_for(cond, what: str):
 def test_requests_with_their_own_kv_options_share_steps_and_each_ends_in_its_own_step():
     engine, events = FakeEngine(), []
     sched = fake_scheduler(engine, 2, 4)
-    other = Policy(DenseCache, KVOptions(budget=0.5))
+    other = Policy(Full, KVOptions(budget=0.5))
 
     def job(policy, n=3, stream=False):
         return Job([1, 2], n, SamplingParams(), [], policy, emit=lambda ev: events.append((n, ev)), stream=stream)

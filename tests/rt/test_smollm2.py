@@ -52,12 +52,11 @@ def test_32_greedy_tokens_match_transformers(engine, hf_model, prompt):
 
 @torch.inference_mode()
 def test_prefill_logits_close_to_transformers(engine, hf_model):
-    from infinigen_rt.policies.full import DenseCache
-    from infinigen_rt.step import pad_batch
+    from infinigen_rt.kv.store import dense_request
 
     ids = engine.tokenizer.encode(PROMPTS[0] + " the kingdom would be hers, and she")
-    x, pos, valid = pad_batch([ids], 0, "cpu")
-    ours = engine.model(x, pos, DenseCache(engine.cfg, 1, len(ids), "cpu", torch.float32), valid)[0]
+    cache = dense_request(engine.cfg, len(ids), "cpu", torch.float32)
+    ours = engine.model(torch.tensor([ids]), torch.arange(len(ids))[None], cache)[0]
     ref = hf_model(torch.tensor([ids])).logits[0]
     assert (ours - ref).abs().max().item() <= 1e-4  # measured 0.0 (logits up to ~28)
 

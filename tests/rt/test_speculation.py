@@ -9,13 +9,14 @@ import math
 import pytest
 import torch
 
+from infinigen_rt.kv.prefetch import Inline
 from infinigen_rt.kv.quant import code_bytes, dequantize, quantize
 from infinigen_rt.policies import KVOptions, configure
 from infinigen_rt.policies.speculation import correction_rows, select
 from infinigen_rt.runner import Request, Runner
-from infinigen_rt.step import pad_batch
 from tests.conftest import run_cli
-from tests.rt.test_policies import PROMPTS, engines, gpu_step, greedy_logits, needs_triton
+from tests.rt.stored import Stored, greedy_logits
+from tests.rt.test_policies import PROMPTS, engines, needs_triton, selected
 from tests.test_cli import one_line_error
 
 VARIANTS = [("partial", 0.0), ("int4", 0.0), ("int2", 0.0), ("partial", 0.3), ("int4", 0.5), ("int4c", 0.25)]
@@ -40,25 +41,30 @@ def test_every_key_choice_and_the_correction_are_exact_at_a_full_budget(name, ke
     kv = KVOptions(alpha=math.inf, budget=1.0, spec_keys=keys, correct=correct)
     es = engines(bundles[name], x=("infinigen", kv))
     ref, ref_toks, _ = greedy_logits(*es["full"], PROMPTS, 6)
-    got, toks, cache = greedy_logits(*es["x"], PROMPTS, 6)
+    got, toks, run = greedy_logits(*es["x"], PROMPTS, 6)
     assert torch.equal(toks, ref_toks) and (got - ref).abs().max().item() <= 1e-4
-    r = cache.report()
+    r = run.report()
     assert r.kv_fetched_share == 1.0
     assert (r.kv_corrected_share or 0) > 0 if correct else r.kv_corrected_share is None
 
 
-def selected_slots(cache):
-    """Record, per speculated layer and step, the slots a fetch returned and which of them count."""
-    seen = []
-    fetch = cache.fetch
+def fetched_rows(run: Stored) -> list[list[int]]:
+    """Record, per corrected layer, step and (sequence, KV head), the rows its fetch took that count: speculation's
+    and the correction's (pool rows where attention reads them in the pool, else slots)."""
+    seen, sel = [], run.store.selector
+    correct = sel.correct
 
-    def recording(layer, extra=0, q=None):
-        slots, ok, k, v = fetch(layer, extra, q)
-        if cache.last_sel is not None:
-            seen.append((slots.clone(), ok.clone()))
-        return slots, ok, k, v
+    def recording(step, layer, q, spec, k, v):
+        out = correct(step, layer, q, spec, k, v)
+        if sel.in_place:  # (selection, speculation's pool rows, the correction's or None): -1 where one does not count
+            rows = out[1] if out[2] is None else torch.cat(out[1:], -1)
+            seen.extend(r[r >= 0].tolist() for r in rows.flatten(0, 1))
+        else:
+            slots, ok = out[0].slots, out[0].ok.expand(out[0].slots.shape)
+            seen.extend(r[o].tolist() for r, o in zip(slots.flatten(0, 1), ok.flatten(0, 1), strict=True))
+        return out
 
-    cache.fetch = recording
+    sel.correct = recording
     return seen
 
 
@@ -70,15 +76,12 @@ def test_the_correction_fetches_only_what_speculation_missed_within_the_same_bud
     for correct in (0.0, 0.5):
         kv = KVOptions(alpha=math.inf, budget=0.4, spec_keys=keys, correct=correct)
         e, pol = engines(bundles["llama31_gqa"], x=("infinigen", kv))["x"]
-        ids, _, _ = pad_batch(PROMPTS[:1], 0, "cpu")
-        cache = pol.build(e, 1, ids.shape[1] + 9)
-        seen = selected_slots(cache)
-        greedy_logits(e, pol, PROMPTS[:1], 8, cache=cache)
-        for slots, ok in seen:
-            for row_slots, row_ok in zip(slots.flatten(0, 1), ok.flatten(0, 1), strict=True):
-                counted = row_slots[row_ok].tolist()
-                assert len(counted) == len(set(counted))
-        r = cache.report()
+        run = Stored(e, pol, PROMPTS[:1], 9)
+        seen = fetched_rows(run)
+        run.greedy(8)
+        assert bool(seen) == bool(correct)
+        assert all(len(rows) == len(set(rows)) for rows in seen)
+        r = run.report()
         shares[correct] = r.kv_fetched_share, r.kv_corrected_share
     assert shares[0.5][0] == shares[0.0][0]  # the same rows per step
     assert shares[0.0][1] is None and 0.1 < shares[0.5][1] < 0.3  # about half of the 40 %
@@ -91,16 +94,16 @@ def test_the_oracle_keeps_infinigens_count_and_the_per_head_oracle_more(bundles)
     share = {}
     for name in ("infinigen", "oracle", "oracle-per-head"):
         kv = KVOptions(alpha=math.inf, budget=0.25)
-        _, _, cache = greedy_logits(*engines(b, x=(name, kv))["x"], PROMPTS, 8)
-        share[name] = cache.report().kv_fetched_share
+        _, _, run = greedy_logits(*engines(b, x=(name, kv))["x"], PROMPTS, 8)
+        share[name] = run.report().kv_fetched_share
     assert share["oracle"] == share["infinigen"]
     assert share["oracle-per-head"] > 1.2 * share["oracle"]
     es = engines(b, o=("oracle", KVOptions(budget=1.0)), p=("oracle-per-head", KVOptions(budget=1.0)))
     ref, ref_toks, _ = greedy_logits(*es["full"], PROMPTS, 6)
     for name in ("o", "p"):
-        got, toks, cache = greedy_logits(*es[name], PROMPTS, 6)
+        got, toks, run = greedy_logits(*es[name], PROMPTS, 6)
         assert torch.equal(toks, ref_toks) and (got - ref).abs().max().item() <= 1e-4
-        assert cache.report().kv_fetched_share == 1.0
+        assert run.report().kv_fetched_share == 1.0
 
 
 def test_the_correction_with_a_shortlist_takes_the_true_querys_best_among_speculations_next():
@@ -129,7 +132,7 @@ def test_the_correction_with_a_shortlist_takes_the_true_querys_best_among_specul
 
 
 def test_a_shortlist_of_every_slot_is_the_plain_correction_and_a_short_one_changes_only_the_corrected_rows(bundles):
-    """In the batch's store and in a request's own cache: a shortlist covering every slot gives the correction's own
+    """In the batch's store and in a store of its own: a shortlist covering every slot gives the correction's own
     tokens and logits; a short one fetches as many rows (the same budget), the correction's among them."""
     e = engines(bundles["llama31_gqa"])["full"][0]
     prompts = [list(range(5, 62)), list(range(70, 101)), list(range(110, 153))]
@@ -159,14 +162,16 @@ def _gpu_step_chooses_what_the_cpu_step_does(kv, bundles):
     e, pol = engines(bundles["llama31_gqa"], ig=("infinigen", kv))["ig"]
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(4, e.cfg.vocab_size, (n,), generator=g).tolist() for n in (50, 37)]
-    ref, ref_toks, cpu = greedy_logits(e, pol, prompts, 8, cache=pol.build(e, 2, 59))
-    got, toks, gpu = greedy_logits(e, pol, prompts, 8, cache=gpu_step(pol.build(e, 2, 59)))
+    ref, ref_toks, cpu = greedy_logits(e, pol, prompts, 8, prefetch=Inline())
+    got, toks, gpu = greedy_logits(e, pol, prompts, 8, prefetch=Inline(), gpu=True)
     assert torch.equal(toks, ref_toks)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
-    for a, b in zip(cpu.pools[pol.opts.dense_layers :], gpu.pools[pol.opts.dense_layers :], strict=True):
-        assert torch.equal(a.hits, b.hits) and a.hits.sum() > 0
+    for j in cpu.store.pooled:
+        for i in range(2):
+            assert torch.equal(selected(cpu, j, i), selected(gpu, j, i))
+    assert sum(selected(cpu, j, 0).sum() for j in cpu.store.pooled) > 0
     r, rc = gpu.report(), cpu.report()
-    fetched = sum(gpu.stats.fetched_rows(j) for j in gpu.stats.fetched)
+    fetched = sum(gpu.store.ledger.get(f"fetched{j}", rid) for j in gpu.store.pooled for rid in gpu.rids)
     assert r.bytes_h2d == fetched * 2 * e.cfg.head_dim * 4  # the speculated and the corrected rows that count
     assert r.kv_fetched_share == rc.kv_fetched_share and r.kv_corrected_share == rc.kv_corrected_share
     assert r.evictions > 0
@@ -176,8 +181,8 @@ def _gpu_step_chooses_what_the_cpu_step_does(kv, bundles):
 @pytest.mark.parametrize("keys, correct", VARIANTS[1:])
 def test_the_gpu_step_chooses_what_the_cpu_step_does_with_every_key_choice(keys, correct, bundles):
     """The GPU path (fetch sizes from host counts, the kernel's rows, the correction's gather on the critical path)
-    gives the CPU path's tokens, hits and shares, with padding and an evicting capacity (the masked path); only rows
-    that count cross."""
+    gives the CPU path's tokens, selections and shares, with rows of two lengths and an evicting capacity (the masked
+    path); only rows that count cross."""
     _gpu_step_chooses_what_the_cpu_step_does(
         KVOptions(alpha=1.0, budget=0.3, capacity=0.6, spec_keys=keys, correct=correct), bundles)
 
@@ -235,20 +240,20 @@ def test_low_bit_keys_score_the_same_a_span_at_a_time(bundles, monkeypatch):
 
 @pytest.mark.parametrize("keys", ["partial", "int4", "int2", "int4c"])
 def test_the_memory_model_counts_the_speculation_keys_allocated(keys, bundles):
-    """What bench's floor and the pool reservation are told (KVCache.kv_bytes) holds the key store's own tensors:
+    """What bench's floor and the pool reservation are told (KVPolicy.kv_bytes) holds the key store's own tensors:
     the speculation keys' device bytes are the policy's device bytes less offload's at the same shape."""
-    from infinigen_rt.policies.offload import OffloadCache
+    from infinigen_rt.policies.offload import Offload
 
     e, pol = engines(bundles["llama31_gqa"], x=("infinigen", KVOptions(spec_keys=keys)))["x"]
-    batch, slots = 2, 48 if keys == "int4c" else 40  # (int4c holds whole runs of 16)
-    cache = pol.build(e, batch, slots)
+    batch, slots = 2, 48  # (the store's slots: whole blocks of 16)
+    keys_held = Stored(e, pol, [list(range(4, 3 + slots))] * batch, 1).store.selector.keys
     token_heads, esz = batch * e.cfg.num_key_value_heads * slots, 4
     device = pol.kv_bytes(e, token_heads, esz)[0]
     dense = pol.opts.dense_layers
-    base = OffloadCache.pool_bytes(e, token_heads, 2 * e.cfg.head_dim * esz, dense)[0]
-    assert device - base == cache.keys.device_bytes > 0
+    base = Offload.pool_bytes(e, token_heads, 2 * e.cfg.head_dim * esz, dense)[0]
+    assert device - base == keys_held.device_bytes > 0
     if keys == "int4":  # every column at 4 bits: half a byte per value, 4 bytes of scale and minimum per 64 (or row)
-        assert cache.keys.device_bytes == token_heads * (e.cfg.head_dim // 2 + 4 * max(1, e.cfg.head_dim // 64)) * (
+        assert keys_held.device_bytes == token_heads * (e.cfg.head_dim // 2 + 4 * max(1, e.cfg.head_dim // 64)) * (
             e.cfg.num_hidden_layers - dense)  # fmt: skip
 
 
