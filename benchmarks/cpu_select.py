@@ -2,7 +2,7 @@
 ops for what a speculated layer does after scoring: the softmax summed over a KV head's query heads with the counts
 within alpha (speculation.group_softmax), the top-k of the speculation (7.5 % of the slots: the defaults' budget
 less the correction's quarter) and of the correction (2.5 %), and the gather of the chosen K and V rows from the
-pool (pool.copy_rows). Every kernel's result is checked against torch's before it is timed.
+pool (rows.copy_rows). Every kernel's result is checked against torch's before it is timed.
 
     python benchmarks/cpu_select.py --out artifacts/results/cpu-select-kernel.json
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from infinigen_rt.kv import cpu, pool
+from infinigen_rt.kv import cpu, rows
 from infinigen_rt.policies.speculation import group_softmax, top_k
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -27,7 +27,7 @@ SHAPES = [("smollm2-135m", 1, 3, 3, 64), ("smollm2-135m", 8, 3, 3, 64), ("llama-
 
 
 def gather(src_k, src_v, picked, out_k, out_v):
-    pool.copy_rows(src_k, src_v, picked, None, out_k, out_v, False)
+    rows.copy_rows(src_k, src_v, picked, None, out_k, out_v, False)
     n = picked.shape[-1]
     return out_k[:, :, :n].clone(), out_v[:, :, :n].clone()
 

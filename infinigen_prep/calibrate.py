@@ -16,7 +16,7 @@ import torch
 from infinigen_rt.errors import InfinigenError, notice
 from infinigen_rt.files import read_utf8
 from infinigen_rt.kv.cache import KVCache
-from infinigen_rt.kv.store import dense_request
+from infinigen_rt.policies.full import dense_request
 
 DEFAULT_CALIB = "hf://datasets/roneneldan/TinyStories/TinyStories-valid.txt"
 MIN_CALIB_TOKENS = 64

@@ -490,7 +490,7 @@ def quantize_channel(x: torch.Tensor, starts: torch.Tensor, appends, codes: torc
 
 def gather_rows(src_k: torch.Tensor, src_v: torch.Tensor, rows: torch.Tensor, out_k: torch.Tensor,
                 out_v: torch.Tensor) -> bool:  # fmt: skip
-    """pool.copy_rows on a CPU: out_x[b, h, :n] = rows rows [B, Hkv, n] of src_x (viewed as [-1, X]) for x = k, v,
+    """rows.copy_rows on a CPU: out_x[b, h, :n] = rows rows [B, Hkv, n] of src_x (viewed as [-1, X]) for x = k, v,
     and the rows after n of out_x [B, Hkv, n', X] zeros, in one call for both. out_x may be a window of n' rows
     of a contiguous [B, Hkv, N, X] (the room a speculated gather left for the correction). False where it does not
     apply (the caller's index_select then runs); IndexError for a row outside the pool."""

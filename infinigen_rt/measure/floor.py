@@ -52,7 +52,7 @@ def measure_bandwidths(device: torch.device, n_bytes: int | None = None) -> dict
 
 def gather_rate(src: torch.Tensor, device: torch.device) -> float:
     """Bytes per second of gathering a quarter of `src`'s rows, at random, into device memory (K and V each)."""
-    from infinigen_rt.kv.pool import copy_rows
+    from infinigen_rt.kv.rows import copy_rows
 
     rows = src.shape[0] // 2  # K in the first half, V in the second
     k, v = src[:rows], src[rows:]

@@ -18,8 +18,8 @@ import math
 import torch
 
 from infinigen_rt.kv.cache import KVReport, causal_mask
-from infinigen_rt.kv.store import BLOCK, Selector
-from infinigen_rt.policies.base import KVPolicy, kv_layers
+from infinigen_rt.kv.store import BLOCK
+from infinigen_rt.policies.base import KVPolicy, Selector, kv_layers
 from infinigen_rt.policies.full import Full
 from infinigen_rt.policies.options import KVOptions
 

@@ -28,9 +28,11 @@ from infinigen_rt.bundle import InfinigenDefaults
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.kv import cpu
 from infinigen_rt.kv.cache import KVReport
+from infinigen_rt.kv.evict import Evicting
 from infinigen_rt.kv.kernels import gather_reused
-from infinigen_rt.kv.store import BLOCK, Evicting, Plain, PoolRows, Selector
-from infinigen_rt.policies.base import kv_layers
+from infinigen_rt.kv.rows import PoolRows
+from infinigen_rt.kv.store import BLOCK, Plain
+from infinigen_rt.policies.base import Selector, kv_layers
 from infinigen_rt.policies.offload import POOL_KNOBS, Offload
 from infinigen_rt.policies.options import KVOptions
 from infinigen_rt.policies.speculation import (

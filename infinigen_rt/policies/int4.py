@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from infinigen_rt.kv.cache import KVReport
+from infinigen_rt.kv.evict import Evicting
 from infinigen_rt.kv.quant import code_bytes, dequantize, quantize
-from infinigen_rt.kv.store import Evicting, Selector
-from infinigen_rt.policies.base import kv_layers
+from infinigen_rt.policies.base import Selector, kv_layers
 from infinigen_rt.policies.offload import Offload
 
 GROUP = 64

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from infinigen_rt.kv.store import Evicting, Selector
-from infinigen_rt.policies.base import KVPolicy, kv_layers
+from infinigen_rt.kv.evict import Evicting
+from infinigen_rt.policies.base import KVPolicy, Selector, kv_layers
 
 POOL_KNOBS = frozenset({"capacity", "eviction", "window", "prefill_chunk"})
 

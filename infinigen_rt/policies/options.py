@@ -14,7 +14,7 @@ import numpy as np
 
 from infinigen_rt.bundle import SPEC_KEYS
 from infinigen_rt.errors import InfinigenError
-from infinigen_rt.kv.pool import EVICTIONS
+from infinigen_rt.kv.evict import EVICTIONS
 
 
 @dataclass(frozen=True)

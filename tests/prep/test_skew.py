@@ -65,7 +65,7 @@ def test_opt_folded_model_equals_original_and_partial_query_is_real(checkpoints,
     b, t = check_tensors(folded)
     assert b.meta["infinigen"]["skew_storage"] == "folded" and not any(k.endswith(".skew") for k in t)
     m0, m1 = load_model(read_bundle(dense), "cpu", torch.float32), load_model(b, "cpu", torch.float32)
-    from infinigen_rt.kv.store import dense_request
+    from infinigen_rt.policies.full import dense_request
 
     ids, pos = torch.arange(5, 40)[None], torch.arange(35)[None]
     logits = [m(ids, pos, dense_request(b.config, 35, "cpu", torch.float32)) for m in (m0, m1)]

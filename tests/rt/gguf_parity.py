@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from infinigen_rt.kv.store import dense_request
+from infinigen_rt.policies.full import dense_request
 from tests.rt.stored import Stored
 
 

@@ -859,9 +859,9 @@ def test_a_kernel_call_the_worker_offers_is_taken_by_the_thread_waiting_for_its_
 @needs_kernel
 @pytest.mark.parametrize("dtype, x", [(torch.float32, 64), (torch.bfloat16, 128), (torch.uint8, 40)])
 def test_the_row_gather_kernel_copies_index_selects_rows_and_zeros_the_rest(dtype, x):
-    """pool.copy_rows on a CPU: the chosen rows of K and V as index_select copies them, the rows left for the new
+    """rows.copy_rows on a CPU: the chosen rows of K and V as index_select copies them, the rows left for the new
     token and the correction zeros (never the memory's old bits); a row outside the pool is an error, not a read."""
-    from infinigen_rt.kv import pool
+    from infinigen_rt.kv import rows as pool
 
     gen = torch.Generator().manual_seed(x)
     src_k, src_v = (torch.randint(0, 200, (500, x), generator=gen).to(dtype) for _ in "kv")
@@ -945,7 +945,7 @@ def test_attention_over_the_rows_in_the_pool_is_sdpa_over_those_rows_gathered(d,
     from concurrent.futures import Future, ThreadPoolExecutor
 
     from infinigen_rt.kv.attention import decode_sdpa
-    from infinigen_rt.kv.store import PoolRows
+    from infinigen_rt.kv.rows import PoolRows
 
     gen = torch.Generator().manual_seed(d * g)
     b, hkv, slots = 3, 2, 300

@@ -56,7 +56,8 @@ def pool_launches(monkeypatch) -> list[tuple]:
     from types import SimpleNamespace
 
     from infinigen_rt.kv.paged import PagedStore
-    from infinigen_rt.kv.store import BLOCK, KVStore, Selector
+    from infinigen_rt.kv.store import BLOCK, KVStore
+    from infinigen_rt.policies.base import Selector
     from infinigen_rt.policies.int4 import Codes
 
     seen = []

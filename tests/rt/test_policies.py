@@ -15,9 +15,8 @@ from infinigen_rt.engine import Engine
 from infinigen_rt.generate import generate
 from infinigen_rt.kv.paged import PagedStore
 from infinigen_rt.kv.prefetch import Inline, WorkerThread
-from infinigen_rt.kv.store import Selector
 from infinigen_rt.policies import KVOptions, configure
-from infinigen_rt.policies.base import kv_layers
+from infinigen_rt.policies.base import Selector, kv_layers
 from infinigen_rt.policies.full import Full
 from infinigen_rt.policies.int4 import dequantize, group_size, quantize
 from infinigen_rt.step import decode_step

@@ -9,7 +9,7 @@ import torch
 
 from infinigen_rt.bundle import read_bundle
 from infinigen_rt.engine import Engine
-from infinigen_rt.kv.pool import victims
+from infinigen_rt.kv.evict import victims
 from infinigen_rt.policies import KVOptions, configure
 from tests.rt.stored import Stored
 

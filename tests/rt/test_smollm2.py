@@ -52,7 +52,7 @@ def test_32_greedy_tokens_match_transformers(engine, hf_model, prompt):
 
 @torch.inference_mode()
 def test_prefill_logits_close_to_transformers(engine, hf_model):
-    from infinigen_rt.kv.store import dense_request
+    from infinigen_rt.policies.full import dense_request
 
     ids = engine.tokenizer.encode(PROMPTS[0] + " the kingdom would be hers, and she")
     cache = dense_request(engine.cfg, len(ids), "cpu", torch.float32)

@@ -13,10 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from infinigen_rt.kv import cpu
-from infinigen_rt.kv import store as kv_store
+from infinigen_rt.kv.ledger import LEDGER_HELD, Ledger
 from infinigen_rt.kv.paged import PagedStore, PoolFull
 from infinigen_rt.kv.prefetch import WorkerThread
-from infinigen_rt.kv.store import BLOCK, LEDGER_HELD, KVStore, Ledger, Selector
+from infinigen_rt.kv.store import BLOCK, KVStore
+from infinigen_rt.policies import base as policy_base
+from infinigen_rt.policies.base import Selector
 from infinigen_rt.policies.int4 import group_size
 
 HKV, H, D = 2, 6, 32
@@ -405,7 +407,7 @@ def test_per_channel_keys_run_in_the_store_with_the_tokens_and_report_of_each_re
         return out
 
     monkeypatch.setattr(cpu, "correct_channel", counted)
-    monkeypatch.setattr(kv_store, "WRITE_AFTER", write_after)
+    monkeypatch.setattr(policy_base, "WRITE_AFTER", write_after)
     solo, joined, run = _alone_then_joined(e, pol, prompts, 9)
     assert run.kv.selector.in_place == (cpu.library() is not None)
     assert calls and (None not in calls) == one_call or cpu.library() is None
