@@ -304,6 +304,11 @@ def lending(beside):
         _lent.beside = before
 
 
+def lent():
+    """The calling thread's `lending` beside (None outside it): what a kernel call shares its pairs with."""
+    return getattr(_lent, "beside", None)
+
+
 def each(n: int, fn) -> None:
     """fn(i) for i in 0 .. n: on the calling thread, and within `lending` on its worker too, each taking the next i
     (a dense layer's attention, sequence by sequence, while the worker has nothing else to do)."""

@@ -58,6 +58,7 @@ class Batch:
     lengths: torch.Tensor
     longest: int
     old: np.ndarray
+    rows: torch.Tensor | None = None  # a CPU's device layers' held rows (KVStore.held_rows), made once a step
 
     def held(self) -> tuple[int, torch.Tensor | None]:
         """(T, held): the longest row's rows before the step, and [B, T] bool of the rows each holds (None: all hold
@@ -67,8 +68,6 @@ class Batch:
             return t, None
         old = to_device(torch.from_numpy(self.old), self.table.device)
         return t, torch.arange(t, device=self.table.device) < old[:, None]
-
-
 
 
 class Plain:
@@ -281,25 +280,42 @@ class KVStore:
                      to_device(torch.from_numpy(lengths), self.device), int(lengths.max()),
                      lengths.astype(np.int64) - new)  # fmt: skip
 
-    def attend(self, layer: int, q: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """One query token per row, q [B, H, 1, D] (its own row already written), over each row's keys of a device
-        layer: [B, H, 1, D]. A GPU attends for the whole batch in one kernel; a CPU row by row over views of each
-        request's blocks where they are one run (the gather the reference makes would double its KV's memory
-        traffic), gathered where they are not; the rows shared with the worker
-        where a speculative policy lends it (cpu.each: its dense layers, while it has nothing to speculate)."""
-        k, v = self.k[layer], self.v[layer]
+    def attend(self, layer: int, q: torch.Tensor, batch: Batch, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One query token per row, q [B, H, 1, D], over each row's keys of a device layer, its new k, v [B, Hkv, 1, D]
+        written already: [B, H, 1, D]. A GPU attends for the whole batch in one kernel; a CPU in the streaming kernel
+        the pooled layers' rows go through (cpu.attend_rows: the rows read where they are, the (sequence, KV head)
+        pairs shared with the worker where a speculative policy lends it). Without the kernels, row by row over views
+        of each request's blocks where they are one run, gathered where they are not."""
+        buf_k, buf_v = self.k[layer], self.v[layer]
         if self.device.type != "cpu":
-            return paged_decode(q, k, v, batch.table, batch.lengths, BLOCK, batch.longest)
-        out = [None] * len(batch.rids)
+            return paged_decode(q, buf_k, buf_v, batch.table, batch.lengths, BLOCK, batch.longest)
+        d = buf_k.shape[-1]
+        out = cpu.attend_rows(q, buf_k.view(-1, d), buf_v.view(-1, d), [self.held_rows(batch, buf_k.shape[1])], k, v,
+                              cpu.lent())  # fmt: skip
+        if out is not None:
+            return out
+        rows = [None] * len(batch.rids)
 
         def row(i: int) -> None:
             rid = batch.rids[i]
             n = self.seen[rid]
-            keys, values = self.rows_of(k, rid, n), self.rows_of(v, rid, n)  # [1, Hkv, n, D]
-            out[i] = decode_sdpa(q[i : i + 1], keys, values)
+            keys, values = self.rows_of(buf_k, rid, n), self.rows_of(buf_v, rid, n)  # [1, Hkv, n, D]
+            rows[i] = decode_sdpa(q[i : i + 1], keys, values)
 
         cpu.each(len(batch.rids), row)
-        return torch.cat(out)
+        return torch.cat(rows)
+
+    def held_rows(self, batch: Batch, slots: int) -> torch.Tensor:
+        """[B, Hkv, T]: the rows each request held before the step in a device layer's keys [Hkv x slots, D] (head h's
+        slot s is row h x slots + s), -1 past its own count; made once a step (batch.rows)."""
+        if batch.rows is None:
+            b, t = len(batch.rids), int(batch.old.max())
+            at = torch.arange(t)
+            rows = self.physical(batch, at.expand(b, t))[:, None] + torch.arange(self.n_kv).view(1, -1, 1) * slots
+            if not (batch.old == t).all():
+                rows.masked_fill_((at >= torch.from_numpy(batch.old)[:, None])[:, None], -1)
+            batch.rows = rows
+        return batch.rows
 
     def rows_of(self, buf: torch.Tensor, rid: int, n: int) -> torch.Tensor:
         """Request `rid`'s first n rows of a device buffer [Hkv, slots, D] as [1, Hkv, n, D]: a view where its blocks

@@ -204,7 +204,7 @@ class Selector:
         if layer in store.device_layers:
             slots, batch = step.dense
             store.write(layer, slots, k, v)
-            return store.attend(layer, q, batch)
+            return store.attend(layer, q, batch, k, v)
         keys, values, ok = self.rows(step, layer, q)  # the rows held before (and their reads) first
         slots = step.slots if self.evicting is None else self.evicting.place(step, layer)  # (after the reads)
         store.ledger.add("d2h", step.rids, k.shape[1] * store.row_bytes)

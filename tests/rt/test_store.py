@@ -57,10 +57,13 @@ def test_a_decode_step_attends_for_the_whole_batch_as_each_request_alone():
     batch = store.batch(rids)
     assert batch.longest == 131 and batch.lengths.tolist() == [131, 38, 6]
     q = torch.randn(3, H, 1, D, generator=gen)
-    got = store.attend(3, q, batch)
+    got = store.attend(3, q, batch, k, v)
+    with cpu.disabled():  # (the torch path: row by row, over views of each request's blocks)
+        plain = store.attend(3, q, store.batch(rids, 0), k, v)
     for i, rid in enumerate(rids):
         want = F.scaled_dot_product_attention(q[i : i + 1], *own[rid], enable_gqa=True)
         torch.testing.assert_close(got[i : i + 1], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(plain[i : i + 1], want, rtol=1e-5, atol=1e-5)
     store.check()
 
 
@@ -125,7 +128,7 @@ def test_a_layers_launches_do_not_grow_with_the_batch_on_the_gpu_path():
             with gpu.recording() as ops:
                 slots = store.append(rids, 1)
                 store.write(0, slots, k, k)
-                store.attend(0, q, store.batch(rids))
+                store.attend(0, q, store.batch(rids), k, k)
             counts[b] = [o.name for o in ops if o.launch]
             for r in rids:
                 store.length[r] -= 1
