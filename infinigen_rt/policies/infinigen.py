@@ -43,7 +43,6 @@ from infinigen_rt.policies.speculation import (
     correction_gathered,
     correction_rows,
     fetch_width,
-    joined,
     select,
     selected,
     shortlist_size,
@@ -376,10 +375,9 @@ class InfinigenSelector(Selector):
 
     def correct(self, step, layer: int, q: torch.Tensor, sel: Selection, k, v) -> tuple:
         """The correction step for every request: layer j's true query q [B, H, 1, D] scored against the same keys;
-        each request's best rows speculation did not fetch, up to the rest of its budget, gathered and joined to the
-        speculated ones (before the new token's row). On a CPU with per-channel keys the scoring, the pick and the
-        copy into the room are one kernel call (correction_gathered), its (sequence, KV head) pairs shared with the
-        worker thread, which then starts layer j+1's speculation; elsewhere they are steps of their own."""
+        each request's best rows speculation did not fetch, up to the rest of its budget, added to the speculated
+        ones (in the room before the new token's row that speculation's gather left, or as a second list of pool rows
+        where attention reads them in place)."""
         per_row = self.counts(step, layer)
         if max(per_row) <= 0:
             return sel, k, v
@@ -390,27 +388,13 @@ class InfinigenSelector(Selector):
         if self.in_place:
             return self.correct_in_place(step, layer, qk, at, held, sel, per_row, k)
         (k,), (v,) = k, v  # plain rows: one part each
-        n = sel.slots.shape[-1]
-        room = k.shape[2] - n - 1  # what speculation's gather left free (see room)
-        got = None
-        if room and not self.store.kernel and sel.cand is None and self.opts.group_agg == "sum":
-            # a CPU's kernel scores, picks and copies into the room in one call, where it takes the keys
-            (src_k,), (src_v,) = self.store.k[layer], self.store.v[layer]
-            got = correction_gathered(self.keys, layer, qk, at, step.held[0], sel, held, per_row,
-                                      k[:, :, n : n + room], v[:, :, n : n + room], src_k, src_v,
-                                      self.prefetch.beside)  # fmt: skip
-        if got is None:
-            return self.correct_steps(step, layer, qk, at, held, sel, per_row, k, v)
-        slots, ok, pairs, _ = got  # (the call wrote zeros in the room's rows no pick took)
-        counted = pairs.sum(1).tolist()
-        self.store.ledger.add(f"h2d{layer}", step.batch.rids, counted, self.store.row_bytes)  # (the gather's, there)
-        self.count_corrected(step, layer, counted)
-        return self.padded(sel, slots, ok, room, counted), (k,), (v,)
+        return self.correct_steps(step, layer, qk, at, held, sel, per_row, k, v)
 
     def correct_in_place(self, step, layer: int, qk, at, held, sel: Selection, per_row: list[int], rows) -> tuple:
-        """`correct` where attention reads the rows in the pool (in_place): the kernel's one call picks and returns
-        the picks' pool rows, copying none (else the scores and the pick, then their rows); (the selection with the
-        picks, or speculation's alone where no capacity marks them; the speculated rows' pool rows, the picks')."""
+        """`correct` where attention reads the rows in the pool (in_place): the kernel's one call scores, picks and
+        returns the picks' pool rows, copying none, its (sequence, KV head) pairs shared with the worker thread (else
+        the scores and the pick, then their rows); (the selection with the picks, or speculation's alone where no
+        capacity marks them; the speculated rows' pool rows, the picks')."""
         (src_k,), (src_v,) = self.store.k[layer], self.store.v[layer]
         got = correction_gathered(self.keys, layer, qk, at, step.held[0], sel, held, per_row, None, None, src_k, src_v,
                                   lambda fn: self.prefetch.beside(fn, then=False))  # (then attention's share)
@@ -428,8 +412,8 @@ class InfinigenSelector(Selector):
         return self.padded(sel, slots, ok, slots.shape[-1], counted), rows, more
 
     def correct_steps(self, step, layer: int, qk, at, held, sel: Selection, per_row: list[int], k, v) -> tuple:
-        """`correct` one step after another: the scores, the pick (correction_rows), the gather; into the room
-        speculation's gather left (or, with none, joined to its rows)."""
+        """`correct` one step after another: the scores, the pick (correction_rows), the gather into the room
+        speculation's gather left."""
         if not self.prefetch.side_stream:  # nothing here for a worker thread: the next layer's speculation goes now
             self.prefetch.flush()
         n = sel.slots.shape[-1]
@@ -438,18 +422,15 @@ class InfinigenSelector(Selector):
         slots, ok = correction_rows(s, sel, held, per_row, self.opts.group_agg)
         counted = ok.sum((1, 2))
         c = slots.shape[-1]
-        assert room >= c or not room, "the correction's rows exceed the room left for them"
+        assert room >= c, "the correction's rows exceed the room left for them"
         # a CPU gathers straight into the room; a GPU's kernel into its own buffers
-        into = [(k[:, :, n : n + c], v[:, :, n : n + c])] if room and not self.store.kernel else None
+        into = [(k[:, :, n : n + c], v[:, :, n : n + c])] if not self.store.kernel else None
         every = ok
         if not self.store.kernel:  # a CPU reads the counts for free: once, for the ledger and whether all count
             counted = counted.tolist()
             every = None if sum(counted) == ok.numel() else ok
         (kc,), (vc,) = self.gather(step, layer, slots, every, 0, counted=counted, phys=step.physical(slots), into=into)
         self.count_corrected(step, layer, counted)
-        if not room:
-            sel, k, v = joined(sel, slots, ok, k, v, kc, vc)
-            return sel, (k,), (v,)
         if into is None:
             k[:, :, n : n + c], v[:, :, n : n + c] = kc, vc
         if room > c:  # never attended (and never NaN bits); (an empty fill is still a launch on a GPU)

@@ -633,12 +633,3 @@ def _counted(values, slots, cand, per_row) -> tuple[torch.Tensor, torch.Tensor]:
         limit = to_device(torch.tensor(per_row), ok.device)
         ok &= torch.arange(slots.shape[-1], device=ok.device) < limit[:, None, None]
     return slots, ok
-
-
-def joined(sel: Selection, slots, ok, k, v, kc, vc) -> tuple[Selection, torch.Tensor, torch.Tensor]:
-    """Speculation's selection and rows k, v [B, Hkv, n + 1, D] (the last row the new token's) with the
-    correction's slots, ok and rows kc, vc, before the new token's row."""
-    sel = Selection(torch.cat([sel.slots, slots], -1), torch.cat([sel.ok, ok], -1), False, sel.per_row)
-    k = torch.cat([k[:, :, :-1], kc.to(k.dtype), k[:, :, -1:]], 2)
-    v = torch.cat([v[:, :, :-1], vc.to(v.dtype), v[:, :, -1:]], 2)
-    return sel, k, v
