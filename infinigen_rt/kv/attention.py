@@ -14,6 +14,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from infinigen_rt.kv.kernels import check, gpu_op
+
 TOKENS = 16  # keys a program scores at a time ([G, TOKENS, D] products in registers: 32 took all 255)
 MIN_SPLIT = 256  # the fewest tokens a program reads (fewer: merging costs more than the parallelism gains)
 TARGET_PROGRAMS = 264  # two waves of an H100's 132 SMs
@@ -27,11 +29,17 @@ def splits(batch: int, hkv: int, longest: int) -> tuple[int, int]:
     return split, max(1, math.ceil(longest / split))
 
 
+@gpu_op("paged_decode(Tensor q, Tensor k, Tensor v, Tensor table, Tensor lengths, int block, int longest, "
+        "float? scale=None) -> Tensor")
 def paged_decode(q, k, v, table, lengths, block: int, longest: int, scale: float | None = None) -> torch.Tensor:
     """q [B, H, 1, D] over the keys and values of each sequence: k, v [Hkv, slots, D] (slot = block number x
     `block` + offset; each head's rows contiguous), table [B, max_blocks] int32 (sequence b's token t is in block
     table[b, t // block]), lengths [B] int32 on the device; `longest`: the largest length, known on the host.
     Returns [B, H, 1, D] in q's dtype."""
+    check(q.dim() == 4 and q.shape[2] == 1 and k.dim() == 3 and k.shape == v.shape and k.shape[2] == q.shape[3]
+          and q.shape[1] % k.shape[0] == 0, "paged_decode: q [B, H, 1, D], k and v [Hkv, slots, D], Hkv dividing H")
+    check(table.dim() == 2 and table.shape[0] == q.shape[0] and lengths.shape == (q.shape[0],),
+          "paged_decode: table [B, blocks], lengths [B]")  # fmt: skip
     b, h, _, d = q.shape
     hkv = k.shape[0]
     g = h // hkv
@@ -105,6 +113,10 @@ def run_kernel_on_cpu(q, k, v, table, lengths, block: int, longest: int, scale: 
 
     from infinigen_rt.kv._attention_kernel import paged_decode_kernel
 
+    check(q.dim() == 4 and q.shape[2] == 1 and k.dim() == 3 and k.shape == v.shape and k.shape[2] == q.shape[3]
+          and q.shape[1] % k.shape[0] == 0, "paged_decode: q [B, H, 1, D], k and v [Hkv, slots, D], Hkv dividing H")
+    check(table.dim() == 2 and table.shape[0] == q.shape[0] and lengths.shape == (q.shape[0],),
+          "paged_decode: table [B, blocks], lengths [B]")  # fmt: skip
     b, h, _, d = q.shape
     hkv = k.shape[0]
     g = h // hkv

@@ -25,6 +25,35 @@ GATHER_PROGRAMS_ENV = "INFINIGEN_GATHER_PROGRAMS"
 GATHER_KERNEL, SCATTER_KERNEL = "gather_rows_kernel", "scatter_rows_kernel"
 
 
+# the GPU's kernels as typed operators (torch.ops.infinigen_gpu.<name>): their arguments checked against the schema,
+# what each writes declared, one op a call whatever the launches inside (what a CUDA graph captures); the same body for
+# CUDA tensors and for CPU ones (Triton's interpreter, in the tests)
+GPU_OPS = torch.library.Library("infinigen_gpu", "DEF")
+BODIES: dict = {}  # each op -> its Python body (fake CUDA runs it under its own dispatch: measure/fakecuda.py)
+
+
+def gpu_op(schema: str):
+    """Register the decorated function as the operator `schema` declares (its name, typed arguments, `(a!)` for
+    what it writes) for CPU and CUDA tensors; returns the op."""
+
+    def register(fn):
+        name = schema.split("(", 1)[0]
+        GPU_OPS.define(schema)
+        for key in ("CPU", "CUDA"):
+            GPU_OPS.impl(name, fn, key)
+        op = getattr(torch.ops.infinigen_gpu, name)
+        BODIES[op.default] = fn
+        return op
+
+    return register
+
+
+def check(ok: bool, message: str) -> None:
+    """A kernel's argument check: RuntimeError, as a C++ operator's TORCH_CHECK raises."""
+    if not ok:
+        raise RuntimeError(message)
+
+
 def words(t: torch.Tensor) -> torch.Tensor:
     """t [..., X] (contiguous) viewed as rows of the widest integer that divides a row's bytes: [N, W]."""
     assert t.is_contiguous(), "rows move in place: a contiguous tensor"
@@ -68,12 +97,19 @@ def gather_grid(total: int) -> int:
     return min(chunks, cap) if cap else chunks
 
 
+@gpu_op("gather_rows(Tensor src_a, Tensor src_b, Tensor rows, Tensor? ok, Tensor(a!) out_a, Tensor(b!) out_b) -> ()")
 def gather_rows(src_a, src_b, rows, ok, out_a, out_b) -> None:
     """out_x[g, i] = src_x[rows[g, i]] where ok[g, i] (else zeros), for the pair x = a, b (keys and values).
 
     src_a, src_b: [N, X] (host pinned memory, or device memory); rows: [G, n] int64 and ok: [G, n] bool (or None:
     all count), on the compute device; out_a, out_b: [G, n_out, X] with n_out >= n, contiguous, on the device
     (rows n..n_out-1 of each group are left as they are: room for the new tokens)."""
+    check(rows.dim() == 2 and rows.dtype == torch.int64, "gather_rows: rows [G, n] int64")
+    check(ok is None or (ok.shape == rows.shape and ok.dtype == torch.bool), "gather_rows: ok [G, n] bool, as rows")
+    check(src_a.shape == src_b.shape and src_a.dtype == src_b.dtype, "gather_rows: src_a and src_b alike")
+    check(out_a.shape == out_b.shape and out_a.dim() == 3 and out_a.shape[0] == rows.shape[0]
+          and out_a.shape[1] >= rows.shape[1] and out_a.shape[2] == src_a.shape[-1] and out_a.dtype == src_a.dtype,
+          "gather_rows: out_a, out_b [G, n_out >= n, X] in the sources' dtype")  # fmt: skip
     g, n = rows.shape
     n_out = out_a.shape[1]
     sa, sb, oa, ob = words(src_a), words(src_b), words(out_a), words(out_b)
@@ -93,10 +129,17 @@ def gather_rows(src_a, src_b, rows, ok, out_a, out_b) -> None:
     )  # fmt: skip
 
 
+@gpu_op("gather_reused(Tensor src_a, Tensor src_b, Tensor prev_a, Tensor prev_b, Tensor rows, Tensor ok, Tensor pos, "
+        "Tensor(a!) out_a, Tensor(b!) out_b) -> ()")
 def gather_reused(src_a, src_b, prev_a, prev_b, rows, ok, pos, out_a, out_b) -> None:
     """`gather_rows` where a selection was fetched the step before: out_x[g, i] = prev_x[pos[g, i]] where pos >= 0,
     else src_x[rows[g, i]] (where ok; zeros where not). prev_a, prev_b: [M, X] (the previous step's output, flat
     rows, on the device); pos: [G, n] int64 on the device. Only the rows not held cross from the pool."""
+    check(rows.dim() == 2 and rows.dtype == torch.int64 and pos.shape == rows.shape and pos.dtype == torch.int64
+          and ok.shape == rows.shape and ok.dtype == torch.bool,
+          "gather_reused: rows, pos [G, n] int64, ok [G, n] bool")  # fmt: skip
+    check(out_a.shape == out_b.shape and out_a.shape[0] == rows.shape[0] and out_a.shape[1] >= rows.shape[1],
+          "gather_reused: out_a, out_b [G, n_out >= n, X]")  # fmt: skip
     g, n = rows.shape
     total = g * n
     if total == 0:
@@ -124,10 +167,13 @@ def gather_reused_reference(src_a, src_b, prev_a, prev_b, rows, ok, pos, out_a, 
         out[:, :n] = torch.where(held, kept.to(out.dtype), out[:, :n])
 
 
+@gpu_op("scatter_rows(Tensor(a!) dst, Tensor rows, Tensor src) -> ()")
 def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
     """dst[rows[i]] = src[i]: dst [N, X] (host pinned memory, or device memory), rows [n] int64 and src [n, X]
-    contiguous on the compute device (the new tokens of a step written into freed slots of the pool, each
-    (sequence, KV head) into its own)."""
+    on the compute device (the new tokens of a step written into freed slots of the pool, each (sequence, KV head)
+    into its own)."""
+    check(rows.dtype == torch.int64 and src.numel() == rows.numel() * dst.shape[-1] and src.dtype == dst.dtype,
+          "scatter_rows: rows [n] int64, src [n, X] in dst's dtype")  # fmt: skip
     n = rows.numel()
     if n == 0:
         return

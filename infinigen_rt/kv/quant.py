@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from infinigen_rt.kv import cpu
+from infinigen_rt.kv.kernels import check, gpu_op, launch
 
 
 def quantize(x: torch.Tensor, group: int, bits: int = 4):
@@ -147,20 +148,30 @@ def score_rows(g: int, groups: int) -> int:
 def _scores_kernel(q, codes, meta, at, t: int, group: int, bits: int, run: int = 0) -> torch.Tensor:
     """The kernel's scores (see `scores`); `run` > 0: a scale per channel over each `run` slots (meta [R, Hkv,
     S / run, 2, D]; policies/speculation.py's ChannelKeys)."""
+    slots = at.contiguous() if isinstance(at, torch.Tensor) else None
+    return score_codes(q.float().contiguous(), codes, meta, slots, at.start if isinstance(at, slice) else 0, t, group,
+                       bits, run)  # fmt: skip
+
+
+@gpu_op("score_codes(Tensor q, Tensor codes, Tensor meta, Tensor? slots, int start, int t, int group, int bits, "
+        "int run) -> Tensor")
+def score_codes(q, codes, meta, slots, start: int, t: int, group: int, bits: int, run: int) -> torch.Tensor:
+    """q [B, Hkv, G, D] float32 against the codes and meta at `slots` ([B, t] or [B, Hkv, t]; None: `t` slots from
+    `start`): [B, Hkv, G, t] float32 (the scoring kernel's)."""
     import triton
 
     from infinigen_rt.kv._quant_kernel import score_codes_kernel
-    from infinigen_rt.kv.kernels import launch
 
     b, hkv, g, d = q.shape
+    check(q.dtype == torch.float32 and codes.dtype == torch.uint8 and codes.dim() == 4 and codes.shape[1] == hkv
+          and (slots is None or slots.shape[-1] == t), "score_codes: q [B, Hkv, G, D] float32, codes [R, Hkv, S, "
+          "bytes] uint8, slots [.., t]")  # fmt: skip
     out = torch.empty(b, hkv, g, t, dtype=torch.float32, device=q.device)
     if t == 0:
         return out
-    slots = at if isinstance(at, torch.Tensor) else None
-    start = at.start if isinstance(at, slice) else 0
     launch(
         score_codes_kernel, (b, hkv, triton.cdiv(t, SPLIT)),
-        q.float().contiguous(), codes, meta, slots.contiguous() if slots is not None else out, out, t, codes.shape[2],
+        q, codes, meta, slots if slots is not None else out, out, t, codes.shape[2],
         start, BATCH_ROWS=codes.shape[0] > 1, HKV=hkv, G=g, G_ROWS=score_rows(g, d // group), D=d, GROUP=group,
         BITS=bits, TOKENS=TOKENS, SPLIT=SPLIT, HAS_SLOTS=slots is not None,
         PAIR_SLOTS=slots is not None and slots.dim() == 3, CHANNEL=run > 0, RUN=max(run, 1),
@@ -169,23 +180,47 @@ def _scores_kernel(q, codes, meta, at, t: int, group: int, bits: int, run: int =
     return out
 
 
+@gpu_op("quantize_rows(Tensor x, Tensor at, Tensor(a!) codes, Tensor(b!) meta, int group, int bits) -> ()")
+def quantize_rows(x, at, codes, meta, group: int, bits: int) -> None:
+    """New keys x [R, Hkv, s, D] quantized and packed into codes and meta at slots `at` [R, Hkv, s] (the quantizing
+    kernel's, a row a program)."""
+    import triton
+
+    from infinigen_rt.kv._quant_kernel import quantize_rows_kernel
+
+    r, hkv, s, d = x.shape
+    check(at.shape == (r, hkv, s) and codes.dtype == torch.uint8, "quantize_rows: at [R, Hkv, s], codes uint8")
+    total = r * hkv * s
+    if total:
+        launch(quantize_rows_kernel, (triton.cdiv(total, QUANT_ROWS),), x.contiguous(), at.contiguous(), codes,
+               meta, total, s, codes.shape[2], D=d, GROUP=group, BITS=bits, ROWS=QUANT_ROWS)  # fmt: skip
+
+
+@gpu_op("quantize_channel(Tensor k, Tensor slots, Tensor? appends, Tensor(a!) codes, Tensor(b!) meta, "
+        "Tensor(c!) held, int mode, int run, float tiny) -> ()")
+def quantize_channel(k, slots, appends, codes, meta, held, mode: int, run: int, tiny: float) -> None:
+    """New keys k [R, Hkv, s, D] into the per-channel keys' codes, meta and held flags at `slots` [R, Hkv, s], a
+    row a program (policies/speculation.py's ChannelKeys.write); `mode` 2: `appends` [R, Hkv, s] bool says which
+    go to the end of their sequence's slots, else mode says it of every one (1) or none (0)."""
+    from infinigen_rt.kv._quant_kernel import quantize_channel_kernel
+
+    r, hkv, s, d = k.shape
+    check(slots.shape == (r, hkv, s) and (mode != 2 or appends is not None), "quantize_channel: slots [R, Hkv, s]")
+    flags = held.view(torch.uint8)
+    launch(quantize_channel_kernel, (r * hkv * s,), k.contiguous(), slots.contiguous(),
+           appends.expand(r, hkv, s).contiguous().view(torch.uint8) if mode == 2 else flags, codes, meta, flags, s,
+           codes.shape[2], D=d, RUN=run, APPENDS=mode, TINY=tiny)  # fmt: skip
+
+
 def store(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, group: int, bits: int) -> None:
     """New keys x [R, Hkv, s, D] quantized into codes [R, Hkv, S, bytes] and meta [R, Hkv, S, 2, groups] at slots
     start.. (`at` an int) or at [R, Hkv, s] (each sequence and KV head its own). On a GPU one kernel quantizes and
     packs every row into its slot, on a CPU the native kernel (kv/cpu.py); else `quantize` and a scatter."""
     r, hkv, s, d = x.shape
     if fused(x, d):
-        import triton
-
-        from infinigen_rt.kv._quant_kernel import quantize_rows_kernel
-        from infinigen_rt.kv.kernels import launch
-
         if isinstance(at, int):
             at = torch.arange(at, at + s, device=x.device).expand(r, hkv, s)
-        total = r * hkv * s
-        if total:
-            launch(quantize_rows_kernel, (triton.cdiv(total, QUANT_ROWS),), x.contiguous(), at.contiguous(), codes,
-                   meta, total, s, codes.shape[2], D=d, GROUP=group, BITS=bits, ROWS=QUANT_ROWS)  # fmt: skip
+        quantize_rows(x, at, codes, meta, group, bits)
         return
     if x.device.type == "cpu" and cpu.quantize_rows(x, codes, meta, at, group, bits):
         return

@@ -269,14 +269,9 @@ class ChannelKeys:
         if (fused or dev.type == "cpu") and (s == 1 or distinct and not isinstance(start, int)):  # a run a key
             slots = torch.full((r, hkv, 1), start, device=dev, dtype=torch.int64) if isinstance(start, int) else start
             if fused:  # one launch, a row a program
-                from infinigen_rt.kv._quant_kernel import quantize_channel_kernel
-                from infinigen_rt.kv.kernels import launch
-
                 mode = 2 if isinstance(appends, torch.Tensor) else int(appends)
-                flags = held.view(torch.uint8)
-                launch(quantize_channel_kernel, (r * hkv * s,), k.contiguous(), slots.contiguous(),
-                       appends.expand(r, hkv, s).contiguous().view(torch.uint8) if mode == 2 else flags, codes, meta,
-                       flags, s, codes.shape[2], D=d, RUN=t, APPENDS=mode, TINY=quant.FP16_TINY)  # fmt: skip
+                quant.quantize_channel(k, slots.expand(r, hkv, s), appends if mode == 2 else None, codes, meta, held,
+                                       mode, t, quant.FP16_TINY)  # fmt: skip
                 return
             if cpu.quantize_channel(k, slots, appends, codes, meta, held, t, quant.FP16_TINY):  # the CPU's kernel
                 return

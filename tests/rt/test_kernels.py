@@ -140,3 +140,31 @@ def test_gather_reusing_the_last_rows_equals_its_definition(dtype, width):
     held = ok & (pos >= 0)
     assert held.any() and (ok & (pos < 0)).any() and (~ok).any()
     assert torch.equal(ka[:, :n][held], prev_a[pos[held]]) and bool((ka[:, n:] == 7).all())
+
+
+def test_the_gpu_kernels_are_typed_operators_that_check_their_tensors():
+    """Every GPU kernel is a torch operator (torch.ops.infinigen_gpu: what a CUDA graph captures), its schema
+    declaring the tensors it writes; an argument of the wrong kind is refused by the schema, and tensors of the wrong
+    shape or dtype by the op's checks, before any kernel reads a pointer."""
+    from infinigen_rt.kv import attention, kernels, quant
+
+    ops = torch.ops.infinigen_gpu
+    assert {op.default for op in (ops.gather_rows, ops.gather_reused, ops.scatter_rows, ops.paged_decode,
+                                  ops.score_codes, ops.quantize_rows, ops.quantize_channel)} == set(kernels.BODIES)
+    assert gather_rows is ops.gather_rows and attention.paged_decode is ops.paged_decode
+    assert quant.score_codes is ops.score_codes
+    schema = str(ops.gather_rows.default._schema)
+    assert "Tensor(a!) out_a" in schema and "Tensor(b!) out_b" in schema and "Tensor? ok" in schema
+    src = torch.zeros(10, 8)
+    out = torch.zeros(2, 4, 8)
+    with pytest.raises(RuntimeError, match="rows \\[G, n\\] int64"):
+        gather_rows(src, src, torch.zeros(2, 3), None, out, out.clone())  # float rows
+    with pytest.raises(RuntimeError, match="in the sources' dtype"):
+        gather_rows(src, src, torch.zeros(2, 3, dtype=torch.long), None, out.half(), out.half())
+    with pytest.raises(RuntimeError):  # not a tensor where the schema wants one
+        gather_rows(src, src, [0, 1], None, out, out.clone())
+    with pytest.raises(RuntimeError, match="scatter_rows"):
+        scatter_rows(src, torch.zeros(3, dtype=torch.long), torch.zeros(2, 8))
+    rows = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    gather_rows(src + torch.arange(10.0)[:, None], src, rows, None, out, out.clone())
+    assert torch.equal(out[:, :3, 0], rows.float())
