@@ -462,12 +462,18 @@ def gemma3_bundle(pytestconfig, tmp_path_factory, gemma3_path):
     return shared_folder(pytestconfig, tmp_path_factory, "gemma3", build) / "gemma3"
 
 
-# The files that take longest, longest first (from a whole run's --durations): under `pytest -n 2 --dist loadfile`
-# (just test) each worker takes the next file when it is free, so starting the long ones first keeps one worker
-# from running a long file alone at the end. Without xdist the order changes nothing a test relies on.
-LONG_FILES = ("test_qwen.py", "test_rehearsal.py", "test_cli.py", "test_hub_paths.py", "test_projection.py",
-              "test_serve.py", "test_eval.py", "test_gpu_sh.py", "test_gemma3.py", "test_docs.py", "test_policies.py",
-              "test_needle.py", "test_bench.py", "test_hostile_input.py", "test_tp.py", "test_skew.py")  # fmt: skip
+# The files that take longest, longest first (each file's time in a whole run, its share of the shared bundles'
+# making left out; the Qwen and Gemma 3 bundles, which one file each uses, left in): under `pytest -n 2 --dist loadfile
+# --no-loadscope-reorder` (just test) each worker takes the next file in this order when it is free, so the long
+# ones start first and no worker runs a long file alone at the end. (Without --no-loadscope-reorder xdist hands out
+# the files with the most tests first, whatever their time: test_rehearsal.py, a fifth of the suite's time, started
+# after test_serve.py's 74 quick tests.) Without xdist the order changes nothing a test relies on.
+LONG_FILES = ("test_rehearsal.py", "test_cli.py", "test_qwen.py", "test_bench.py", "test_eval.py", "test_tp.py",
+              "test_projection.py", "test_hub_paths.py", "test_gemma3.py", "test_serve.py", "test_policies.py",
+              "test_runner.py", "test_push.py", "test_cpu_kernels.py", "test_docs.py", "test_smollm2.py",
+              "test_hostile_input.py", "test_quant_kernel.py", "test_gguf_source.py", "test_needle.py",
+              "test_gpu_sh.py", "test_store.py", "test_speculation.py", "test_attention_kernel.py", "test_skew.py",
+              "test_inspect.py", "test_keys_choice.py")  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):
