@@ -905,7 +905,7 @@ def test_a_cpu_decode_step_scores_and_quantizes_through_the_kernel(keys, bundles
     calls = {"score": 0, "quantize": 0, "topk": 0, "group_softmax": 0, "correct_pick": 0}
     score, quantize, topk, softmax = cpu.score_codes, cpu.quantize_rows, cpu.topk, cpu.group_softmax
     channel = cpu.score_channel
-    pick = cpu.correct_pick
+    pick, channel_pick = cpu.correct_pick, cpu.correct_channel
 
     def counted(name, fn):
         def run(*a, **k):
@@ -921,6 +921,8 @@ def test_a_cpu_decode_step_scores_and_quantizes_through_the_kernel(keys, bundles
     monkeypatch.setattr(cpu, "topk", counted("topk", topk))
     monkeypatch.setattr(cpu, "group_softmax", counted("group_softmax", softmax))
     monkeypatch.setattr(cpu, "correct_pick", counted("correct_pick", pick))
+    # (per-channel keys read in place: the scores, pick and pool rows in one call)
+    monkeypatch.setattr(cpu, "correct_channel", counted("correct_pick", channel_pick))
     got, toks, _ = greedy_logits(e, pol, PROMPTS, 6)
     speculated = e.cfg.num_hidden_layers - pol.opts.dense_layers - 1  # layer j's rows chosen at layer j - 1
     scored = 5 * 2 * speculated if keys != "int2" else 0  # 2 bits: the torch path scores (the faster there)
