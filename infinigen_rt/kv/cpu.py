@@ -7,12 +7,12 @@ its tensors against each other before the kernel reads them), built on first use
 x86-64, AVX2, AVX-512); the one in use is chosen once, when it loads: the best this CPU runs, or the one
 `$INFINIGEN_CPU_ISA` names (plain, avx2 or avx512: the same scores on every machine that runs it).
 
-Without a compiler, with `$CC` naming a program that is not found (a warning: no other compiler is taken in its
-place), after a failed build, with `INFINIGEN_CPU_ISA` naming a variant this CPU does not run, or with
-`INFINIGEN_CPU_KERNELS=0`, the torch path runs (kv/quant.py: the same scores up to float32 rounding); `reason()`
-says why. Warnings go through errors.notice (the CLIs print one `warning:` line each), each once a process. An
-operator's call releases the GIL while its kernel runs: the speculation's scoring on the runner's worker thread runs
-beside the main thread's layers, and a large call is split over torch's threads."""
+Without a compiler, with `$CC` naming a program that is not found (no other compiler is taken in its place), after
+a failed build, or with `INFINIGEN_CPU_ISA` naming a variant this CPU does not run, a warning says so and the torch
+path runs (kv/quant.py: the same scores up to float32 rounding); with `INFINIGEN_CPU_KERNELS=0` it runs without one.
+`reason()` says why. Warnings go through errors.notice (the CLIs print one `warning:` line each), each once a
+process. An operator's call releases the GIL while its kernel runs: the speculation's scoring on the runner's worker
+thread runs beside the main thread's layers, and a large call is split over torch's threads."""
 
 from __future__ import annotations
 
@@ -84,11 +84,17 @@ def _start(notes: list[str]) -> None:
         _failed = missing or "no C compiler (set CC)"
         if missing:
             notes.append(f"{missing}; the CPU kernels are not built (unset CC or point it at a C compiler)")
+        else:
+            notes.append(f"no C compiler (cc, gcc or clang): the CPU kernels are not built and torch's ops run, "
+                         f"slower (install gcc and g++, set CC, or set {ENV}=0)")  # fmt: skip
         return
     try:
         load(cc, notes)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _failed = f"the build failed: {e}"
+        why = " ".join(str(e).split())
+        notes.append(f"the CPU kernels' build failed ({why[:300]}): torch's ops run, slower (a C and C++ compiler "
+                     f"and torch's headers are needed: install gcc and g++, set CC, or set {ENV}=0)")  # fmt: skip
         return
     ops = torch.ops.infinigen
     here, want = list(ops.variants()), os.environ.get(ISA_ENV, "").strip().lower()

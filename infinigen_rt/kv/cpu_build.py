@@ -51,7 +51,8 @@ _AVX2 = ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt", "-mpopcnt"]
 VARIANTS = {"plain": [], "avx2": _AVX2,
             "avx512": [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]}  # fmt: skip
 CXX_FLAGS = ["-x", "c++", "-std=c++20", "-O2", "-fPIC", "-fvisibility=hidden"]  # (and torch's headers, its ABI)
-LINK_FLAGS = ["-shared"]  # (and torch's libraries, the C++ runtime)
+# (after -L torch's libraries' folder) torch's libraries and the C++ runtime
+LINK_FLAGS = ["-shared", "-lc10", "-ltorch_cpu", "-lc++" if sys.platform == "darwin" else "-lstdc++"]
 OPERATORS = ("variants", "choose", "isa", "integer_scores", "score_codes", "score_channel", "quantize_rows",
              "quantize_channel", "group_softmax", "topk", "correct_pick", "gather_rows", "correct_channel",
              "speculate_channel", "attend_rows", "linear")  # fmt: skip
@@ -102,22 +103,18 @@ def cache_dir() -> Path:
 
 
 def _torch_flags() -> tuple[list[str], list[str]]:
-    """(the C++ file's flags for torch's headers and C++ ABI, the link's flags for torch's libraries)."""
+    """(the C++ file's flags for torch's headers and C++ ABI, the link's for where torch's libraries are)."""
     from torch.utils.cpp_extension import include_paths  # (only to build)
 
-    lib = Path(torch.__file__).parent / "lib"
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
-    includes = [f"-I{p}" for p in include_paths()]
-    cxx_lib = "-lc++" if sys.platform == "darwin" else "-lstdc++"
-    return [abi, *includes], [f"-L{lib}", "-lc10", "-ltorch_cpu", cxx_lib]
+    return [abi, *(f"-I{p}" for p in include_paths())], [f"-L{Path(torch.__file__).parent / 'lib'}"]
 
 
 def kernel_name(cc: list[str]) -> str:
     """The library's file name in the cache: keyed by the sources, the compiler's command and `--version`, the
     flags, torch's version and C++ ABI, and the architecture (not the CPU: each variant is chosen where it runs)."""
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    flags = [*C_FLAGS, *(f"{k}: {' '.join(v)}" for k, v in variants().items()), *CXX_FLAGS, *LINK_FLAGS,
-             *_torch_flags()[1][1:]]  # (torch's libraries by name, not where this install keeps them)
+    flags = [*C_FLAGS, *(f"{k}: {' '.join(v)}" for k, v in variants().items()), *CXX_FLAGS, *LINK_FLAGS]
     parts = (SRC.read_text(), HEADER.read_text(), OPS_SRC.read_text(), shlex.join(cc), version, " ".join(flags),
              torch.__version__, str(torch.compiled_with_cxx11_abi()), platform.machine())  # fmt: skip
     key = hashlib.sha256(b"\0".join(x.encode() for x in parts)).hexdigest()[:16]
@@ -206,11 +203,11 @@ def _prove_loads(part: Path, cc: list[str]) -> None:
 def _compile(cc: list[str], tmp: Path, part: Path) -> None:
     """The C source once per variant and the C++ operators, at once (each its own process), then linked at part.
     RuntimeError where the compiler fails."""
-    cxx, libs = _torch_flags()
+    cxx, where = _torch_flags()
     jobs = [[*cc, *C_FLAGS, f"-DINFINIGEN_ISA={isa}", *flags, "-c", str(SRC), "-o", str(tmp / f"{isa}.o")]
             for isa, flags in variants().items()]  # fmt: skip
     jobs.append([*cc, *CXX_FLAGS, *cxx, "-c", str(OPS_SRC), "-o", str(tmp / "ops.o")])
-    link = [*cc, *LINK_FLAGS, *(cmd[-1] for cmd in jobs), "-o", str(part), *libs]
+    link = [*cc, *(cmd[-1] for cmd in jobs), "-o", str(part), *where, *LINK_FLAGS]
 
     def run(cmd: list[str]) -> None:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

@@ -524,7 +524,12 @@ def cached_names(lib: Path) -> list[str]:
 
 def test_a_failed_build_falls_back_to_the_torch_path_and_leaves_nothing(tmp_path, monkeypatch):
     """A compiler that fails (or none, or INFINIGEN_CPU_KERNELS=0): the scores still come, from the torch path, and
-    the cache holds no half-written library; a working build leaves exactly the library."""
+    the cache holds no half-written library; a failed build and a missing compiler are one warning each, with the
+    fix (INFINIGEN_CPU_KERNELS=0: none); a working build leaves exactly the library."""
+    import warnings
+
+    from infinigen_rt.errors import InfinigenWarning
+
     gen = torch.Generator().manual_seed(1)
     codes, meta, group = codes_of(gen, 1, 2, 50, 64, 4)
     q = torch.randn(1, 2, 3, 64, generator=gen)
@@ -536,13 +541,27 @@ def test_a_failed_build_falls_back_to_the_torch_path_and_leaves_nothing(tmp_path
     bad_cc.chmod(0o755)
     cache = tmp_path / "cache"
     off = "INFINIGEN_CPU_KERNELS"
-    for env, why in [({"CC": str(bad_cc)}, "build failed"), ({off: "0"}, f"{off}=0")]:
+    cases = [({"CC": str(bad_cc)}, "build failed", "the CPU kernels' build failed"), ({off: "0"}, f"{off}=0", None),
+             ({"NO_CC": "1"}, "no C compiler", "no C compiler")]  # NO_CC: no compiler found (cpu.compiler None)
+    for env, why, said in cases:
         monkeypatch.setattr(cpu, "_lib", None)
         monkeypatch.setattr(cpu, "_failed", None)
+        monkeypatch.setattr(cpu, "_warned", set())
         monkeypatch.setenv("INFINIGEN_KERNEL_CACHE", str(cache))
         for k, v in env.items():
             monkeypatch.setenv(k, v)
-        assert cpu.library() is None and why in cpu.reason()
+        with monkeypatch.context() as m, warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            if "NO_CC" in env:
+                m.setattr(cpu, "compiler", lambda: None)
+            assert cpu.library() is None and why in cpu.reason()
+        lines = [str(w.message) for w in got if issubclass(w.category, InfinigenWarning)]
+        if said is None:
+            assert not lines
+        else:
+            (line,) = lines
+            assert line.startswith(said) and "torch's ops run" in line and f"set {off}=0" in line, line
+        monkeypatch.delenv("NO_CC", raising=False)
         assert cpu.score_codes(q, codes, meta, 50, 50, group, 4) is None
         torch.testing.assert_close(quant.scores(q, codes, meta, 50, group, 4), want)
         assert not cache.exists() or not any(cache.rglob("*.so"))
