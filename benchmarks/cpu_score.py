@@ -1,8 +1,8 @@
 """The CPU's ways to score queries against low-bit keys, side by side at one layer's shapes: the native kernel
 (kv/_cpu_kernels.c) and the torch path (quant.score_span: scale * (q . codes) + minimum * sum(q) on unpacked codes;
 for the per-channel keys, int4c, a span of keys formed from their run's scales and one product), each checked
-against float64 on the dequantized keys. Slots through block-permuted tables, as the store holds them. The machine's
-vector width is recorded (`avx512`): the per-channel kernel takes its 16-keys-a-run path only with AVX-512.
+against float64 on the dequantized keys. Slots through block-permuted tables, as the store holds them. The kernels'
+variant in use is recorded (`isa`): the per-channel kernel takes its 16-keys-a-run path only in the AVX-512 one.
 
     python benchmarks/cpu_score.py --out artifacts/results/cpu-score-kernel.json
 """
@@ -93,7 +93,7 @@ def median_ms(fn, n: int) -> float:
 
 def save(rows: list[dict], path: str | None) -> None:
     """The rows, with the machine, torch's threads and version, as JSON at path (None: nowhere)."""
-    out = {"machine": platform.processor() or platform.machine(), "avx512": "avx512f" in cpu._cpu_flags().split(),
+    out = {"machine": platform.processor() or platform.machine(), "isa": cpu.isa(),
            "threads": torch.get_num_threads(), "torch": torch.__version__, "rows": rows}  # fmt: skip
     if path:
         with open(path, "w") as f:

@@ -1,12 +1,16 @@
-/* The CPU's kernel for scoring queries against low-bit keys (kv/quant.py's layout): built on first use by
-   kv/cpu.py with the machine's C compiler (-O3 -march=native), loaded through ctypes, which releases the GIL for
-   the call, so a Python thread per core can take a share of the (sequence, KV head) pairs.
+/* The CPU's kernel for scoring queries against low-bit keys (kv/quant.py's layout): compiled once per instruction
+   set (kv/cpu_build.py: plain x86-64, AVX2, AVX-512; the `#if defined(__AVX...)` branches below are what each
+   variant gets), its kernels named per variant by _cpu_kernels.h, called through the typed torch operators of
+   kv/_cpu_ops.cpp (which check the tensors first), whose calls release the GIL, so a Python thread per core can
+   take a share of the (sequence, KV head) pairs.
 
    It reads each held key's packed codes and its fp16 scale and minimum once, through the slot table, and writes
    the scores; no key is ever formed in memory. Per group of columns the dot product is
    scale * (q . codes) + minimum * sum(q), as the torch path computes it (quant.score_span). */
 
 #include <stdint.h>
+
+#include "_cpu_kernels.h"
 
 #define MAX_G 64    /* query heads a KV head serves */
 #define MAX_D 512   /* head_dim */

@@ -1,17 +1,21 @@
 """The CPU's native kernels (kv/_cpu_kernels.c): scoring queries against low-bit keys without forming the keys,
 and the selection's group softmax and top-k (policies/speculation.py).
 
-Built on first use and loaded by kv/cpu_build.py (where the cache is, and what it trusts).
+Each kernel is a typed torch operator, torch.ops.infinigen.<name> (kv/_cpu_ops.cpp: its schema, and the checks of
+its tensors against each other before the kernel reads them), built on first use and loaded by kv/cpu_build.py
+(where the cache is, and what it trusts). The library holds the kernels compiled for each instruction set (plain
+x86-64, AVX2, AVX-512); the one in use is chosen once, when it loads: the best this CPU runs, or the one
+`$INFINIGEN_CPU_ISA` names (plain, avx2 or avx512: the same scores on every machine that runs it).
 
-Without a compiler, with `$CC` naming a program that is not found (a warning: no other compiler is taken in its
-place), after a failed build, or with `INFINIGEN_CPU_KERNELS=0`, the torch path runs (kv/quant.py: the same scores
-up to float32 rounding); `reason()` says why. Warnings go through errors.notice (the CLIs print one `warning:` line
-each), each once a process. Loaded through ctypes, whose calls release the GIL: the speculation's scoring on the
-runner's worker thread runs beside the main thread's layers, and a large call is split over torch's threads."""
+Without a compiler, with `$CC` naming a program that is not found (no other compiler is taken in its place), after
+a failed build, or with `INFINIGEN_CPU_ISA` naming a variant this CPU does not run, a warning says so and the torch
+path runs (kv/quant.py: the same scores up to float32 rounding); with `INFINIGEN_CPU_KERNELS=0` it runs without one.
+`reason()` says why. Warnings go through errors.notice (the CLIs print one `warning:` line each), each once a
+process. An operator's call releases the GIL while its kernel runs: the speculation's scoring on the runner's worker
+thread runs beside the main thread's layers, and a large call is split over torch's threads."""
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import math
 import os
@@ -23,9 +27,10 @@ from contextlib import contextmanager
 import torch
 
 from infinigen_rt.errors import notice
-from infinigen_rt.kv.cpu_build import SIGNATURES, cc_missing, compiler, load
+from infinigen_rt.kv.cpu_build import cc_missing, compiler, load
 
 ENV = "INFINIGEN_CPU_KERNELS"
+ISA_ENV = "INFINIGEN_CPU_ISA"  # the variant to run (plain, avx2, avx512); unset: the best this CPU runs
 SPLIT_WORK = 1 << 16  # (sequence, KV head, slot) triples under which a call stays on its calling thread
 LINEAR_ROWS = 8  # rows of x a linear layer's kernel takes (a decode step's batch); more: torch's matmul
 INTEGER = True  # per-channel keys scored by integer dot products where the machine has them (AVX-512 VNNI); the
@@ -37,7 +42,7 @@ ERRORS = {-1: "shapes the CPU kernel does not take", -2: "a slot outside the key
 
 _off = 0  # `disabled()` depth
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
+_lib = None  # torch.ops.infinigen, once loaded
 _failed: str | None = None
 _warned: set[str] = set()  # the warnings this process has given (each once)
 _pool: ThreadPoolExecutor | None = None
@@ -52,8 +57,9 @@ def _warn(message: str) -> None:
         notice(message)
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (disabled, no compiler, or a failed build: `reason()` says which)."""
+def library():
+    """The kernels' operators (torch.ops.infinigen, its variant chosen), or None (disabled, no compiler, a failed
+    build, or a variant this CPU does not run: `reason()` says which)."""
     if _lib is not None or _failed is not None:
         return _lib
     notes: list[str] = []
@@ -78,24 +84,43 @@ def _start(notes: list[str]) -> None:
         _failed = missing or "no C compiler (set CC)"
         if missing:
             notes.append(f"{missing}; the CPU kernels are not built (unset CC or point it at a C compiler)")
+        else:
+            notes.append(f"no C compiler (cc, gcc or clang): the CPU kernels are not built and torch's ops run, "
+                         f"slower (install gcc and g++, set CC, or set {ENV}=0)")  # fmt: skip
         return
     try:
-        lib = load(cc, notes)
+        load(cc, notes)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _failed = f"the build failed: {e}"
+        why = " ".join(str(e).split())
+        notes.append(f"the CPU kernels' build failed ({why[:300]}): torch's ops run, slower (a C and C++ compiler "
+                     f"and torch's headers are needed: install gcc and g++, set CC, or set {ENV}=0)")  # fmt: skip
         return
-    for name, args in SIGNATURES.items():
-        f = getattr(lib, name)
-        f.restype = ctypes.c_int
-        f.argtypes = args
-    _lib = lib
+    ops = torch.ops.infinigen
+    here, want = list(ops.variants()), os.environ.get(ISA_ENV, "").strip().lower()
+    if want and want not in here:
+        _failed = f"{ISA_ENV}={want}: not a variant this CPU runs ({', '.join(here)})"
+        notes.append(f"{_failed}; the CPU kernels are not used (unset {ISA_ENV} or name one of those)")
+        return
+    try:
+        ops.choose(want or here[0])
+    except RuntimeError as e:  # (another variant chosen in this process before)
+        _failed = str(e).splitlines()[0]
+        return
+    _lib = ops
 
 
 def integer_scores() -> bool:
-    """Whether score_channel and correct_channel score by integer dot products here (INTEGER, and a build with AVX-512
-    VNNI): each key against the query folded with its run's scales in int8."""
+    """Whether score_channel and correct_channel score by integer dot products here (INTEGER, and the variant in use
+    has them: AVX-512 VNNI): each key against the query folded with its run's scales in int8."""
     lib = None if _off else library()
-    return bool(INTEGER and lib is not None and lib.infinigen_integer_scores())
+    return bool(INTEGER and lib is not None and lib.integer_scores())
+
+
+def isa() -> str | None:
+    """The kernels' variant in use (plain, avx2 or avx512), or None where they are not."""
+    lib = None if _off else library()
+    return None if lib is None else lib.isa()
 
 
 def reason() -> str | None:
@@ -126,7 +151,7 @@ def _threads() -> ThreadPoolExecutor:
     return _pool
 
 
-def _taking(codes: torch.Tensor, meta: torch.Tensor) -> ctypes.CDLL | None:
+def _taking(codes: torch.Tensor, meta: torch.Tensor):
     """The kernels, where they are in use and take these keys (packed uint8 codes, fp16 meta, both contiguous)."""
     lib = None if _off else library()
     if lib is None or codes.dtype != torch.uint8 or meta.dtype != torch.float16:
@@ -138,14 +163,14 @@ def score_codes(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, t:
                 bits: int) -> torch.Tensor | None:  # fmt: skip
     """quant.scores on a CPU through the kernel ([B, Hkv, G, t] float32), or None where it does not apply (no
     kernel, or tensors it does not take): the caller's torch path then runs."""
-    return _score("infinigen_score_codes", "low-bit keys", q, codes, meta, at, t, (group, bits))
+    return _score("score_codes", "low-bit keys", q, codes, meta, at, t, (group, bits))
 
 
 def score_channel(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, t: int,
                   run: int) -> torch.Tensor | None:  # fmt: skip
     """ChannelKeys.scores_at on a CPU through the kernel ([B, Hkv, G, t] float32; `at` an int t, a slice, [B, t] or
     [B, Hkv, t] slots), or None where it does not apply: the caller's torch path then runs."""
-    return _score("infinigen_score_channel", "per-channel keys", q, codes, meta, at, t, (run,), (int(INTEGER),))
+    return _score("score_channel", "per-channel keys", q, codes, meta, at, t, (run,), (INTEGER,))
 
 
 def _score(kernel: str, what: str, q, codes, meta, at, t: int, layout: tuple, after: tuple = ()) -> torch.Tensor | None:
@@ -160,11 +185,7 @@ def _score(kernel: str, what: str, q, codes, meta, at, t: int, layout: tuple, af
     out = torch.empty(b, hkv, g, t, dtype=torch.float32)
     if t == 0:
         return out
-    pairs = slots is not None and slots.dim() == 3  # [B, Hkv, t]: each (sequence, KV head) its own slots
-    args = (q.data_ptr(), codes.data_ptr(), meta.data_ptr(), slots.data_ptr() if slots is not None else None,
-            int(pairs), out.data_ptr(), b, codes.shape[0], hkv, g, d, *layout, t, codes.shape[2],
-            start, *after)  # fmt: skip
-    bad = _split(getattr(lib, kernel), args, b * hkv, t)
+    bad = _split(getattr(lib, kernel), (q, codes, meta, slots, out, *layout, start, *after), b * hkv, t)
     if bad == -1:
         return None
     if bad:
@@ -190,12 +211,12 @@ def _shared(f, args: tuple, pairs: int, per_pair: int, beside, what: str) -> boo
     False for shapes it does not take (-1); MemoryError or IndexError (a row outside the pool), named by `what`."""
     share = None
     if beside is not None and pairs > 1:
-        nxt = torch.zeros(1, dtype=torch.int64)  # (held through the calls)
-        share = beside(lambda: f(*args, nxt.data_ptr(), 0, pairs))
+        nxt = torch.zeros(1, dtype=torch.int64)
+        share = beside(lambda: f(*args, nxt, 0, pairs))
     if share is None:
         rc = _split(f, (*args, None), pairs, per_pair)
     else:
-        rc = f(*args, nxt.data_ptr(), 0, pairs)
+        rc = f(*args, nxt, 0, pairs)
         rc = rc or (0 if share.cancel() else share.result())  # (not started: the pairs ran out here)
     return _ran(rc, what)
 
@@ -211,7 +232,7 @@ class _Offer:
         self.open, self.active, self.rc = True, 0, 0
 
     def run(self) -> int:
-        return self.f(*self.args, self.next.data_ptr(), 0, self.pairs)
+        return self.f(*self.args, self.next, 0, self.pairs)
 
     def take(self) -> None:
         """Take pairs until none is left (nothing once the call has closed)."""
@@ -331,7 +352,7 @@ def each(n: int, fn) -> None:
             share.result()
 
 
-WIDE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the weights' widths the linear kernel reads
+WIDE = (torch.float32, torch.float16, torch.bfloat16)  # the weights' widths the linear kernel reads
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -352,15 +373,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     n, k = weight.shape
     rows = x.reshape(-1, k).contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    args = (rows.data_ptr(), weight.data_ptr(), out.data_ptr(), rows.shape[0], n, k)
-    wide = WIDE[weight.dtype]
     beside = getattr(_lent, "beside", None) if n * k * rows.shape[0] >= LEND_WORK else None
     if beside is None:
-        rc = lib.infinigen_linear(*args, None, 0, n, wide)
+        rc = lib.linear(rows, weight, out, None, 0, n)
     else:  # the rows in blocks to whichever of the two threads is free
-        nxt = torch.zeros(1, dtype=torch.int64)  # (held through the calls)
-        share = beside(lambda: lib.infinigen_linear(*args, nxt.data_ptr(), 0, n, wide))
-        rc = lib.infinigen_linear(*args, nxt.data_ptr(), 0, n, wide)
+        nxt = torch.zeros(1, dtype=torch.int64)
+        share = beside(lambda: lib.linear(rows, weight, out, nxt, 0, n))
+        rc = lib.linear(rows, weight, out, nxt, 0, n)
         if not share.cancel():  # (started: waited for whatever rc, as it writes `out`)
             rc = rc or share.result()
     if rc:
@@ -377,7 +396,7 @@ def narrow_weights() -> bool:
     return all(linear(x, torch.ones(1, 1, dtype=dt)) is not None for dt in (torch.float16, torch.bfloat16))
 
 
-def _floats(x: torch.Tensor) -> ctypes.CDLL | None:
+def _floats(x: torch.Tensor):
     """The kernels, where they are in use and x is a CPU float32 tensor."""
     lib = None if _off else library()
     return lib if lib is not None and x.dtype == torch.float32 and x.device.type == "cpu" else None
@@ -396,8 +415,8 @@ def group_softmax(s: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Te
     agg = torch.empty(*lead, t, dtype=torch.float32)
     within = torch.empty(*lead, g, dtype=torch.int64) if math.isfinite(alpha) else None
     rows = agg.numel() // t
-    args = (s.data_ptr(), agg.data_ptr(), within.data_ptr() if within is not None else None, rows, g, t, alpha)
-    if lib.infinigen_group_softmax(*args, 0, rows):  # (on the calling thread: shared, the hand-off cost more)
+    # (on the calling thread: shared, the hand-off cost more)
+    if lib.group_softmax(s, agg, within, alpha if within is not None else math.inf, 0, rows):
         return None
     return agg, within
 
@@ -413,7 +432,7 @@ def topk(x: torch.Tensor, k: int, sorted: bool) -> tuple[torch.Tensor, torch.Ten
     idx = torch.empty(*x.shape[:-1], k, dtype=torch.int64)
     val = torch.empty(*x.shape[:-1], k, dtype=torch.float32)
     rows = idx.numel() // k
-    rc = lib.infinigen_topk(x.data_ptr(), idx.data_ptr(), val.data_ptr(), rows, t, k, int(sorted), 0, rows)
+    rc = lib.topk(x, idx, val, sorted, 0, rows)
     if rc == -3:
         raise MemoryError("the CPU top-k kernel could not allocate its buffers")
     return (val, idx) if rc == 0 else None
@@ -431,15 +450,10 @@ def correct_pick(s: torch.Tensor, taken: torch.Tensor, taken_ok: torch.Tensor | 
         return None
     b, h, g, t = s.shape
     n = taken.shape[-1]
-    # held in names through the call (see quantize_rows)
     s, taken = s.contiguous(), taken.to(torch.int64).expand(b, h, n).contiguous()
-    ok = None if taken_ok is None else taken_ok.expand(b, h, n).to(torch.uint8).contiguous()
-    held = None if held is None else held.expand(b, h, t).to(torch.uint8).contiguous()
     idx = torch.empty(b, h, k, dtype=torch.int64)
     val = torch.empty(b, h, k, dtype=torch.float32)
-    rc = lib.infinigen_correct_pick(s.data_ptr(), taken.data_ptr(), None if ok is None else ok.data_ptr(), n,
-                                    None if held is None else held.data_ptr(), idx.data_ptr(), val.data_ptr(), b * h,
-                                    g, t, k, int(sorted), 0, b * h)  # fmt: skip
+    rc = lib.correct_pick(s, taken, _flags(taken_ok, (b, h, n)), _flags(held, (b, h, t)), idx, val, sorted, 0, b * h)
     if rc == -2:
         raise IndexError("the correction's taken slots: a slot outside the scores")
     if rc == -3:
@@ -458,10 +472,7 @@ def quantize_rows(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, 
     n_slots = codes.shape[2]
     base = (torch.arange(r * hkv, dtype=torch.int64) * n_slots).view(r, hkv, 1)
     rows = base + (torch.arange(at, at + s, dtype=torch.int64) if isinstance(at, int) else at.to(torch.int64))
-    # held in names through the call: a temporary's memory would be free (and reused) once its pointer is taken
-    x, rows = x.float().contiguous(), rows.contiguous()
-    rc = lib.infinigen_quantize_rows(x.data_ptr(), rows.data_ptr(), codes.data_ptr(), meta.data_ptr(), r * hkv * s,
-                                     d, group, bits, r * hkv * n_slots)  # fmt: skip
+    rc = lib.quantize_rows(x.float().contiguous(), rows.contiguous(), codes, meta, group, bits)
     if rc == -1:
         return False
     if rc:
@@ -480,12 +491,9 @@ def quantize_channel(x: torch.Tensor, starts: torch.Tensor, appends, codes: torc
         return False
     r, hkv, s, d = x.shape
     mode = 2 if isinstance(appends, torch.Tensor) else int(bool(appends))
-    # held in names through the call (see quantize_rows)
     x, starts = x.float().contiguous(), starts.to(torch.int64).expand(r, hkv, s).contiguous()
-    flags = appends.expand(r, hkv, s).to(torch.uint8).contiguous() if mode == 2 else None
-    rc = lib.infinigen_quantize_channel(x.data_ptr(), starts.data_ptr(), None if flags is None else flags.data_ptr(),
-                                        mode, codes.data_ptr(), meta.data_ptr(), held.data_ptr(), r * hkv, s,
-                                        codes.shape[2], d, run, tiny)  # fmt: skip
+    flags = _flags(appends, (r, hkv, s)) if mode == 2 else None
+    rc = lib.quantize_channel(x, starts, flags, mode, codes, meta, held, run, tiny)
     if rc == -1:
         return False
     if rc:
@@ -501,14 +509,9 @@ def gather_rows(src_k: torch.Tensor, src_v: torch.Tensor, rows: torch.Tensor, ou
     apply (the caller's index_select then runs); IndexError for a row outside the pool."""
     lib = None if _off else library()
     b, h, n = rows.shape
-    stride = None if lib is None else _rows_window(src_k, src_v, out_k, out_v, b, h)
-    if stride is None:
+    if lib is None or not _rows_alike(src_k, src_v, out_k, out_v, b, h):
         return False
-    x = src_k.shape[-1]
-    rows = rows.to(torch.int64).contiguous()  # held through the call (see quantize_rows)
-    rc = lib.infinigen_gather_rows(src_k.data_ptr(), src_v.data_ptr(), rows.data_ptr(), out_k.data_ptr(),
-                                   out_v.data_ptr(), b * h, n, out_k.shape[2], stride, x * src_k.element_size(),
-                                   src_k.numel() // x, 0, b * h)  # fmt: skip
+    rc = lib.gather_rows(src_k, src_v, rows.to(torch.int64).contiguous(), out_k, out_v, 0, b * h)
     if rc == -2:
         raise IndexError(f"gathering rows: {ERRORS[-2]}")
     return rc == 0
@@ -537,35 +540,23 @@ def correct_channel(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at
     if out_k is None:  # the picks' pool rows, nothing copied
         if not _pool_pair(src_k, src_v):
             return None
-        out_k = out_v = rows = torch.empty(b, hkv, k, dtype=torch.int64)
-        stride = k
-    else:
-        stride = _rows_window(src_k, src_v, out_k, out_v, b, hkv) if out_k.shape[2] >= k else None
-    if stride is None:
+        rows = torch.empty(b, hkv, k, dtype=torch.int64)
+    elif out_k.shape[2] < k or not _rows_alike(src_k, src_v, out_k, out_v, b, hkv):
         return None
-    x = src_k.shape[-1]
     n = taken.shape[-1]
-    # held in names through the call (see quantize_rows)
-    q = q.float().contiguous()
     slots, start = _slots_of(at)
     s = torch.empty(b, hkv, g, t, dtype=torch.float32)
-    taken = taken.to(torch.int64).expand(b, hkv, n).contiguous()
-    ok_in = None if taken_ok is None else taken_ok.expand(b, hkv, n).to(torch.uint8).contiguous()
-    held = None if held is None else held.expand(b, hkv, t).to(torch.uint8).contiguous()
     idx = torch.empty(b, hkv, k, dtype=torch.int64)
     val = torch.empty(b, hkv, k, dtype=torch.float32)
-    ok = torch.empty(b, hkv, k, dtype=torch.uint8)
+    ok = torch.empty(b, hkv, k, dtype=torch.bool)
     got = torch.empty(b, hkv, dtype=torch.int64)
-    lim = torch.tensor(limit, dtype=torch.int64)
-    ptr = lambda y: None if y is None else y.data_ptr()  # noqa: E731
-    args = (q.data_ptr(), codes.data_ptr(), meta.data_ptr(), ptr(slots), s.data_ptr(), taken.data_ptr(), ptr(ok_in), n,
-            ptr(held), idx.data_ptr(), val.data_ptr(), ok.data_ptr(), got.data_ptr(), lim.data_ptr(), src_k.data_ptr(),
-            src_v.data_ptr(), None if rows is not None else out_k.data_ptr(), out_v.data_ptr(), out_k.shape[2], stride,
-            x * src_k.element_size(), src_k.numel() // x, b, hkv, g, d, run, t, codes.shape[2], start, k, int(sorted),
-            ptr(rows), int(INTEGER))  # fmt: skip
-    if not _shared(lib.infinigen_correct_channel, args, b * hkv, t, beside, "correction"):
+    args = (q.float().contiguous(), codes, meta, slots, s, taken.to(torch.int64).expand(b, hkv, n).contiguous(),
+            _flags(taken_ok, (b, hkv, n)), _flags(held, (b, hkv, t)), idx, val, ok, got,
+            torch.tensor(limit, dtype=torch.int64), src_k, src_v, out_k, out_v, rows, run, start, sorted,
+            INTEGER)  # fmt: skip
+    if not _shared(lib.correct_channel, args, b * hkv, t, beside, "correction"):
         return None
-    return idx, ok.view(torch.bool), got, rows
+    return idx, ok, got, rows
 
 
 def speculate_channel(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, at, t: int, run: int, sinks: int,
@@ -579,14 +570,11 @@ def speculate_channel(q: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, 
     b, hkv, g, d = q.shape
     if lib is None or codes.shape[0] != 1 or isinstance(at, int) or not 0 < k <= t or t > 0x7FFFFFFF:
         return None
-    # held in names through the call (see quantize_rows)
-    q = q.float().contiguous()
     slots, start = _slots_of(at)
     s = torch.empty(b, hkv, g, t, dtype=torch.float32)
     idx = torch.empty(b, hkv, k, dtype=torch.int64)
-    args = (q.data_ptr(), codes.data_ptr(), meta.data_ptr(), None if slots is None else slots.data_ptr(), s.data_ptr(),
-            idx.data_ptr(), b, hkv, g, d, run, t, codes.shape[2], start, sinks, recent, k, int(INTEGER))  # fmt: skip
-    return idx if _offered(lib.infinigen_speculate_channel, args, b * hkv, "speculation") else None
+    args = (q.float().contiguous(), codes, meta, slots, s, idx, run, start, sinks, recent, INTEGER)
+    return idx if _offered(lib.speculate_channel, args, b * hkv, "speculation") else None
 
 
 def _pool_pair(src_k: torch.Tensor, src_v: torch.Tensor) -> bool:
@@ -610,38 +598,27 @@ def attend_rows(q: torch.Tensor, src_k: torch.Tensor, src_v: torch.Tensor, rows:
             or q.dtype != torch.float32 or h % hkv or h // hkv > 16 or len(rows) not in (1, 2)
             or q.device.type != "cpu"):  # fmt: skip
         return None
-    # held in names through the call (see quantize_rows)
     qs = (q * d**-0.5).contiguous()
-    kn, vn = k_new.float().contiguous(), v_new.float().contiguous()
     ra = rows[0].to(torch.int64).contiguous()
     rb = rows[1].to(torch.int64).contiguous() if len(rows) > 1 else None
     out = torch.empty_like(qs)
-    args = (qs.data_ptr(), src_k.data_ptr(), src_v.data_ptr(), ra.data_ptr(), ra.shape[-1],
-            None if rb is None else rb.data_ptr(), 0 if rb is None else rb.shape[-1], kn.data_ptr(), vn.data_ptr(),
-            out.data_ptr(), src_k.numel() // d, b * hkv, h // hkv, d)  # fmt: skip
-    return out if _shared(lib.infinigen_attend_rows, args, b * hkv, ra.shape[-1] * h, beside, "attention") else None
+    args = (qs, src_k, src_v, ra, rb, k_new.float().contiguous(), v_new.float().contiguous(), out)
+    return out if _shared(lib.attend_rows, args, b * hkv, ra.shape[-1] * h, beside, "attention") else None
 
 
-def _rows_window(src_k, src_v, out_k, out_v, b: int, h: int) -> int | None:
-    """Where the row kernels take a pool src_k, src_v ([..., X], contiguous, alike) and outputs out_k, out_v
-    [B, Hkv, n', X] (alike, each a window of a contiguous tensor), all CPU tensors of one dtype: the outputs' pair
-    stride (_window); else None."""
-    if (not _pool_pair(src_k, src_v) or out_k.device.type != "cpu" or out_v.device.type != "cpu"
-            or out_k.stride() != out_v.stride() or out_k.dtype != src_k.dtype or out_v.dtype != src_k.dtype
-            or out_k.shape != out_v.shape or out_k.shape[:2] != (b, h)
-            or out_k.shape[-1] != src_k.shape[-1]):  # fmt: skip
+def _rows_alike(src_k, src_v, out_k, out_v, b: int, h: int) -> bool:
+    """Whether the row kernels take a pool src_k, src_v ([..., X], contiguous, alike) and outputs out_k, out_v
+    [B, Hkv, n', X] (alike), all CPU tensors of one dtype. (Each output must be a window of rows of a contiguous
+    tensor: the operator checks, and returns -1 where it is not.)"""
+    return (_pool_pair(src_k, src_v) and out_k.device.type == "cpu" and out_v.device.type == "cpu"
+            and out_k.stride() == out_v.stride() and out_k.dtype == src_k.dtype and out_v.dtype == src_k.dtype
+            and out_k.shape == out_v.shape and out_k.dim() == 4 and out_k.shape[:2] == (b, h)
+            and out_k.shape[-1] == src_k.shape[-1])  # fmt: skip
+
+
+def _flags(x: torch.Tensor | None, shape: tuple) -> torch.Tensor | None:
+    """A flag tensor (True or non-zero) as the kernels read it: x expanded to shape, a byte an element, contiguous."""
+    if x is None:
         return None
-    return _window(out_k)
-
-
-def _window(out: torch.Tensor) -> int | None:
-    """The rows from one (sequence, KV head)'s start to the next's in out [B, Hkv, n', X], a window of rows of a
-    contiguous [B, Hkv, N, X] (N >= n': each pair's rows contiguous, the pairs N rows apart); None otherwise."""
-    b, h, n, x = out.shape
-    st = out.stride()
-    if st[3] != 1 and x > 1 or st[2] != x and n > 1:
-        return None
-    pair = st[1] if h > 1 else (st[0] if b > 1 else n * x)
-    if pair % x or pair // x < n or (b > 1 and h > 1 and st[0] != h * pair):
-        return None
-    return pair // x
+    x = x.expand(shape)
+    return (x if x.dtype in (torch.bool, torch.uint8) else x.to(torch.uint8)).contiguous()

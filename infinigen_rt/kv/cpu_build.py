@@ -1,9 +1,13 @@
-"""Building the CPU's kernels (kv/_cpu_kernels.c) and loading them only where nothing another user wrote, or a
-damaged file, can be loaded (kv/cpu.py calls `load` once a process).
+"""Building the CPU's kernels (kv/_cpu_kernels.c, bound as typed torch operators by kv/_cpu_ops.cpp) and loading
+them only where nothing another user wrote, or a damaged file, can be loaded (kv/cpu.py calls `load` once a process).
 
-Built with the machine's C compiler (`$CC`, read as make reads it: a program and its arguments, split as a shell
-would; else cc, gcc or clang; -O3 -march=native) into a cache keyed by the source, the compiler's command and
-version, the flags and the machine (`$INFINIGEN_KERNEL_CACHE`, else `$XDG_CACHE_HOME/infinigen` or
+One library for every x86-64 machine: the C source compiled once per instruction set (VARIANTS: plain x86-64, AVX2,
+AVX-512; elsewhere plain alone), each variant's kernels under names of their own (_cpu_kernels.h), linked with the
+C++ operators, which run the variant chosen once a process (kv/cpu.py: the best this CPU runs, or
+`$INFINIGEN_CPU_ISA`). Built with the machine's C compiler (`$CC`, read as make reads it: a program and its
+arguments, split as a shell would; else cc, gcc or clang), whose driver compiles the C++ file too (-x c++, against
+torch's headers) and links, into a cache keyed by the sources, the compiler's command and version, the flags, torch's
+version and C++ ABI and the architecture (`$INFINIGEN_KERNEL_CACHE`, else `$XDG_CACHE_HOME/infinigen` or
 ~/.cache/infinigen, made with mode 0o700). A build is written under a temporary name, proved to load in a child
 process (a library that crashes the loader, or junk a compiler wrote and called a success, fails the build there),
 then renamed into the cache with its sha256 and size recorded beside it (`<name>.sha256`, renamed in after it), so a
@@ -14,11 +18,11 @@ and record in it (lstat: regular files, not links), belong to this effective use
 them. A folder that fails is neither read nor written: the kernels are built into a private temporary folder for
 this process, removed once they are loaded, with a warning that says so. A cached library that fails, or whose size
 or sha256 is not its record's (cut short, damaged), is rebuilt over, with a warning; a library is loaded in this
-process only after its sha256 has been checked in this process."""
+process only after its sha256 has been checked in this process, and one build at most a process (its operators'
+names are registered once: a second, other build is refused, one with the same sha256 is the one loaded)."""
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import hashlib
 import os
@@ -30,37 +34,44 @@ import stat
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+
 SRC = Path(__file__).with_name("_cpu_kernels.c")
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
-         "-shared", "-fPIC"]  # fmt: skip
+HEADER = SRC.with_name("_cpu_kernels.h")
+OPS_SRC = SRC.with_name("_cpu_ops.cpp")
+FAST_MATH = ["-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
+C_FLAGS = ["-x", "c", "-O3", *FAST_MATH, "-fPIC", "-fvisibility=hidden"]
+_AVX2 = ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt", "-mpopcnt"]
+# each variant's instruction sets (the C++ file's runs_here checks the same on the CPU that loads the library); the
+# source's `#if defined(__AVX512...)` branches are the AVX-512 variant's, its integer scores need VNNI
+VARIANTS = {"plain": [], "avx2": _AVX2,
+            "avx512": [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]}  # fmt: skip
+CXX_FLAGS = ["-x", "c++", "-std=c++20", "-O2", "-fPIC", "-fvisibility=hidden"]  # (and torch's headers, its ABI)
+# (after -L torch's libraries' folder) torch's libraries and the C++ runtime
+LINK_FLAGS = ["-shared", "-lc10", "-ltorch_cpu", "-lc++" if sys.platform == "darwin" else "-lstdc++"]
+OPERATORS = ("variants", "choose", "isa", "integer_scores", "score_codes", "score_channel", "quantize_rows",
+             "quantize_channel", "group_softmax", "topk", "correct_pick", "gather_rows", "correct_channel",
+             "speculate_channel", "attend_rows", "linear")  # fmt: skip
 CACHE_ENV = "INFINIGEN_KERNEL_CACHE"
 LOCK_NAME = "infinigen-cpu-kernels.lock"
-CHECK_TIMEOUT = 60  # seconds the child process that proves a build loads may take
+CHECK_TIMEOUT = 120  # seconds the child process that proves a build loads may take (it imports torch)
 
-_P, _I = ctypes.c_void_p, ctypes.c_int64
-# each exported kernel's arguments (each returns an int): what cpu.library() declares, and what a build must export
-SIGNATURES: dict[str, list] = {
-    "infinigen_score_codes": [_P] * 4 + [_I, _P] + [_I] * 12,
-    "infinigen_score_channel": [_P] * 4 + [_I, _P] + [_I] * 12,
-    "infinigen_quantize_rows": [_P] * 4 + [_I] * 5,
-    "infinigen_quantize_channel": [_P] * 3 + [_I] + [_P] * 3 + [_I] * 5 + [ctypes.c_float],
-    "infinigen_group_softmax": [_P] * 3 + [_I] * 3 + [ctypes.c_float] + [_I] * 2,
-    "infinigen_topk": [_P] * 3 + [_I] * 3 + [ctypes.c_int] + [_I] * 2,
-    "infinigen_correct_pick": [_P] * 3 + [_I] + [_P] * 3 + [_I] * 4 + [ctypes.c_int] + [_I] * 2,
-    "infinigen_gather_rows": [_P] * 5 + [_I] * 8,
-    "infinigen_correct_channel": [_P] * 7 + [_I] + [_P] * 10 + [_I] * 13 + [ctypes.c_int, _P, _I, _P] + [_I] * 2,
-    "infinigen_speculate_channel": [_P] * 6 + [_I] * 12 + [_P] + [_I] * 2,
-    "infinigen_linear": [_P] * 3 + [_I] * 3 + [_P] + [_I] * 3,
-    "infinigen_integer_scores": [],
-    "infinigen_attend_rows": [_P] * 4 + [_I, _P, _I] + [_P] * 3 + [_I] * 4 + [_P] + [_I] * 2,
-}
-# run in a child process on a fresh build (argv: the library, then the names it must export): a library that kills
-# the loader (SIGBUS, SIGSEGV) or that the loader refuses fails the build there, not in the process that uses it
-_PROVE = ("import ctypes, sys\nlib = ctypes.CDLL(sys.argv[1])\nfor name in sys.argv[2:]:\n    getattr(lib, name)\n"
-          "lib.infinigen_integer_scores.restype = ctypes.c_int\nlib.infinigen_integer_scores()\n")  # fmt: skip
+# run in a child process on a fresh build (argv: the folder torch is imported from, the library, the operators it
+# must register): a library that kills the loader (SIGBUS, SIGSEGV) or that the loader refuses fails the build
+# there, not in the process that uses it
+_PROVE = ("import sys\nsys.path.insert(0, sys.argv[1])\nimport torch\ntorch.ops.load_library(sys.argv[2])\n"
+          "for name in sys.argv[3:]:\n    getattr(torch.ops.infinigen, name)\ntorch.ops.infinigen.integer_scores()\n")
+_loaded: Path | None = None  # the build this process loaded (one a process)
+
+
+def variants() -> dict[str, list[str]]:
+    """The variants built on this machine's architecture, and their flags: all three on x86-64, else plain."""
+    return VARIANTS if platform.machine().lower() in ("x86_64", "amd64") else {"plain": []}
+
 
 def cc_missing() -> str | None:
     """Why `$CC` names no program to run ("CC=...: not found"), or None: it does, or it is not set (or blank)."""
@@ -85,27 +96,27 @@ def compiler() -> list[str] | None:
     return next(([c] for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def cache_dir() -> Path:
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "infinigen"
 
 
+def _torch_flags() -> tuple[list[str], list[str]]:
+    """(the C++ file's flags for torch's headers and C++ ABI, the link's for where torch's libraries are)."""
+    from torch.utils.cpp_extension import include_paths  # (only to build)
+
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
+    return [abi, *(f"-I{p}" for p in include_paths())], [f"-L{Path(torch.__file__).parent / 'lib'}"]
+
+
 def kernel_name(cc: list[str]) -> str:
-    """The library's file name in the cache: keyed by the source, the compiler's command and `--version`, the flags
-    and the machine."""
+    """The library's file name in the cache: keyed by the sources, the compiler's command and `--version`, the
+    flags, torch's version and C++ ABI, and the architecture (not the CPU: each variant is chosen where it runs)."""
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    parts = (SRC.read_text(), shlex.join(cc), version, " ".join(FLAGS), platform.machine(), _cpu_flags())
+    flags = [*C_FLAGS, *(f"{k}: {' '.join(v)}" for k, v in variants().items()), *CXX_FLAGS, *LINK_FLAGS]
+    parts = (SRC.read_text(), HEADER.read_text(), OPS_SRC.read_text(), shlex.join(cc), version, " ".join(flags),
+             torch.__version__, str(torch.compiled_with_cxx11_abi()), platform.machine())  # fmt: skip
     key = hashlib.sha256(b"\0".join(x.encode() for x in parts)).hexdigest()[:16]
     return f"infinigen-cpu-kernels-{key}.so"
 
@@ -172,11 +183,12 @@ def damage(lib: Path) -> str | None:
 
 
 def _prove_loads(part: Path, cc: list[str]) -> None:
-    """RuntimeError unless a child process loads the library at part and calls a kernel of it."""
+    """RuntimeError unless a child process loads the library at part, finds its operators and calls one."""
     if not sys.executable:
         raise RuntimeError("no Python interpreter to prove the library loads in")
-    r = subprocess.run([sys.executable, "-I", "-c", _PROVE, str(part), *SIGNATURES], capture_output=True, text=True,
-                       timeout=CHECK_TIMEOUT)  # fmt: skip
+    site = str(Path(torch.__file__).parent.parent)  # (the child imports the torch this process runs)
+    r = subprocess.run([sys.executable, "-I", "-c", _PROVE, site, str(part), *OPERATORS], capture_output=True,
+                       text=True, timeout=CHECK_TIMEOUT)  # fmt: skip
     if r.returncode < 0:
         try:
             how = signal.Signals(-r.returncode).name
@@ -188,17 +200,34 @@ def _prove_loads(part: Path, cc: list[str]) -> None:
         raise RuntimeError(f"what {shlex.join(cc)} built does not load: {last[-1][-300:] if last else r.returncode}")
 
 
+def _compile(cc: list[str], tmp: Path, part: Path) -> None:
+    """The C source once per variant and the C++ operators, at once (each its own process), then linked at part.
+    RuntimeError where the compiler fails."""
+    cxx, where = _torch_flags()
+    jobs = [[*cc, *C_FLAGS, f"-DINFINIGEN_ISA={isa}", *flags, "-c", str(SRC), "-o", str(tmp / f"{isa}.o")]
+            for isa, flags in variants().items()]  # fmt: skip
+    jobs.append([*cc, *CXX_FLAGS, *cxx, "-c", str(OPS_SRC), "-o", str(tmp / "ops.o")])
+    link = [*cc, *(cmd[-1] for cmd in jobs), "-o", str(part), *where, *LINK_FLAGS]
+
+    def run(cmd: list[str]) -> None:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if r.returncode:
+            raise RuntimeError(f"{shlex.join(cc)} failed: {(r.stderr or r.stdout).strip()[-400:]}")
+
+    with ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        list(pool.map(run, jobs))
+    run(link)
+
+
 def build(cc: list[str], out_dir: Path, name: str | None = None) -> Path:
-    """Build the library for this machine into out_dir as `name` (kernel_name(cc)), replacing what is there, its
-    record beside it: compiled under a temporary name, proved to load in a child process, then renamed in (the
-    record after it). RuntimeError where the compiler fails or what it wrote does not load: nothing left."""
+    """Build the library into out_dir as `name` (kernel_name(cc)), replacing what is there, its record beside it:
+    compiled under a temporary name, proved to load in a child process, then renamed in (the record after it).
+    RuntimeError where the compiler fails or what it wrote does not load: nothing left."""
     lib = out_dir / (name or kernel_name(cc))
     out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         part, rec = Path(tmp) / lib.name, Path(tmp) / "record"
-        r = subprocess.run([*cc, *FLAGS, str(SRC), "-o", str(part)], capture_output=True, text=True, timeout=300)
-        if r.returncode:
-            raise RuntimeError(f"{shlex.join(cc)} failed: {(r.stderr or r.stdout).strip()[-400:]}")
+        _compile(cc, Path(tmp), part)
         if not part.is_file():
             raise RuntimeError(f"{shlex.join(cc)} wrote no library")
         os.chmod(part, 0o755)
@@ -212,18 +241,28 @@ def build(cc: list[str], out_dir: Path, name: str | None = None) -> Path:
     return lib
 
 
-def _open(lib: Path) -> ctypes.CDLL:
-    """The library at lib, loaded only once its sha256 has been checked against its record here."""
+def _open(lib: Path) -> Path:
+    """Load the library at lib (its operators: torch.ops.infinigen), once its sha256 has been checked against its
+    record here. A process holds one build (its operators are registered once): the same key again (its file name:
+    the sources, compiler, flags and torch it was built from; the bytes of two builds may differ) is the one loaded;
+    another, RuntimeError."""
+    global _loaded
     why = file_problem(lib) or damage(lib)
     if why is not None:
         raise RuntimeError(f"{lib}, just built: {why}")
-    return ctypes.CDLL(str(lib))
+    if _loaded is not None:
+        if _loaded.name != lib.name:
+            raise RuntimeError(f"another build of the kernels ({_loaded}) is loaded in this process")
+        return _loaded
+    torch.ops.load_library(str(lib))
+    _loaded = lib
+    return lib
 
 
-def load(cc: list[str], notes: list[str]) -> ctypes.CDLL:
-    """The kernels cc builds: from the cache where it is this user's alone, built there where they are missing or
-    not to be trusted; else built into a private temporary folder for this process. The user's warnings appended
-    to notes."""
+def load(cc: list[str], notes: list[str]) -> Path:
+    """Load the kernels cc builds (torch.ops.infinigen), returning where from: the cache where it is this user's
+    alone, built there where they are missing or not to be trusted; else built into a private temporary folder for
+    this process. The user's warnings appended to notes."""
     folder = cache_dir().absolute()  # (a bare name would have the loader search the library path)
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = os.stat(folder)

@@ -1,12 +1,14 @@
-"""The CPU's native kernels (kv/_cpu_kernels.c, built on first use by kv/cpu.py): scoring queries against low-bit
-keys without forming them, quantizing new keys into their slots, the selection's group softmax and top-k, the row
-gather, against the torch path and a float64 reference; hostile slots; the build's cache, its fallbacks and what a
-failed build leaves behind; a cache others could write, a library planted or cut short there, a compiler that writes
-junk, a CC that is not found."""
+"""The CPU's native kernels (kv/_cpu_kernels.c, typed torch operators through kv/_cpu_ops.cpp, built on first use
+by kv/cpu_build.py): scoring queries against low-bit keys without forming them, quantizing new keys into their slots,
+the selection's group softmax and top-k, the row gather, against the torch path and a float64 reference; every
+instruction set's variant against the others; an operator's tensors checked before its kernel reads them, its call
+releasing the GIL; hostile slots; the build's cache, its fallbacks and what a failed build leaves behind; a cache
+others could write, a library planted or cut short there, a compiler that writes junk, a CC that is not found."""
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -151,7 +153,7 @@ def test_integer_scores_are_the_query_folded_into_int8_and_within_half_a_step_of
     integer_reference's (the integers exact, float32 rounding after), each the float path's within 0.5 u x the sum
     of its codes <= 7.5 u D, and a key's score is the same in every slot form, bit for bit, whatever its
     neighbours in the call."""
-    if not cpu.library().infinigen_integer_scores():
+    if not cpu.library().integer_scores():
         pytest.skip("this machine has no AVX-512 VNNI: the float path is the only one")
     from infinigen_rt.policies.speculation import CHANNEL_TOKENS
 
@@ -228,34 +230,229 @@ def test_new_keys_into_per_channel_runs_through_the_kernel_write_what_torch_writ
     assert all(torch.equal(a, b) for a, b in zip(before, (got.codes[0], got.meta[0], got.held[0]), strict=True))
 
 
+def every_op() -> dict[str, torch.Tensor | None]:
+    """Every CPU operator through its cpu.py function on the same inputs (seeded), in the variant this process runs
+    (None where it does not take them: its caller's torch path runs), and under "<name>/torch" the torch path's
+    result (or a float64 reference's) for the same. What test_every_variant_gives_every_ops_results_to_float32_rounding
+    compares across the variants, each in a process of its own."""
+    from infinigen_rt.policies.speculation import CHANNEL_TOKENS, ChannelKeys
+
+    gen = torch.Generator().manual_seed(7)
+    out: dict[str, torch.Tensor | None] = {}
+    for bits, d, g in [(4, 64, 3), (2, 128, 4), (4, 96, 2)]:  # the AVX2 loop (4 bits, G >= 3), the specialised, none
+        codes, meta, group = codes_of(gen, 1, 2, 300, d, bits)
+        q, idx = torch.randn(2, 2, g, d, generator=gen), torch.randint(0, 300, (2, 257), generator=gen)
+        out[f"score_codes {bits} {d}"] = cpu.score_codes(q, codes, meta, idx, 257, group, bits)
+        out[f"score_codes {bits} {d}/torch"] = reference(q, codes, meta, idx, group, bits).float()
+    store = channel_store(gen, 1, 2, 320, 64)
+    before = cpu.INTEGER
+    try:
+        for integer, g in [(False, 7), (True, 3)]:
+            cpu.INTEGER = integer
+            q, idx = torch.randn(2, 2, g, 64, generator=gen), torch.randint(0, 320, (2, 256), generator=gen)
+            name = f"score_channel {'integer' if integer and cpu.integer_scores() else 'float'} {g}"
+            out[name] = cpu.score_channel(q, store.codes[0], store.meta[0], idx, 256, CHANNEL_TOKENS)
+            with cpu.disabled():
+                out[f"{name}/torch"] = store.scores_at(0, q.double(), idx).float()
+        cpu.INTEGER = False  # (below: the float path's scores in every variant)
+        q = torch.randn(3, 2, 3, 64, generator=gen)
+        at = torch.stack([torch.randperm(320, generator=gen)[:300] for _ in range(3)])
+        spec = cpu.speculate_channel(q, store.codes[0], store.meta[0], at, 300, CHANNEL_TOKENS, 4, 8, 40)
+        out["speculate_channel"] = None if spec is None else spec.sort(-1).values
+        with cpu.disabled():
+            s = store.scores_at(0, q, at)
+        agg = s.double().softmax(-1).sum(2)
+        forced = agg.clone()
+        forced[..., :4], forced[..., -8:] = 1e9, 1e9  # the sinks and the newest
+        out["speculate_channel/torch"] = forced.topk(40, -1).indices.sort(-1).values
+        taken = torch.stack([torch.randperm(300, generator=gen)[:30] for _ in range(6)]).view(3, 2, 30)
+        src_k, src_v = (torch.randn(320 * 2, 64, generator=gen) for _ in "kv")
+        room_k, room_v = (torch.zeros(3, 2, 50, 64) for _ in "kv")
+        got = cpu.correct_channel(q, store.codes[0], store.meta[0], at, 300, CHANNEL_TOKENS, taken, None, None, 40,
+                                  False, [40, 40, 40], src_k, src_v, room_k, room_v)  # fmt: skip
+        out["correct_channel"] = None if got is None else got[0].sort(-1).values
+        if got is not None:  # the rows of the slots it chose copied, then zeros
+            rows = at.gather(1, got[0].reshape(3, -1)).view(3, 2, 40) * 2 + torch.arange(2)[:, None]
+            copied = torch.equal(room_k, torch.cat([src_k[rows], torch.zeros(3, 2, 10, 64)], 2))
+            out["correct_channel copied"] = torch.tensor(copied and bool(got[1].all()))
+        out["correct_channel copied/torch"] = torch.tensor(True)
+        out["correct_channel/torch"] = agg.scatter(2, taken, -math.inf).topk(40, -1).indices.sort(-1).values
+    finally:
+        cpu.INTEGER = before
+    x = torch.randn(2, 3, 5, 64, generator=gen) * torch.linspace(0.1, 4, 64)
+    codes, meta = torch.zeros(2, 3, 24, 32, dtype=torch.uint8), torch.zeros(2, 3, 24, 2, 1, dtype=torch.float16)
+    quant.store(x, codes, meta, 7, 64, 4)  # (the kernel where the variant takes it, else torch's: the same bits)
+    out["quantize_rows"] = torch.cat([codes.view(-1), meta.view(torch.uint8).view(-1)])
+    with cpu.disabled():
+        quant.store(x, codes, meta, 7, 64, 4)
+    out["quantize_rows/torch"] = torch.cat([codes.view(-1), meta.view(torch.uint8).view(-1)])
+    for name, off in [("quantize_channel", nullcontext()), ("quantize_channel/torch", cpu.disabled())]:
+        keys = ChannelKeys(SimpleNamespace(cfg=SimpleNamespace(head_dim=64, num_key_value_heads=2)), [0], 2, 64, "cpu",
+                           torch.float32)  # fmt: skip
+        with off:
+            for t in range(20):  # decode steps: a key a row, across a run's end
+                keys.write(0, x[:, :2, t % 5 : t % 5 + 1] * (1 + t), t)
+        out[name] = torch.cat([keys.codes[0].view(-1), keys.meta[0].view(torch.uint8).view(-1), keys.held[0].view(-1)])
+    s = torch.randn(2, 3, 4, 2000, generator=gen) * 4
+    s[0, 1, :, :500] = -math.inf
+    got = cpu.group_softmax(s, 5.0)
+    out["group_softmax"], out["group_softmax within"] = (None, None) if got is None else got
+    out["group_softmax/torch"] = s.double().softmax(-1).sum(2).float()
+    out["group_softmax within/torch"] = (s > s.amax(-1, keepdim=True) - 5.0).sum(-1)
+    x = torch.randn(3, 4, 8192, generator=gen)
+    for sorted in (True, False):  # the values torch's; the slots (of equal values, the lower ones) the variants' own
+        got = cpu.topk(x, 614, sorted)
+        out[f"topk {sorted}"] = None if got is None else got[0].sort(-1, descending=True).values
+        out[f"topk {sorted}/torch"] = x.topk(614, -1).values
+        out[f"topk slots {sorted}"], out[f"topk slots {sorted}/torch"] = None if got is None else got[1], None
+    s = torch.randn(2, 3, 3, 2000, generator=gen) * 3
+    taken = torch.stack([torch.randperm(2000, generator=gen)[:100] for _ in range(6)]).view(2, 3, 100)
+    got = cpu.correct_pick(s, taken, None, 204, True)
+    out["correct_pick"] = None if got is None else got[1].sort(-1).values
+    out["correct_pick/torch"] = s.double().softmax(-1).sum(2).scatter(2, taken, -math.inf).topk(204).indices.sort(-1)[0]
+    src_k, src_v = (torch.randn(500, 64, generator=gen) for _ in "kv")
+    rows = torch.randint(0, 500, (2, 3, 37), generator=gen)
+    out_k, out_v = (torch.full((2, 3, 41, 64), 7.0) for _ in "kv")
+    out["gather_rows"] = torch.cat([out_k, out_v]) if cpu.gather_rows(src_k, src_v, rows, out_k, out_v) else None
+    out["gather_rows/torch"] = torch.cat([torch.cat([x[rows], torch.zeros(2, 3, 4, 64)], 2) for x in (src_k, src_v)])
+    q, kn, vn = torch.randn(3, 6, 1, 64, generator=gen), *(torch.randn(3, 2, 1, 64, generator=gen) for _ in "kv")
+    rows = [torch.randint(0, 500, (3, 2, n), generator=gen) for n in (40, 9)]
+    out["attend_rows"] = cpu.attend_rows(q, src_k, src_v, rows, kn, vn)
+    every = torch.cat(rows, -1)
+    keys, values = (torch.cat([src[every], new], 2).double() for src, new in ((src_k, kn), (src_v, vn)))
+    scores = q.double().view(3, 2, 3, 64) @ keys.transpose(-1, -2) / 8
+    out["attend_rows/torch"] = (scores.softmax(-1) @ values).view(3, 6, 1, 64).float()
+    x, w = torch.randn(8, 576, generator=gen), torch.randn(1536, 576, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        out[f"linear {dtype}"] = cpu.linear(x, w.to(dtype))
+        out[f"linear {dtype}/torch"] = torch.nn.functional.linear(x.double(), w.to(dtype).double()).float()
+    return out
+
+
 @needs_kernel
-def test_the_per_channel_kernel_built_without_avx512_scores_as_the_avx512_one(tmp_path, monkeypatch):
-    """A machine with AVX2 only builds the plain per-channel loop for every head_dim (AVX-512 takes head_dims of a
-    multiple of 64, 16 keys of a run at a time): built here with AVX-512 off, it scores what this build scores, in
-    every slot form, to float32 rounding."""
-    from infinigen_rt.policies.speculation import CHANNEL_TOKENS
+@pytest.mark.slow
+def test_every_variant_gives_every_ops_results_to_float32_rounding(tmp_path):
+    """Each instruction set this CPU runs (plain, AVX2, AVX-512: INFINIGEN_CPU_ISA, each in a process of its own)
+    gives every operator's results on the same inputs (every_op) as the others do and as the torch path does, to
+    the tolerance docs/performance.md states: the variants differ only in float32 rounding (the order of a sum's
+    terms, a fused multiply-add or not), so a score, a softmax sum, an attention output or a linear output is
+    within a relative (norm) difference of 1e-5 of another variant's and of torch's; what is exact in one is exact
+    in all (codes and fp16 scales bit for bit, the top-k of the same floats, the rows gathered); a choice that ranks
+    computed scores (speculation, the correction) chooses the same slots but for two scores within that rounding,
+    99 % the same or more. Where a variant does not take an op (no F16C: quantizing; no AVX-512: the linear layer),
+    the torch path runs, which is the reference. AVX-512 VNNI's integer scores are their own path (test above)."""
+    ran = {}
+    for isa in cpu.library().variants():
+        path = tmp_path / f"{isa}.pt"
+        code = ("import sys, torch\nfrom infinigen_rt.kv import cpu\nfrom tests.rt.test_cpu_kernels import every_op\n"
+                f"assert cpu.isa() == {isa!r}, cpu.reason()\ntorch.save(every_op(), sys.argv[1])\n")  # fmt: skip
+        env = {**os.environ, "INFINIGEN_CPU_ISA": isa}
+        r = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True,
+                           timeout=600, cwd=Path(__file__).parents[2])  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+        ran[isa] = torch.load(path)
+    assert "plain" in ran
+    exact = ("quantize_rows", "quantize_channel", "group_softmax within", "topk True", "topk False", "topk slots True",
+             "topk slots False", "gather_rows",
+             "correct_channel copied")  # fmt: skip
+    ranked = ("speculate_channel", "correct_channel", "correct_pick")
+    for isa, got in ran.items():
+        for name, value in got.items():
+            if name.endswith("/torch") or "integer" in name:
+                continue
+            if value is None:  # the variant does not take it: only where it has no F16C or no AVX-512
+                assert isa == "plain" or isa == "avx2" and name.startswith("linear"), (isa, name)
+                continue
+            for other, want in [("torch", got[f"{name}/torch"])] + [(o, ran[o].get(name)) for o in ran if o != isa]:
+                if want is None:
+                    continue
+                if name in exact:
+                    assert torch.equal(value, want), (isa, other, name)
+                elif name in ranked:
+                    same = (value[..., :, None] == want[..., None, :]).any(-1).float().mean()
+                    assert same >= 0.99, (isa, other, name, same)
+                else:
+                    diff = ((value.double() - want.double()).norm() / want.double().norm()).item()
+                    assert diff < 1e-5, (isa, other, name, diff)
 
-    monkeypatch.setattr(cpu, "INTEGER", False)  # (AVX-512 off: the float path alone)
-    gen = torch.Generator().manual_seed(5)
-    store = channel_store(gen, 2, 2, 96, 64)
-    q = torch.randn(2, 2, 7, 64, generator=gen)
-    forms = [(q, 80), (q, slice(5, 70)), (q, torch.randint(0, 96, (2, 50), generator=gen)),
-             (q, torch.randint(0, 96, (2, 2, 50), generator=gen))]  # fmt: skip
 
-    def scores():
-        return [cpu.score_channel(qq, store.codes[0], store.meta[0], at, at if isinstance(at, int) else
-                                  at.stop - at.start if isinstance(at, slice) else at.shape[-1], CHANNEL_TOKENS)
-                for qq, at in forms]  # fmt: skip
+@needs_kernel
+def test_an_operators_call_releases_the_gil_while_its_kernel_runs():
+    """The two threads of a decode step (a call's pairs shared with the worker beside it, speculation's scoring
+    beside the layers) need a kernel's call to release the GIL: while one thread's call of a torch.ops.infinigen
+    operator runs (a long one: 8 KV heads of 16 query heads against 65536 keys), the other thread's Python goes on,
+    all through the call, not only at its ends."""
+    import threading
+    import time
 
-    want = scores()
-    assert all(w is not None for w in want)
-    monkeypatch.setattr(cpu_build, "FLAGS", [*cpu_build.FLAGS, "-mno-avx512f"])
-    monkeypatch.setenv("INFINIGEN_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu, "_lib", None)
-    monkeypatch.setattr(cpu, "_failed", None)
-    assert cpu.library() is not None, cpu.reason()
-    for got, w in zip(scores(), want, strict=True):
-        assert got is not None and ((got - w).norm() / w.norm()).item() < 1e-5
+    ops = cpu.library()
+    gen = torch.Generator().manual_seed(4)
+    hkv, g, d, n = 8, 16, 128, 1 << 16
+    codes = torch.randint(0, 256, (1, hkv, n, d // 2), dtype=torch.uint8, generator=gen)
+    meta = torch.rand(1, hkv, n, 2, d // 64, generator=gen).half()
+    q, out = torch.randn(1, hkv, g, d, generator=gen), torch.empty(1, hkv, g, n)
+    started, done, span = threading.Event(), threading.Event(), []
+
+    def call():
+        started.set()
+        t0 = time.perf_counter()
+        assert ops.score_codes(q, codes, meta, None, out, 64, 4, 0, 0, hkv) == 0
+        span.extend((t0, time.perf_counter()))
+        done.set()
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    started.wait()
+    marks = []
+    while not done.is_set():  # this thread's Python, a mark every thousand steps
+        for _ in range(1000):
+            pass
+        marks.append(time.perf_counter())
+    worker.join()
+    t0, t1 = span
+    assert t1 - t0 > 0.03, "a call too short to tell"
+    third = (t1 - t0) / 3
+    assert any(t0 + third <= m <= t1 - third for m in marks), "no Python ran in the middle of the call"
+
+
+@needs_kernel
+def test_an_operators_tensors_are_checked_against_each_other_before_its_kernel_reads_them():
+    """torch.ops.infinigen's schemas type every argument, and each operator checks its tensors' device, dtype,
+    layout and shapes against each other before its kernel reads a byte: a mismatch raises RuntimeError naming
+    the operator and the tensor, never a read or write past a buffer; arguments the kernel does not take return -1
+    (its caller's torch path then runs)."""
+    ops = cpu.library()
+    gen = torch.Generator().manual_seed(3)
+    codes, meta, group = codes_of(gen, 1, 2, 40, 64, 4)
+    q, out, slots = torch.randn(1, 2, 3, 64, generator=gen), torch.empty(1, 2, 3, 10), torch.zeros(1, 10).long()
+    strided = torch.randn(1, 2, 64, 3, generator=gen).transpose(2, 3)  # q's shape, not contiguous
+    assert ops.score_codes(q, codes, meta, slots, out, group, 4, 0, 0, 2) == 0
+    assert ops.score_codes(q, codes, meta, slots, out, group, 3, 0, 0, 2) == -1  # no 3-bit keys
+    for args, why in [((q, codes, meta, slots[:, :5], out), r"slots is \[1, 5\] where \[1, 10\]"),
+                      ((q, codes[..., :16], meta, slots, out), "codes is"),  # rows narrower than 64 columns at 4 bits
+                      ((q, codes, meta.float(), slots, out), "meta is Float, not Half"),
+                      ((strided, codes, meta, slots, out), "q is not contiguous"),
+                      ((q, codes, meta, slots.int(), out), "slots is Int"),
+                      ((q, codes, meta, slots, out[:1, :1]), r"out is \[1, 1, 3, 10\] where \[1, 2, 3, 10\]"),
+                      ((q, codes[:, :1].contiguous(), meta, slots, out), r"codes is \[1, 1, 40, 32\] where \[1, 2")]:
+        with pytest.raises(RuntimeError, match=f"infinigen::score_codes: {why}"):
+            ops.score_codes(*args, group, 4, 0, 0, 2)
+    with pytest.raises(RuntimeError, match=r"type 'Optional\[Tensor\]' for argument 'slots'"):  # the schema's
+        ops.score_codes(q, codes, meta, 5, out, group, 4, 0, 0, 2)
+    x, w = torch.randn(2, 16), torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="infinigen::linear: out has 8 elements where 16 are expected"):
+        ops.linear(x, w, torch.empty(1, 8), None, 0, 8)
+    with pytest.raises(RuntimeError, match="infinigen::linear: next is Float"):
+        ops.linear(x, w, torch.empty(2, 8), torch.zeros(1), 0, 8)
+    assert ops.linear(x, w.double(), torch.empty(2, 8), None, 0, 8) == -1  # not a width it reads
+    src = torch.randn(100, 64)
+    rows, room = torch.zeros(2, 3, 4, dtype=torch.int64), torch.zeros(2, 3, 6, 64)
+    with pytest.raises(RuntimeError, match="infinigen::gather_rows: out_v is not laid out as out_k"):
+        ops.gather_rows(src, src, rows, room, room[:, :, :5], 0, 6)
+    with pytest.raises(RuntimeError, match="infinigen::gather_rows: rows is"):
+        ops.gather_rows(src, src, rows[:1], room, room, 0, 6)
+    assert ops.gather_rows(src, src, rows, room[:, :, ::2], room[:, :, ::2], 0, 6) == -1  # not rows in a run
+    assert ops.gather_rows(src, src, rows, room, room, 0, 6) == 0
 
 
 @needs_kernel
@@ -285,7 +482,7 @@ def test_a_slot_outside_the_rows_is_an_error_not_a_read():
         cpu.score_codes(q, codes, meta, slice(30, 45), 15, group, 4)  # a run past the end
     x = torch.randn(1, 2, 1, 64)
     with pytest.raises(IndexError, match="outside"):
-        cpu.quantize_rows(x, codes, meta, torch.tensor([[[40]], [[0]]]), group, 4)
+        cpu.quantize_rows(x, codes, meta, torch.tensor([[[0], [40]]]), group, 4)  # at [R, Hkv, s]
     assert cpu.score_codes(q, codes, meta, torch.tensor([[0, 5, 39]]), 3, group, 4) is not None
 
 
@@ -327,7 +524,12 @@ def cached_names(lib: Path) -> list[str]:
 
 def test_a_failed_build_falls_back_to_the_torch_path_and_leaves_nothing(tmp_path, monkeypatch):
     """A compiler that fails (or none, or INFINIGEN_CPU_KERNELS=0): the scores still come, from the torch path, and
-    the cache holds no half-written library; a working build leaves exactly the library."""
+    the cache holds no half-written library; a failed build and a missing compiler are one warning each, with the
+    fix (INFINIGEN_CPU_KERNELS=0: none); a working build leaves exactly the library."""
+    import warnings
+
+    from infinigen_rt.errors import InfinigenWarning
+
     gen = torch.Generator().manual_seed(1)
     codes, meta, group = codes_of(gen, 1, 2, 50, 64, 4)
     q = torch.randn(1, 2, 3, 64, generator=gen)
@@ -339,13 +541,27 @@ def test_a_failed_build_falls_back_to_the_torch_path_and_leaves_nothing(tmp_path
     bad_cc.chmod(0o755)
     cache = tmp_path / "cache"
     off = "INFINIGEN_CPU_KERNELS"
-    for env, why in [({"CC": str(bad_cc)}, "build failed"), ({off: "0"}, f"{off}=0")]:
+    cases = [({"CC": str(bad_cc)}, "build failed", "the CPU kernels' build failed"), ({off: "0"}, f"{off}=0", None),
+             ({"NO_CC": "1"}, "no C compiler", "no C compiler")]  # NO_CC: no compiler found (cpu.compiler None)
+    for env, why, said in cases:
         monkeypatch.setattr(cpu, "_lib", None)
         monkeypatch.setattr(cpu, "_failed", None)
+        monkeypatch.setattr(cpu, "_warned", set())
         monkeypatch.setenv("INFINIGEN_KERNEL_CACHE", str(cache))
         for k, v in env.items():
             monkeypatch.setenv(k, v)
-        assert cpu.library() is None and why in cpu.reason()
+        with monkeypatch.context() as m, warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            if "NO_CC" in env:
+                m.setattr(cpu, "compiler", lambda: None)
+            assert cpu.library() is None and why in cpu.reason()
+        lines = [str(w.message) for w in got if issubclass(w.category, InfinigenWarning)]
+        if said is None:
+            assert not lines
+        else:
+            (line,) = lines
+            assert line.startswith(said) and "torch's ops run" in line and f"set {off}=0" in line, line
+        monkeypatch.delenv("NO_CC", raising=False)
         assert cpu.score_codes(q, codes, meta, 50, 50, group, 4) is None
         torch.testing.assert_close(quant.scores(q, codes, meta, 50, group, 4), want)
         assert not cache.exists() or not any(cache.rglob("*.so"))
@@ -375,7 +591,8 @@ def fresh(monkeypatch, **env):
 
 # a process that loads the kernels as the CLI does (its notices one `warning:` line each): what it finds, and why
 LOADER = ("from infinigen_rt.cli.console import show_notices\nshow_notices()\nfrom infinigen_rt.kv import cpu\n"
-          "print(cpu.library() is not None, cpu.reason())\n")  # fmt: skip
+          "print(cpu.library() is not None, cpu.reason())\nimport os\n"
+          "if os.environ.get('ISA_LINE'):\n    print(cpu.isa(), cpu.integer_scores())\n")  # fmt: skip
 
 
 def load_elsewhere(tmp_path, **env) -> subprocess.CompletedProcess:
@@ -574,10 +791,30 @@ def test_a_cc_that_is_not_found_is_said_and_no_other_compiler_is_taken(tmp_path,
         pytest.skip("no C compiler here")
     fresh(monkeypatch, CC=f"{plain[0]} -O0")
     assert cpu_build.compiler() == [plain[0], "-O0"]
-    assert cpu.library() is not None, cpu.reason()
+    # another build than this process may hold (one a process): loaded in a child
+    r = load_elsewhere(tmp_path, CC=f"{plain[0]} -O0", INFINIGEN_KERNEL_CACHE=str(cache))
+    assert r.returncode == 0 and r.stdout.split()[0] == "True", r.stdout + r.stderr
     name = cpu_build.kernel_name([plain[0], "-O0"])
     assert name != cpu_build.kernel_name(plain)
     assert cached(cache) == cached_names(cache / name)
+
+
+@needs_kernel
+def test_infinigen_cpu_isa_names_the_variant_and_one_this_cpu_does_not_run_is_said(tmp_path):
+    """INFINIGEN_CPU_ISA picks the variant a process runs (isa() says which, integer_scores() only where it has
+    them); unset, the best this CPU runs. A name this CPU does not run (or no variant's): one warning with the fix,
+    reason() says why, and the torch path runs."""
+    best = cpu.library().variants()[0]
+    for isa, want in [(None, f"True None {best} {best == 'avx512'}"), ("plain", "True None plain False"),
+                      ("AVX2", "True None avx2 False")]:  # fmt: skip
+        r = load_elsewhere(tmp_path, INFINIGEN_CPU_ISA=isa or "", ISA_LINE="1")
+        assert r.returncode == 0 and r.stdout.split() == want.split(), r.stdout + r.stderr
+        assert not warning_lines(r)
+    r = load_elsewhere(tmp_path, INFINIGEN_CPU_ISA="sse9", ISA_LINE="1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("False INFINIGEN_CPU_ISA=sse9: not a variant this CPU runs"), r.stdout
+    (line,) = warning_lines(r)
+    assert "INFINIGEN_CPU_ISA=sse9" in line and "unset INFINIGEN_CPU_ISA or name one of those" in line
 
 
 @needs_kernel
@@ -809,7 +1046,6 @@ def test_a_kernel_call_the_worker_offers_is_taken_by_the_thread_waiting_for_its_
     its result: both take the call's pairs from its counter, each pair once; the worker's call returns once the
     pairs the other thread took are done, and a failure on either thread is its error. A waiting thread that comes
     after the call, or a worker that offers nothing, just waits."""
-    import ctypes
     import threading
     import time
 
@@ -818,11 +1054,10 @@ def test_a_kernel_call_the_worker_offers_is_taken_by_the_thread_waiting_for_its_
     lock, seen, started = threading.Lock(), [], threading.Event()
 
     def kernel(fail_at, nxt, lo, hi):  # a kernel's way with the counter: take the next pair until none is left
-        counter = ctypes.c_int64.from_address(nxt)
         while True:
             with lock:
-                i = lo + counter.value
-                counter.value += 1
+                i = lo + int(nxt[0])
+                nxt[0] += 1
             if i >= hi:
                 return 0
             started.set()
