@@ -39,6 +39,14 @@ def bench(tree: Path, args: list[str]) -> dict[str, float]:
     return got
 
 
+def commit(tree: Path) -> str:
+    """The tree's commit (short), with "+dirty" where its files differ from it."""
+    git = ["git", "-C", str(tree)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    return (head or "unknown") + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--a", required=True, help="the tree under test")
@@ -66,8 +74,9 @@ def main() -> None:
                       "a_over_b": round(statistics.median(ratios), 4), "a_runs": a, "b_runs": b}  # fmt: skip
         print(f"{key:40s} A {table[key]['a_ms']:8.2f}  B {table[key]['b_ms']:8.2f}  A/B {table[key]['a_over_b']:.3f}")
     if o.out:
-        Path(o.out).write_text(json.dumps({"a": str(trees["a"]), "b": str(trees["b"]), "bench": args,
-                                           "rounds": o.rounds, "points": table}, indent=1) + "\n")  # fmt: skip
+        Path(o.out).write_text(json.dumps({"a": str(trees["a"]), "b": str(trees["b"]), "a_commit": commit(trees["a"]),
+                                           "b_commit": commit(trees["b"]), "bench": args, "rounds": o.rounds,
+                                           "points": table}, indent=1) + "\n")  # fmt: skip
 
 
 if __name__ == "__main__":

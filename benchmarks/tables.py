@@ -147,11 +147,45 @@ def machine(d: dict) -> str:
     )
 
 
+def ab_merged(files: list[dict]) -> dict[str, dict]:
+    """The points of several ab_trees.py files of one bench point (a rerun's rounds added to a run's): each key's
+    runs together, its medians over all of them."""
+    import statistics
+
+    out: dict[str, dict] = {}
+    for d in files:
+        for key, p in d["points"].items():
+            q = out.setdefault(key, {"a_runs": [], "b_runs": []})
+            q["a_runs"] += p["a_runs"]
+            q["b_runs"] += p["b_runs"]
+    for q in out.values():
+        q["a_ms"], q["b_ms"] = statistics.median(q["a_runs"]), statistics.median(q["b_runs"])
+        q["a_over_b"] = round(statistics.median(a / b for a, b in zip(q["a_runs"], q["b_runs"], strict=True)), 4)
+    return out
+
+
+def ab(points: dict[str, dict]) -> str:
+    """benchmarks/ab_trees.py's points (one file's, or several merged) as rows: this tree's and the baseline's
+    median ms a step, their ratio (the median of the pairs'), and the policy's speed against this tree's `full` at
+    the same point."""
+    lines = ["| policy | batch x context | ms / step | baseline's | ratio | x `full` (speed) | pairs |",
+             "|---|---|---|---|---|---|---|"]
+    for key, p in points.items():
+        policy, point = key.rsplit(" b", 1)
+        full = points[f"full b{point}"]["a_ms"]
+        pairs = ", ".join(f"{a:.0f}/{b:.0f}" for a, b in zip(p["a_runs"], p["b_runs"], strict=True))
+        lines.append(f"| {policy} | {point} | {p['a_ms']:.1f} | {p['b_ms']:.1f} | "
+                     f"{p['a_over_b']:.2f} | {full / p['a_ms']:.2f} | {pairs} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main():
     for path in sys.argv[1:]:
         d = json.load(open(path))
         print(f"<!-- {path} -->")
-        if d.get("task") == "needle":
+        if "a_commit" in d or "b_runs" in next(iter(d.get("points", {}).values()), {}):
+            print(ab(d["points"]))
+        elif d.get("task") == "needle":
             print(needle(d))
         else:
             print(accuracy(d) if "rows" in d and "points" not in d else f"{machine(d)}\n\n{bench(d)}")

@@ -283,11 +283,9 @@ def test_published_numbers_are_the_results_json():
     tables = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tables)
     acc = json.loads((RESULTS / "accuracy-smollm2-hamlet.json").read_text())
-    cpu = json.loads((RESULTS / "bench-cpu-smollm2.json").read_text())
     peer = json.loads((RESULTS / "bench-cpu-vs-transformers.json").read_text())
     accuracy, performance = (ROOT / "docs" / "accuracy.md").read_text(), (ROOT / "docs" / "performance.md").read_text()
     assert tables.accuracy(acc) in accuracy, "docs/accuracy.md: the table is not tables.py's rendering of the JSON"
-    assert tables.bench(cpu) in performance, "docs/performance.md: the table is not tables.py's rendering of the JSON"
     gemma = json.loads((RESULTS / "bench-cpu-context-gemma3.json").read_text())
     assert tables.bench(gemma) in performance, "docs/performance.md: Gemma 3's context table is not tables.py's"
     qwen = json.loads((RESULTS / "bench-cpu-context-qwen2.5-coder-0.5b.json").read_text())
@@ -296,19 +294,15 @@ def test_published_numbers_are_the_results_json():
         long = json.loads((RESULTS / f"accuracy-gemma3-alice-{n}.json").read_text())
         assert tables.accuracy(long) in accuracy, f"docs/accuracy.md: Gemma 3's {n}-token table is not tables.py's"
     assert tables.needle(json.loads((RESULTS / "needle-gemma3.json").read_text())) in accuracy, "Gemma 3's needles"
-    # the current 8k table: each row's ms a step and its ratio to `full`, as the two files hold them
-    eight = {b: json.loads((RESULTS / f).read_text())["points"] for b, f in
-             ((1, "bench-cpu-8k-smollm2-fused.json"), (8, "bench-cpu-8k-b8-smollm2-fused-rerun.json"))}  # fmt: skip
-    ms = {(b, p["policy"], p.get("spec_keys"), p.get("correct")): p["ms_per_step"] for b in eight for p in eight[b]}
-    full1, full8 = ms[(1, "full", None, None)], ms[(8, "full", None, None)]
-    ig1, ig8 = ms[(1, "infinigen", "int4c", 0.25)], ms[(8, "infinigen", "int4c", 0.25)]
-    assert f"| full | {full1:.1f} | 1.00 | {full8:.1f} | 1.00 |" in performance
-    assert f"| {ig1:.1f} | **{full1 / ig1:.2f}** | {ig8:.1f} | **{full8 / ig8:.2f}** |" in performance
-    for keys, correct, label in (("int4c", 0.0, "c0 (int4c keys"), ("partial", 0.25, "partial (correct"),
-                                 ("partial", 0.0, "partial c0 (the paper")):  # fmt: skip
-        t = ms[(1, "infinigen", keys, correct)]
-        line = next(x for x in performance.splitlines() if x.startswith(f"| infinigen {label}"))
-        assert line.endswith(f"| {t:.1f} | {full1 / t:.2f} | - | - |"), line
+    # the current CPU table: every policy against the tree before the one KV path (benchmarks/ab_trees.py's files)
+    ab = {f: json.loads((RESULTS / f"ab-cpu-smollm2-{f}.json").read_text()) for f in
+          ("8k-b1", "4k-b4", "4k-b4-rerun", "8k-b8", "2k-b1-h2o")}  # fmt: skip
+    points = {**ab["8k-b1"]["points"], **tables.ab_merged([ab["4k-b4"], ab["4k-b4-rerun"]]),
+              **ab["8k-b8"]["points"], **ab["2k-b1-h2o"]["points"]}  # fmt: skip
+    assert tables.ab(points) in performance, "docs/performance.md: the CPU table is not tables.py's rendering"
+    one, eight = ab["8k-b1"]["points"], ab["8k-b8"]["points"]
+    full1, full8 = one["full b1 x 8160"]["a_ms"], eight["full b8 x 8160"]["a_ms"]
+    ig1, ig8 = one["infinigen int4c b1 x 8160"]["a_ms"], eight["infinigen int4c b8 x 8160"]["a_ms"]
     projected = json.loads((RESULTS / "projected-h100-llama31-8b-32k.json").read_text())["points"]
     for p in projected:  # the projected rows beside the H100's measurement
         if p["policy"] in ("full", "offload") or (p["policy"], p.get("spec_keys"), p.get("correct")) == (
