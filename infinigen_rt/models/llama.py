@@ -40,8 +40,7 @@ class SpeculationTaps:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, a decode step's few rows on a CPU through the kernel (kv/cpu.py's linear: the weights read at the
     memory's speed, and a request's outputs the same in any batch)."""
-    out = cpu.linear(x, weight, bias)
-    if out is not None:
+    if x.device.type == "cpu" and (out := cpu.linear(x, weight, bias)) is not None:  # (a GPU: never the kernel's)
         return out
     return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype), bias)  # (a weight kept narrow)
 
