@@ -199,6 +199,16 @@ int64_t window(const char *op, const char *name, const Tensor &out, const Tensor
 
 // ---- the ops (schemas in TORCH_LIBRARY below; shapes as each kernel's comment in _cpu_kernels.c)
 
+// the scored slots: [B, Hkv, T] (true: a list per (sequence, KV head)), [B, T], or none (false)
+bool slot_pairs(const char *op, const Opt &slots, int64_t B, int64_t Hkv, int64_t T) {
+    if (!slots) return false;
+    take(op, "slots", *slots, at::kLong);
+    const bool pairs = slots->dim() == 3;
+    if (pairs) shape(op, "slots", *slots, {B, Hkv, T});
+    else shape(op, "slots", *slots, {B, T});
+    return pairs;
+}
+
 int64_t score_codes(const Tensor &q, const Tensor &codes, const Tensor &meta, const Opt &slots, const Tensor &out,
                     int64_t group, int64_t bits, int64_t start, int64_t lo, int64_t hi) {
     const char *op = "infinigen::score_codes";
@@ -211,12 +221,7 @@ int64_t score_codes(const Tensor &q, const Tensor &codes, const Tensor &meta, co
     TORCH_CHECK(R == 1 || R == B, op, ": codes hold ", R, " sequences' rows, not 1 or ", B);
     shape(op, "codes", codes, {R, Hkv, S, D * bits / 8}), shape(op, "meta", meta, {R, Hkv, S, 2, D / group});
     shape(op, "out", out, {B, Hkv, G, T});
-    const bool pairs = slots && slots->dim() == 3;
-    if (slots) {
-        take(op, "slots", *slots, at::kLong);
-        if (pairs) shape(op, "slots", *slots, {B, Hkv, T});
-        else shape(op, "slots", *slots, {B, T});
-    }
+    const bool pairs = slot_pairs(op, slots, B, Hkv, T);
     return use().score_codes(ptr<float>(q), ptr<uint8_t>(codes), ptr<uint16_t>(meta), ptr<int64_t>(slots), pairs,
                              ptr<float>(out), B, R, Hkv, G, D, group, bits, T, S, start, lo, hi);
 }
@@ -240,12 +245,7 @@ int64_t score_channel(const Tensor &q, const Tensor &codes, const Tensor &meta, 
     take(op, "out", out, at::kFloat), dims(op, "out", out, 4);
     const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), D = q.size(3), T = out.size(3);
     shape(op, "out", out, {B, Hkv, G, T});
-    const bool pairs = slots && slots->dim() == 3;
-    if (slots) {
-        take(op, "slots", *slots, at::kLong);
-        if (pairs) shape(op, "slots", *slots, {B, Hkv, T});
-        else shape(op, "slots", *slots, {B, T});
-    }
+    const bool pairs = slot_pairs(op, slots, B, Hkv, T);
     return use().score_channel(ptr<float>(q), ptr<uint8_t>(codes), ptr<uint16_t>(meta), ptr<int64_t>(slots), pairs,
                                ptr<float>(out), B, codes.size(0), Hkv, G, D, run, T, codes.size(2), start, integer,
                                lo, hi);
