@@ -11,6 +11,8 @@
 #   bash benchmarks/gpu.sh llama31-128k Llama-3.1-8B shapes, batch 1 x 128k                         (~5 min)
 #   bash benchmarks/gpu.sh gather-grid  the defaults at Llama-2-7B b8 x 8k with the row gather's grid capped
 #                                       (INFINIGEN_GATHER_PROGRAMS 0: uncapped, 32, 132): does it overlap more (~6 min)
+#   bash benchmarks/gpu.sh graphs       what a CUDA graph costs here (benchmarks/graph_probe.py): a kernel's eager
+#                                       launch, its time replayed from a graph, a replay's host time  (~1 min)
 # The device machine has torch, Triton, transformers and pytest and no network: the project runs from the tree.
 #
 # REHEARSAL=1 runs a part here, on the CPU: the same commands, files and time-outs, through fake CUDA
@@ -92,8 +94,11 @@ case "$PART" in
     export INFINIGEN_GATHER_PROGRAMS=132
     bench 150 llama-2-7b-b8-8k-grid132 --synthetic llama-2-7b --batch 8 --context 8192 --policies infinigen
     ;;
+  graphs)
+    timeout 120 $PYTHON benchmarks/graph_probe.py --out "$OUT/graph-probe.json" 2>>"$OUT/log-$PART.txt" | tail -30
+    ;;
   *)
-    echo "unknown part $PART: tests, llama2-8k, llama2-32k, llama31-32k, llama31-128k, gather-grid" >&2
+    echo "unknown part $PART: tests, llama2-8k, llama2-32k, llama31-32k, llama31-128k, gather-grid, graphs" >&2
     exit 2
     ;;
 esac

@@ -71,6 +71,43 @@ def projected(before: dict, after: dict) -> str:
     return "\n".join(out)
 
 
+def _pair(points: list[dict]) -> dict:
+    """bench --rehearse's or --replay's points: {(model, policy, spec_keys, correct, batch, context): {graphs: p}}."""
+    out: dict = {}
+    for p in points:
+        key = (p["model"], p["policy"], p.get("spec_keys"), p.get("correct"), p["batch"], p["context"])
+        out.setdefault(key, {})[bool(p.get("graphs"))] = p
+    return out
+
+
+def held(replayed: dict, measured: list[dict], held_out: str) -> str:
+    """bench --replay's points (the measured tree's recorded steps, projected eager) beside bench's medians on the GPU
+    (`measured`: bench files): the projection, the measurement and their ratio; the model `held_out` set no
+    constant."""
+    ms = {(d["model"], p["policy"], p["batch"], p["context"]): p["ms_per_step"] for d in measured for p in d["points"]}
+    out = ["| model | policy | batch x context | projected ms (eager) | measured ms | projected / measured |",
+           "|---|---|---|---|---|---|"]  # fmt: skip
+    for (model, policy, spec, correct, b, c), pts in _pair(replayed["points"]).items():
+        p, m = pts[False], ms[(model, policy, b, c)]
+        name = model.removeprefix("synthetic:") + (" (held out)" if model.endswith(held_out) else "")
+        out.append(f"| {name} | {label(policy, spec, correct, short=True)} | {b} x {c} | {p['projected_ms']:.1f} "
+                   f"| {m:.1f} | {p['projected_ms'] / m:.2f} |")  # fmt: skip
+    return "\n".join(out)
+
+
+def graphed(*files: dict) -> str:
+    """bench --rehearse's points, eager and from a CUDA graph: launches, the projected ms of each, the floor and each
+    one's ratio to it."""
+    out = ["| model | policy | batch x context | launches | eager ms | graphed ms | floor ms | eager x floor "
+           "| graphed x floor |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for (model, policy, spec, correct, b, c), pts in _pair([p for d in files for p in d["points"]]).items():
+        e, g = pts[False], pts[True]
+        out.append(f"| {model.removeprefix('synthetic:')} | {label(policy, spec, correct, short=True)} | {b} x {c} "
+                   f"| {e['launches']:,} | {e['projected_ms']:.1f} | {g['projected_ms']:.1f} | {e['floor_ms']:.1f} "
+                   f"| {e['over_floor']:.2f} | {g['over_floor']:.2f} |")  # fmt: skip
+    return "\n".join(out)
+
+
 def reused(plain: dict, reuse: dict, full: dict) -> str:
     """bench --rehearse's speculating points without and with `--reuse` (rows kept across steps, at the share of
     rows held the point states), beside `full`'s step at the same batch: launches, PCIe MB, projected ms and the

@@ -287,7 +287,9 @@ def test_published_numbers_are_the_results_json():
     accuracy, performance = (ROOT / "docs" / "accuracy.md").read_text(), (ROOT / "docs" / "performance.md").read_text()
     assert tables.accuracy(acc) in accuracy, "docs/accuracy.md: the table is not tables.py's rendering of the JSON"
     gemma = json.loads((RESULTS / "bench-cpu-context-gemma3.json").read_text())
-    assert tables.bench(gemma) in performance, "docs/performance.md: Gemma 3's context table is not tables.py's"
+    ms = {pol: [p["ms_per_step"] for p in gemma["points"] if p["policy"] == pol] for pol in ("infinigen", "full")}
+    assert (f"the defaults took {min(ms['infinigen']):.1f}-{max(ms['infinigen']):.1f} ms a step, `full` "
+            f"{min(ms['full']):.1f}-{max(ms['full']):.1f}") in " ".join(performance.split()), "Gemma 3's figures"
     qwen = json.loads((RESULTS / "bench-cpu-context-qwen2.5-coder-0.5b.json").read_text())
     assert tables.bench(qwen) in performance, "docs/performance.md: Qwen's context table is not tables.py's"
     for n in (2048, 16384, 32768):
@@ -303,12 +305,14 @@ def test_published_numbers_are_the_results_json():
     one, eight = ab["8k-b1"]["points"], ab["8k-b8"]["points"]
     full1, full8 = one["full b1 x 8160"]["a_ms"], eight["full b8 x 8160"]["a_ms"]
     ig1, ig8 = one["infinigen int4c b1 x 8160"]["a_ms"], eight["infinigen int4c b8 x 8160"]["a_ms"]
-    projected = json.loads((RESULTS / "projected-h100-llama31-8b-32k.json").read_text())["points"]
-    for p in projected:  # the projected rows beside the H100's measurement
-        if p["policy"] in ("full", "offload") or (p["policy"], p.get("spec_keys"), p.get("correct")) == (
-                "infinigen", "int4", 0.25):  # fmt: skip
-            if p["batch"] in (1, 4):
-                assert f"| {p['batch']} | {p['launches']:,} | {p['projected_ms']:.1f} |" in performance, p
+    # the projection held to the H100's measurement, and this tree's steps projected eager and from a graph
+    h100 = [json.loads((RESULTS / "gpu-h100-2026-11-26" / f).read_text()) for f in
+            ("bench-llama-3.1-8b-32k.json", "bench-llama-2-7b-b8-8k.json")]  # fmt: skip
+    replayed = json.loads((RESULTS / "projected-h100-replay-5a5a7e7.json").read_text())
+    assert tables.held(replayed, h100, "llama-2-7b") in performance, "docs/performance.md: the held projection"
+    rehearsed = [json.loads((RESULTS / f).read_text()) for f in
+                 ("projected-h100-llama31-8b-32k.json", "projected-h100-llama2-7b-b8-8k.json")]  # fmt: skip
+    assert tables.graphed(*rehearsed) in performance, "docs/performance.md: the eager and graphed projection"
 
     med = {w: statistics.median(r["ms_per_step"] for r in peer["rows"] if r["peer"] == w) for w in
            ("infinigen-rt full", "transformers")}  # fmt: skip

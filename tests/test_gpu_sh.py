@@ -16,7 +16,7 @@ from infinigen_rt.measure.fakecuda import available
 from tests.conftest import ROOT
 
 GPU_SH = ROOT / "benchmarks" / "gpu.sh"
-PARTS = ("tests", "llama2-8k", "llama2-32k", "llama31-32k", "llama31-128k", "gather-grid")
+PARTS = ("tests", "llama2-8k", "llama2-32k", "llama31-32k", "llama31-128k", "gather-grid", "graphs")
 MAX_FILES = 8  # what one call of the device tool brings back
 
 # The plan's rates: assumptions, set low (an H100 over PCIe Gen5 does better on each), so that a part planned to fit
@@ -133,3 +133,12 @@ def test_every_part_runs_its_rehearsal(part, tmp_path):
         else:
             (row,) = data["rows"]
             assert row["status"] == "ok" and row["steps_done"] >= 1 and math.isfinite(row["ms_per_step"])
+
+
+def test_the_graph_part_says_when_there_is_no_gpu(tmp_path):
+    """gpu.sh graphs on a machine without a GPU (a rehearsal): one file, which says nothing was measured."""
+    env = {**os.environ, "REHEARSAL": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
+    r = subprocess.run(["bash", str(GPU_SH), "graphs"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
+    data = json.loads((tmp_path / "graph-probe.json").read_text())
+    assert data["status"].startswith("no GPU") and "points" not in data

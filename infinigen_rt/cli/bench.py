@@ -110,6 +110,9 @@ Wide = Annotated[
 Rehearse = Annotated[bool, typer.Option(
     help="Project each point's decode step on an H100 from the ops the GPU path issues (fake CUDA, meta tensors: "
          "any CPU, nothing computed) against its floor, instead of timing it; needs --synthetic.")]  # fmt: skip
+Replay = Annotated[Optional[list[Path]], typer.Option(
+    help="Project recorded decode steps (a trace file, or a folder of them: benchmarks/record_trace.py) with this "
+         "tree's projection, eager and from a CUDA graph, instead of running anything; repeatable.")]  # fmt: skip
 Tp = Annotated[
     int, typer.Option("--tp", help="Tensor-parallel ranks: starts this many processes (torchrun); needs a BUNDLE.")
 ]
@@ -144,6 +147,7 @@ def bench_cmd(
     wide: Wide = False,
     tp: Tp = 1,
     rehearse: Rehearse = False,
+    replay: Replay = None,
 ):
     """Decode speed of each KV policy for every batch x context, with bytes moved, memory and the floor.
 
@@ -152,12 +156,16 @@ def bench_cmd(
       infinigen-rt bench artifacts/bundles/smollm2-135m --device cpu --batch 1 --context 8192 --gen 32
       infinigen-rt bench --synthetic smollm2-135m --batch 1,4 --context 1024,4096 --out bench.json --plot bench.png
       infinigen-rt bench --synthetic llama-3.1-8b --batch 1,8 --context 32768 --policies full,infinigen --rehearse
+      infinigen-rt bench --replay artifacts/results/gpu-h100-2026-11-26/traces --json
     """
     import math
 
     from infinigen_rt.cli.launch import launch
     from infinigen_rt.tp import check_tp_option, follower_env
 
+    if replay:
+        _replay(replay, out, json_out)
+        return
     names, batches, contexts = _check(bundle, synthetic, policies, batch, context, gen, warmup, probe, text, tp)
     for name, value in (("budget", budget), ("max_kv", max_kv), ("alpha", alpha), ("prefill_chunk", prefill_chunk)):
         check_value(name, value)
@@ -246,16 +254,41 @@ def _rehearse(preset: str, dtype: str, variants: list, batches: list[int], conte
     console.print(rehearse_table(meta["points"]))
 
 
+def _replay(paths: list[Path], out, json_out: bool) -> None:
+    """bench --replay: recorded steps projected (measure/rehearse.py's replay), printed and saved as --rehearse's."""
+    from infinigen_rt import __version__
+    from infinigen_rt.errors import InfinigenError
+    from infinigen_rt.measure.projection import H100
+    from infinigen_rt.measure.rehearse import replay, rows
+
+    files = []
+    for p in paths:
+        found = sorted(p.glob("*.json.gz")) if p.is_dir() else [p] if p.exists() else []
+        if not found:
+            raise InfinigenError(f"--replay {p}: {'no *.json.gz trace in it' if p.is_dir() else 'no such file'}")
+        files += found
+    check_outputs(out, None)
+    meta = {"infinigen": __version__, "replay": [str(f) for f in files], "hardware": asdict(H100),
+            "points": rows(replay(files, H100))}  # fmt: skip
+    if out:
+        save(out, meta)
+    if json_out:
+        print_json(meta)
+        return
+    console.print(rehearse_table(meta["points"]))
+
+
 def rehearse_table(points: list[dict]):
     """The projected points: launches a step, the projected step, the host's share of it, the floor and the ratio."""
     table = results_table("projected decode step (H100, from the ops issued)",
-                          ["policy", "batch", "context", "launches", "ms", "issue ms", "floor ms", "x floor",
-                           "PCIe"])  # fmt: skip
+                          ["policy", "batch", "context", "graphs", "launches", "ms", "issue ms", "floor ms",
+                           "x floor", "PCIe"])  # fmt: skip
     for p in points:
         if p["status"] != "ok":
-            table.add_row(point_label(p), str(p["batch"]), str(p["context"]), f"[yellow]{p['status']}[/]")
+            table.add_row(point_label(p), str(p["batch"]), str(p["context"]), "", f"[yellow]{p['status']}[/]")
             continue
-        table.add_row(point_label(p), str(p["batch"]), str(p["context"]), f"{p['launches']:,}",
+        table.add_row(point_label(p), str(p["batch"]), str(p["context"]), "yes" if p.get("graphs") else "no",
+                      f"{p['launches']:,}",
                       f"{p['projected_ms']:.1f}", f"{p['issue_ms']:.1f}", f"{p['floor_ms']:.1f}",
                       f"{p['over_floor']:.2f}", human_bytes(p["pcie_bytes"]))  # fmt: skip
     return table

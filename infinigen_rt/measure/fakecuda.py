@@ -38,6 +38,7 @@ import hashlib
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import threading
 import traceback
@@ -411,6 +412,19 @@ FAKE_CUDART_PATH = "/fakecuda/libcudart.so.13"
 
 # ------------------------------------------------------------------------------------------------ the harness
 _HARNESS: FakeCuda | None = None
+_PACKAGE = str(Path(__file__).resolve().parents[1])
+
+
+def site() -> str:
+    """Which code issues the op being noted: "kv" (kv/, policies/) or "model" (the first of the project's frames
+    outside measure/ decides; "model" where none is)."""
+    f = sys._getframe(1)
+    while f is not None:
+        name = f.f_code.co_filename
+        if name.startswith(_PACKAGE) and "/measure/" not in name:
+            return "kv" if "/kv/" in name or "/policies/" in name else "model"
+        f = f.f_back
+    return "model"
 
 
 class FakeCuda:
@@ -451,6 +465,7 @@ class FakeCuda:
         self.profile: list | None = None  # events while a fake profiler runs
         self.ticks = defaultdict(float)  # per actor: a fake timeline for the profiler
         self.ops: list[Op] | None = None  # what the device is asked to do, while `recording`
+        self.shapes: set[tuple] = set()  # the fused attentions' shapes run outside `recording` (Op.new_shape)
 
     # ---- thread state
     def streams_tls(self) -> dict:
@@ -690,6 +705,7 @@ class FakeCuda:
 
     def note(self, op: Op) -> None:
         if self.ops is not None:
+            op.site = op.site or site()
             self.ops.append(op)
 
     # ---- launches: every Triton kernel of infinigen_rt.kv._gather_kernel, at the call torch's launcher makes
@@ -989,7 +1005,11 @@ class _Functions(TorchFunctionMode):
         if dev.type == "cuda":
             b_h_s, kv_len = q.numel() // q.shape[-1], k.shape[-2]
             flops = 2 * b_h_s * kv_len * (q.shape[-1] + v.shape[-1])  # q.k and p.v
-            h.note(Op("kernel", "fused_attention", actor, _bytes(q, k, v, attn_mask, out), flops))
+            shapes = ("fused_attention", tuple(q.shape), tuple(k.shape))
+            h.note(Op("kernel", "fused_attention", actor, _bytes(q, k, v, attn_mask, out), flops,
+                      new_shape=shapes not in h.shapes))  # fmt: skip
+            if h.ops is None:  # (a step recorded: its shapes against those of the steps before it)
+                h.shapes.add(shapes)
         h.profile_event(actor, "fused_attention")
         return out
 

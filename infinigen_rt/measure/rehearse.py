@@ -3,8 +3,10 @@ CPU under fake CUDA with meta tensors (fakecuda.py; nothing is computed, the sha
 
 Per point (policy, batch, context): a runner over a paged pool of `batch` requests of `context` prompt tokens, as
 bench runs them; the prompts prefilled and two decode steps taken, one more decode step is recorded op by op and
-replayed by projection.py against the same step's physical floor: the weights and the device-resident KV read at
-HBM speed beside the rows it fetched over PCIe."""
+replayed by projection.py, eager and from a CUDA graph (two points, `graphs` false and true), against the same
+step's physical floor: the weights and the device-resident KV read at HBM speed beside the rows it fetched over
+PCIe. `bench --replay` projects steps recorded earlier (benchmarks/record_trace.py: a tree that is gone, such as
+the one a GPU measured) the same way."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from infinigen_rt.errors import InfinigenError
-from infinigen_rt.measure.projection import H100, Hardware, project
+from infinigen_rt.measure.projection import H100, Hardware, project, read_trace
 
 # `reuse`: the share of a layer's selected rows that the step before selected too, as measured on real text (which
 # rows is a value, which the meta tensors here lack): speculation's own rows kept from step to step at 32k and a
@@ -37,6 +39,7 @@ class Projected:
     reuse: bool | None = None  # rows reused across steps, at the share `reused` held
     reused: float | None = None
     shortlist: float | None = None  # the correction's shortlist, where it has one (as bench's Point)
+    graphs: bool = False  # the step replayed from one CUDA graph (else issued op by op, eager)
     status: str = "ok"  # or oom-device: the point does not fit the device (fake CUDA's capacity, 80 GiB)
     launches: int | None = None
     projected_ms: float | None = None
@@ -101,14 +104,37 @@ def rehearse(preset: str, dtype: torch.dtype, variants: list, batch: int, contex
                     point.status, point.error = "oom-device", str(e).split(". ")[0]
             if point.status != "ok":
                 continue
-            p = project(ops, hw)
-            floor = floor_seconds(engine, policy, batch, context, p.pcie_bytes, bw)
-            point.launches, point.projected_ms, point.issue_ms = p.launches, round(1000 * p.seconds, 3), round(
-                1000 * p.issue_s, 3)  # fmt: skip
-            point.floor_ms, point.over_floor = round(1000 * floor, 3), round(p.seconds / floor, 3)
-            point.hbm_bytes, point.pcie_bytes = p.hbm_bytes, p.pcie_bytes
-            point.syncs, point.streams = p.syncs, p.streams
+            floor = floor_seconds(engine, policy, batch, context, sum(op.pcie_bytes for op in ops if op.launch), bw)
+            out[-1:] = [priced(point, ops, hw, floor, graphs) for graphs in (False, True)]
         del engine
+    return out
+
+
+def priced(point: Projected, ops: list, hw: Hardware, floor: float, graphs: bool) -> Projected:
+    """`point` with its recorded step's ops projected on `hw`, eager or from a CUDA graph, against `floor` (s)."""
+    p = project(ops, hw, graphs)
+    return replace(point, graphs=graphs, launches=p.launches, projected_ms=round(1000 * p.seconds, 3),
+                   issue_ms=round(1000 * p.issue_s, 3), floor_ms=round(1000 * floor, 3),
+                   over_floor=round(p.seconds / floor, 3), hbm_bytes=p.hbm_bytes, pcie_bytes=p.pcie_bytes,
+                   syncs=p.syncs, streams=p.streams)  # fmt: skip
+
+
+def replay(paths: list, hw: Hardware = H100) -> list[Projected]:
+    """`bench --replay`: recorded steps (benchmarks/record_trace.py) projected with today's projection, each eager
+    and from a CUDA graph, against the floor their recording gave (the device's bytes at HBM's copy rate beside the
+    fetched rows at the DMA engine's)."""
+    out = []
+    for path in paths:
+        try:
+            rec, ops = read_trace(path)
+            point = Projected(rec["model"], rec["policy"], rec["batch"], rec["context"], rec.get("spec_keys"),
+                              rec.get("correct"), hw.name)  # fmt: skip
+            floor = max(rec["floor_device_bytes"] / hw.hbm_bytes_per_s,
+                        rec["floor_fetched_bytes"] / hw.pcie_bytes_per_s)  # fmt: skip
+        except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
+            raise InfinigenError(f"{path}: not a recorded step ({type(e).__name__}: {e}); record one with "
+                                 f"benchmarks/record_trace.py") from None  # fmt: skip
+        out += [priced(point, ops, hw, floor, graphs) for graphs in (False, True)]
     return out
 
 

@@ -188,3 +188,22 @@ def test_bench_times_the_step_that_generate_and_serve_take(smol_synthetic):
     same = ("step.py:decode_step", "runner.py:_decode", "runner.py:step")
     assert decode_chains(bench_calls, "bench.py:run_points") == {same}  # the timed steps
     assert decode_chains(generate_calls, "generate.py:generate") == {same}
+
+
+def test_bench_replays_the_recorded_steps(tmp_path):
+    """bench --replay: the H100 run's recorded steps (a folder) projected eager and from a graph, each point with
+    --rehearse's fields; the file --out writes is what --json prints. A folder without traces, a missing file and a
+    file that is not a trace are one-line errors."""
+    traces, out = RESULTS / "gpu-h100-2026-11-26" / "traces", tmp_path / "r.json"
+    r = run_cli("rt", "bench", "--replay", traces, "--json", "--out", out)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert json.loads(out.read_text()) == res and len(res["replay"]) == 9
+    assert sorted(p["graphs"] for p in res["points"]) == [False] * 9 + [True] * 9
+    for p in res["points"]:
+        assert {"model", "policy", "batch", "context", "projected_ms", "floor_ms", "graphs"} <= set(p)
+        assert p["status"] == "ok" and p["projected_ms"] >= p["floor_ms"] > 0
+    one_line_error(run_cli("rt", "bench", "--replay", tmp_path), "no *.json.gz trace")
+    one_line_error(run_cli("rt", "bench", "--replay", tmp_path / "none.json.gz"), "no such file")
+    (tmp_path / "bad.json.gz").write_text("{}")
+    one_line_error(run_cli("rt", "bench", "--replay", tmp_path / "bad.json.gz"), "not a recorded step")

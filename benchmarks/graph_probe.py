@@ -1,0 +1,77 @@
+"""What a CUDA graph costs on this GPU, for measure/projection.py's graph mode (H100.graph_launch_s, graph_gap_s,
+kernel_s): a chain of N tiny kernels (a one-element add) issued one by one, and the same chain captured in a graph
+and replayed. Prints and writes (--out) per N: the eager time a kernel (the host's launch), a replayed graph's time a
+kernel (the kernel and the device's gap after it) and the host's time to issue one replay.
+
+    python benchmarks/graph_probe.py --out graph-probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def seconds(fn, reps: int) -> float:
+    """fn() reps times, the device synchronised before and after: the median of 5 such runs, a call."""
+    runs = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        runs.append((time.perf_counter() - t) / reps)
+    return sorted(runs)[2]
+
+
+def probe(n: int) -> dict:
+    x = torch.zeros(1, device="cuda")
+
+    def chain():
+        for _ in range(n):
+            x.add_(1)
+
+    chain()  # (warm: the kernel loaded)
+    eager = seconds(chain, 3)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain()  # (a warm-up on the capturing stream, as torch's docs advise)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    replay = seconds(graph.replay, 20)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        graph.replay()
+    issue = (time.perf_counter() - t) / 20  # the host's time a replay (the device catches up after)
+    torch.cuda.synchronize()
+    return {"kernels": n, "eager_s_per_kernel": eager / n, "graph_s_per_kernel": replay / n,
+            "replay_host_s": issue}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kernels", default="100,1000,4000", help="chain lengths, comma-separated")
+    p.add_argument("--out", help="write the results JSON here")
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        result = {"status": "no GPU: nothing measured (a rehearsal, or a CPU build of torch)"}
+    else:
+        result = {"status": "ok", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                  "points": [probe(int(n)) for n in a.kernels.split(",")]}  # fmt: skip
+    text = json.dumps(result, indent=1)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
