@@ -81,7 +81,7 @@ def preset_config(name: str) -> ModelConfig:
 def synthetic_engine(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Engine:
     """A random-weight model of a preset's shapes, built straight on the device, with random orthogonal skews."""
     from infinigen_rt.bundle import InfinigenDefaults, dense_layers_for, partial_idx_name, partial_q_name, skew_name
-    from infinigen_rt.models import MODELS
+    from infinigen_rt.models import MODELS, fuse
     from infinigen_rt.models.gemma3 import Gemma3
     from infinigen_rt.models.llama import Llama, rope_inv_freq
 
@@ -104,6 +104,7 @@ def synthetic_engine(name: str, device: torch.device, dtype: torch.dtype, seed: 
         else:  # norm scales 1 (Gemma's norms scale by 1 + weight), biases 0
             norm = "norm" in pname and pname.endswith("weight") and cfg.arch != "gemma3"
             p.fill_(1.0 if norm else 0.0)
+    fuse(model)
     if isinstance(model, Llama):
         model.inv_freq = rope_inv_freq(cfg).to(device)
     elif isinstance(model, Gemma3):

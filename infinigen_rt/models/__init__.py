@@ -41,14 +41,20 @@ def load_model(
     model.load_state_dict(state, assign=True)
     if model.embed_tokens.weight.dtype != dtype:  # a tied head's, kept narrow: its rows widened as they are looked up
         model.embed_tokens.out_dtype = dtype
-    for m in model.modules():  # a CPU's decode step: q, k, v one call of the linear kernel, gate and up one
-        if isinstance(m, Attention | MLP):
-            m.fuse()
+    fuse(model)
     if isinstance(model, Llama):
         model.inv_freq = rope_inv_freq(cfg).to(device)  # non-persistent buffer: recompute off meta
     elif isinstance(model, Gemma3):
         model.rope_buffers()
     return model.eval()
+
+
+def fuse(model: torch.nn.Module) -> None:
+    """A decode step's q, k and v one matrix multiply, gate and up one (Attention.fuse, MLP.fuse): on a CPU one call
+    of the linear kernel, on a GPU one cuBLAS call instead of three and two."""
+    for m in model.modules():
+        if isinstance(m, Attention | MLP):
+            m.fuse()
 
 
 def keeps_narrow(device, dtype: torch.dtype) -> bool:

@@ -133,9 +133,9 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = norm(self.head_dim, cfg.norm_eps), norm(self.head_dim, cfg.norm_eps)
 
     def fuse(self) -> None:
-        """q, k and v's weights (and biases) as row ranges of one matrix (the same tensors, no second copy), where a
-        CPU's linear kernel reads them: a decode step's three projections are then one call, and RoPE one op over q
-        and k, the same sums and products (each output of the kernel sums its own row of the weights alone)."""
+        """q, k and v's weights (and biases) as row ranges of one matrix (the same tensors, no second copy): a decode
+        step's three projections are then one call, and RoPE one op over q and k (on a CPU the same sums and
+        products: each output of the linear kernel sums its own row of the weights alone)."""
         got = as_one_matrix((self.q_proj, self.k_proj, self.v_proj))
         if got is not None:
             self.qkv = got
@@ -144,7 +144,7 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         cache.observe(self.layer, x)
         h, hkv, d = self.n_heads, self.n_kv, self.head_dim
-        if hasattr(self, "qkv") and b * s <= cpu.LINEAR_ROWS:  # a decode step's rows on a CPU: one call (fuse)
+        if hasattr(self, "qkv") and decoding(x):  # one call (fuse)
             heads = linear(x, *self.qkv).view(b, s, h + 2 * hkv, d).transpose(1, 2)  # (B, H + 2 Hkv, S, D)
             if not hasattr(self, "q_norm"):
                 qk = apply_rope(heads[:, : h + hkv], cos, sin)
@@ -175,25 +175,31 @@ class MLP(nn.Module):
         self.act = ACT[cfg.hidden_act]
 
     def fuse(self) -> None:
-        """The gate's and the up projection's weights (and biases) as row ranges of one matrix, where a CPU's linear
-        kernel reads them: a decode step's two are one call (as Attention.fuse)."""
+        """The gate's and the up projection's weights (and biases) as row ranges of one matrix: a decode step's two
+        are one call (as Attention.fuse)."""
         got = as_one_matrix((self.gate_proj, self.up_proj))
         if got is not None:
             self.gate_up = got
 
     def forward(self, x):
-        if hasattr(self, "gate_up") and x.numel() <= cpu.LINEAR_ROWS * x.shape[-1]:  # one call (fuse)
+        if hasattr(self, "gate_up") and decoding(x):  # one call (fuse)
             gate, up = linear(x, *self.gate_up).chunk(2, -1)
             return self.reduce(self.down_proj(self.act(gate) * up))
         return self.reduce(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
 
 
+def decoding(x: torch.Tensor) -> bool:
+    """Whether x [B, S, d] is a decode step's rows, which the fused projections take: on a CPU at most the linear
+    kernel's rows (cpu.LINEAR_ROWS; more go to torch's matmul, three calls as before), on a GPU one token a row."""
+    return x.numel() <= cpu.LINEAR_ROWS * x.shape[-1] if x.device.type == "cpu" else x.shape[-2] == 1
+
+
 def as_one_matrix(projs) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Projections that read the same input (Attention.fuse's q, k, v; MLP.fuse's gate and up) as row ranges of one
     matrix: each one's weight (and bias) becomes a view of it, no second copy, and (the matrix, the biases or None)
-    comes back; None where they are not all on a CPU in one dtype, or not all with a bias or all without."""
+    comes back; None where they are not all on one device in one dtype, or not all with a bias or all without."""
     ws = [p.weight for p in projs]
-    if any(w.device.type != "cpu" or w.dtype != ws[0].dtype for w in ws) or len({p.bias is None for p in projs}) > 1:
+    if any(w.device != ws[0].device or w.dtype != ws[0].dtype for w in ws) or len({p.bias is None for p in projs}) > 1:
         return None
     w = torch.cat(ws)
     bias = None if projs[0].bias is None else torch.cat([p.bias for p in projs])

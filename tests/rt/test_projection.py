@@ -87,12 +87,12 @@ def test_the_recorder_sees_kernels_copies_events_and_syncs_with_their_bytes():
 # (about one launch of kv/ a layer at batch 1), so that a step that grows fails here. Through the batch's KV store a
 # step's launches do not grow with the batch (one kernel scores a layer's int4 codes for the whole batch)
 STEP_LIMITS = {
-    ("full", None, None): (900, 1.0, 3.12, 4.15),  # 885 at batch 1 and 8; 3.06x and 4.07x
-    ("offload", None, None): (1_195, 1.0, 2.07, 1.25),  # 1,179 and 1,179; 2.03x and 1.22x
-    ("infinigen", "partial", 0.0): (1_965, 1.05, 9.23, 1.48),  # 1,948 and 1,978; 9.05x and 1.45x
-    ("infinigen", "int4", 0.25): (2_505, 1.0, 13.14, 2.02),  # the defaults: 2,488 and 2,488; 12.88x and 1.98x
-    ("h2o", None, None): (1_390, 1.0, 7.55, 3.67),  # 1,374 and 1,374; 7.40x and 3.59x
-    ("int4", None, None): (2_670, 1.0, 7.81, 2.24),  # 2,651 and 2,651; 7.66x and 2.19x
+    ("full", None, None): (675, 1.0, 2.56, 4.13),  # 661 at batch 1 and 8; 2.51x and 4.05x
+    ("offload", None, None): (970, 1.0, 2.06, 1.25),  # 955 and 955; 2.02x and 1.22x
+    ("infinigen", "partial", 0.0): (1_740, 1.05, 8.80, 1.48),  # 1,724 and 1,754; 8.62x and 1.45x
+    ("infinigen", "int4", 0.25): (2_280, 1.0, 12.70, 2.01),  # the defaults: 2,264 and 2,264; 12.45x and 1.97x
+    ("h2o", None, None): (1_165, 1.0, 6.99, 3.65),  # 1,150 and 1,150; 6.86x and 3.57x
+    ("int4", None, None): (2_445, 1.0, 7.67, 2.24),  # 2,427 and 2,427; 7.51x and 2.19x
 }
 
 
