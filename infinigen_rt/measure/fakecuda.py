@@ -47,7 +47,7 @@ import warnings
 import weakref
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -466,6 +466,7 @@ class FakeCuda:
         self.ticks = defaultdict(float)  # per actor: a fake timeline for the profiler
         self.ops: list[Op] | None = None  # what the device is asked to do, while `recording`
         self.shapes: set[tuple] = set()  # the fused attentions' shapes run outside `recording` (Op.new_shape)
+        self.detailed, self.mark = False, 0  # `recording(detail=True)`: Op.detail; blocks from `mark` on are its own
 
     # ---- thread state
     def streams_tls(self) -> dict:
@@ -693,15 +694,39 @@ class FakeCuda:
             self.regions.remove(r)
 
     @contextmanager
-    def recording(self):
+    def recording(self, detail: bool = False):
         """The ops issued inside the block, in order (projection.Op: kernels with their bytes and FLOPs, Triton
-        launches, copies, events, syncs): what `projection.project` replays."""
+        launches, copies, events, syncs): what `projection.project` replays. With `detail`, each launch's arguments
+        too (Op.detail: `described`), for capture.py."""
         outer, self.ops = self.ops, []
         ops = self.ops
+        self.detailed, self.mark = detail, self.next_addr
         try:
             yield ops
         finally:
-            self.ops = outer
+            self.ops, self.detailed = outer, False
+
+    def described(self, *values) -> tuple:
+        """Arguments as a CUDA graph captures them (Op.detail), when recording with detail: a tensor by its shape,
+        dtype and where it lives (the address of a device or page-locked block made before the recording began: a
+        buffer from outside the step; "step": made inside it; "host": pageable host memory), a number or any other
+        value as it is, lists and dicts item by item; () otherwise."""
+        if not self.detailed:
+            return ()
+
+        def one(v):
+            if isinstance(v, torch.Tensor):
+                b = self.blocks.get(storage_key(v))  # (every argument was touched: its block made)
+                where = ("host" if vdev(v).type == "cpu" else "step") if b is None else b.addr if b.addr < self.mark \
+                    else "step"  # fmt: skip
+                return ("tensor", tuple(v.shape), str(v.dtype), where)
+            if isinstance(v, (list, tuple)):
+                return tuple(one(x) for x in v)
+            if isinstance(v, dict):
+                return tuple((k, one(x)) for k, x in sorted(v.items()))
+            return v if isinstance(v, (int, float, bool, str, type(None))) else str(v)
+
+        return tuple(one(v) for v in values)
 
     def note(self, op: Op) -> None:
         if self.ops is not None:
@@ -749,7 +774,8 @@ class FakeCuda:
         self.launches.append((name, f"cuda:{idx}", stream.name))
         if self.ops is not None:
             op = _row_kernel_op if "rows" in params else OPS.get(name, _span_op)
-            self.note(op(name, stream.name, named, written, grid, meta))
+            self.note(replace(op(name, stream.name, named, written, grid, meta), detail=self.described(args, meta,
+                                                                                                       grid)))
         for r in self.regions:
             r.launches.append(name)
         self.profile_event(stream.name, name)
@@ -1007,7 +1033,7 @@ class _Functions(TorchFunctionMode):
             flops = 2 * b_h_s * kv_len * (q.shape[-1] + v.shape[-1])  # q.k and p.v
             shapes = ("fused_attention", tuple(q.shape), tuple(k.shape))
             h.note(Op("kernel", "fused_attention", actor, _bytes(q, k, v, attn_mask, out), flops,
-                      new_shape=shapes not in h.shapes))  # fmt: skip
+                      new_shape=shapes not in h.shapes, detail=h.described(q, k, v, attn_mask, scale, is_causal)))
             if h.ops is None:  # (a step recorded: its shapes against those of the steps before it)
                 h.shapes.add(shapes)
         h.profile_event(actor, "fused_attention")
@@ -1157,7 +1183,7 @@ class _Dispatch(TorchDispatchMode):
                 outs = [x for x in _tensors(result if isinstance(result, (list, tuple)) else (result,), {})
                         if not any(x is w for w in written)]  # fmt: skip
                 h.note(Op("kernel", info.name, actor, _op_bytes(info.name, tensors, written, outs),
-                          _flops(info.name, args)))  # fmt: skip
+                          _flops(info.name, args), detail=h.described(args, kwargs)))  # fmt: skip
         return result
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool):
@@ -1183,7 +1209,7 @@ class _Dispatch(TorchDispatchMode):
         h.profile_event(stream.name, f"Memcpy {direction} ({'Pinned' if pinned else 'Pageable'})")
         n = _bytes(src)
         h.note(Op("copy", f"Memcpy {direction}", stream.name, hbm_bytes=n, pcie_bytes=n if dd.type == "cuda" else 0,
-                  d2h_bytes=0 if dd.type == "cuda" else n))  # fmt: skip
+                  d2h_bytes=0 if dd.type == "cuda" else n, detail=h.described(dst, src)))  # fmt: skip
         if not non_blocking or not pinned:
             h.host_waits([stream.name], f"copy {direction} of {tuple(src.shape)} {src.dtype}"
                          + (" from/to pageable memory" if not pinned else ""), kind="copy")  # fmt: skip

@@ -100,6 +100,7 @@ class Op:
     d2h_bytes: int = 0  # device to host (PCIe is full duplex: the other direction's link)
     site: str = ""  # the code that issued it: "model" (the layers, the runner) or "kv" (kv/ and policies/)
     new_shape: bool = False  # a fused attention over shapes no step before it ran (cuDNN then builds a plan)
+    detail: tuple = ()  # with `recording(detail=True)`: its arguments as a CUDA graph would hold them (capture.py)
 
     @property
     def launch(self) -> bool:
