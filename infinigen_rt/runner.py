@@ -195,6 +195,7 @@ class Runner:
         # caches take lanes of it (on a CPU under tensor parallelism speculation runs inline: collectives in order)
         self.prefetch = engine_prefetcher(engine)
         self.kv: KVStore | None = None  # the batch's KV store (kv/store.py), made for the first policy it can run
+        self._inputs: torch.Tensor | None = None  # [2, max_batch, 1]: a decode step's token ids and positions
         self.kv_policy: Policy | None = None  # the policy (with its options) whose requests it holds
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []  # admitted: prefilling (done < prompt) or decoding, in arrival order
@@ -383,8 +384,12 @@ class Runner:
         t0 = time.perf_counter()
         stored = [s for s in rows if isinstance(s.cache, RequestPass)]
         rows = stored + [s for s in rows if not isinstance(s.cache, RequestPass)]  # the store's rows first
-        ids = torch.cat([s.pending for s in rows])[:, None]
-        pos = torch.cat([s.pos for s in rows])  # [B, 1]
+        if self._inputs is None:  # the step's token ids and positions: the same device buffers every step (what a
+            # CUDA graph replays: measure/capture.py)
+            self._inputs = torch.zeros(2, self.max_batch, 1, dtype=torch.int64, device=self.engine.device)
+        ids, pos = self._inputs[0, : len(rows)], self._inputs[1, : len(rows)]
+        torch.cat([s.pending.view(1, 1) for s in rows], out=ids)
+        torch.cat([s.pos for s in rows], out=pos)  # [B, 1]
         if stored:  # one step through the store for all of its rows
             cache = StoreStep(self.kv, [s.id for s in stored])
             if len(stored) < len(rows):

@@ -61,6 +61,38 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+class Staging:
+    """Host arrays uploaded every step into the same memory: a page-locked staging buffer and a device buffer for
+    each name, made once (again, twice as large, when a step needs more), so that a step's copies read and write
+    the same addresses step after step, as a CUDA graph replays them (measure/capture.py). The staging buffer is
+    written only once the last copy from it is done (the step's one host sync sees to that); where it is not yet
+    (no sync since), the array goes up through fresh page-locked memory instead, never waited for. Elsewhere than
+    on a GPU the array itself."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.buffers = device, {}
+
+    def put(self, name: str, a) -> torch.Tensor:
+        """The array `a` (numpy, or a host tensor) on the device, in `name`'s buffers: the copy is not waited for."""
+        t = torch.as_tensor(a)
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        n = t.numel()
+        host, dev, copied = self.buffers.get(name, (None, None, None))
+        if copied is not None and not copied.query():
+            return to_device(t, self.device)
+        if host is None or host.numel() < n or host.dtype != t.dtype:
+            size = max(n, 64 if host is None else 2 * host.numel())
+            host = torch.empty(size, dtype=t.dtype).pin_memory()
+            dev = torch.empty(size, dtype=t.dtype, device=self.device)
+        host[:n].copy_(t.reshape(-1))
+        out = dev[:n].copy_(host[:n], non_blocking=True).view(t.shape)
+        copied = torch.cuda.Event()
+        copied.record()
+        self.buffers[name] = host, dev, copied
+        return out
+
+
 # ---------------------------------------------------------------------------------------- page-locked memory
 def host_buffer(shape, dtype, pinned: list | None, zero: bool = True) -> torch.Tensor:
     """Host memory (zeroed unless `zero` is False); with a `pinned` list (a GPU computes): page-locked at its exact

@@ -42,7 +42,7 @@ from infinigen_rt.kv.ledger import Ledger
 from infinigen_rt.kv.paged import BlockAllocator, PagedStore
 from infinigen_rt.kv.rows import copy_rows
 from infinigen_rt.kv.window import Rings
-from infinigen_rt.system import to_device
+from infinigen_rt.system import Staging, to_device
 
 BLOCK = 16
 
@@ -100,6 +100,7 @@ class KVStore:
         assert host.alloc.block_size == BLOCK
         self.host, self.alloc, self.selector = host, host.alloc, selector  # (its buffers live as long as it)
         self.device = torch.device(device)
+        self.staging = Staging(self.device)  # the step's slots and tables: the same buffers every step
         self.n_kv, self.head_dim = cfg.num_key_value_heads, cfg.head_dim
         slots = host.alloc.n_blocks * BLOCK
         self.device_layers = set(selector.device_layers)
@@ -155,20 +156,22 @@ class KVStore:
             self.rings.release(rid)
         self.ledger.forget(rid)
 
-    def append(self, rids: list[int], n: int, reused: np.ndarray | None = None) -> torch.Tensor:
+    def append(self, rids: list[int], n: int, reused: np.ndarray | None = None, staged: bool = False) -> torch.Tensor:
         """Each request of `rids` takes token slots for `n` new tokens: its next ones, but for the first reused[b]
         (host; None: none), which go into slots eviction freed (a selector with a capacity places those: Evicting).
         Their flat slot numbers [B * n] on the device (one copy up, not waited for), in row order, 0 for the reused
-        ones. The lengths (slots taken) advance on the host."""
+        ones. The lengths (slots taken) advance on the host. `staged`: a decode step's, into the same device buffer
+        every step (see up)."""
         slots = np.zeros((len(rids), n), dtype=np.int64)
         reused = np.zeros(len(rids), dtype=np.int64) if reused is None else reused
         for i, (r, u) in enumerate(zip(rids, reused.tolist(), strict=True)):
             slots[i, u:] = self.alloc.slots(r, self.length[r], n - u)
             self.length[r] += n - u
             self.seen[r] += n
-        return to_device(torch.from_numpy(slots.reshape(-1)), self.device)
+        return self.up("slots", slots.reshape(-1), staged)
 
-    def dense_pass(self, p: StoreStep | RequestPass, rids: list[int], n: int) -> tuple[torch.Tensor, Batch]:
+    def dense_pass(self, p: StoreStep | RequestPass, rids: list[int], n: int,
+                   staged: bool = False) -> tuple[torch.Tensor, Batch]:  # fmt: skip
         """The device layers' (slots, batch) of pass p, whose requests `rids` brought n tokens each (appended
         already): the pass's own, but where the device layers have tables of their own (see device_slots)."""
         if self.dense is self.alloc:
@@ -177,8 +180,8 @@ class KVStore:
         for r in rids:
             self.dense.grow(r, self.seen[r])
             slots.append(self.dense.slots(r, self.seen[r] - n, n))
-        return to_device(torch.from_numpy(np.concatenate(slots)), self.device), self.tables(self.dense, self.seen,
-                                                                                           rids, n)  # fmt: skip
+        return self.up("dense slots", np.concatenate(slots), staged), self.tables(self.dense, self.seen, rids, n,
+                                                                                  staged)  # fmt: skip
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """k, v [B, Hkv, n, D] into `slots` [B * n] (from `append`), or for a pooled layer each head's own flat
@@ -263,12 +266,13 @@ class KVStore:
                 dst.copy_(flat)
         return got
 
-    def batch(self, rids: list[int], new: int | np.ndarray = 1) -> Batch:
+    def batch(self, rids: list[int], new: int | np.ndarray = 1, staged: bool = False) -> Batch:
         """The step's tables and lengths on the device (two copies up, not waited for); `new`: the slots each row
         took (appended already; per row where a capacity reuses freed ones)."""
-        return self.tables(self.alloc, self.length, rids, new)
+        return self.tables(self.alloc, self.length, rids, new, staged)
 
-    def tables(self, alloc: BlockAllocator, length: dict[int, int], rids: list[int], new) -> Batch:
+    def tables(self, alloc: BlockAllocator, length: dict[int, int], rids: list[int], new,
+               staged: bool = False) -> Batch:  # fmt: skip
         """A Batch of `alloc`'s tables and `length`'s lengths (see batch)."""
         tables = [alloc.tables[r] for r in rids]
         width = max(len(t) for t in tables)
@@ -276,9 +280,14 @@ class KVStore:
         for i, t in enumerate(tables):
             table[i, : len(t)] = t
         lengths = np.array([length[r] for r in rids], dtype=np.int32)
-        return Batch(rids, to_device(torch.from_numpy(table), self.device),
-                     to_device(torch.from_numpy(lengths), self.device), int(lengths.max()),
-                     lengths.astype(np.int64) - new)  # fmt: skip
+        name = "dense" if alloc is not self.alloc else ""
+        return Batch(rids, self.up(f"{name} table", table, staged), self.up(f"{name} lengths", lengths, staged),
+                     int(lengths.max()), lengths.astype(np.int64) - new)  # fmt: skip
+
+    def up(self, name: str, a: np.ndarray, staged: bool) -> torch.Tensor:
+        """A host array on the device, the copy not waited for: `staged` (a decode step's, once a step) through
+        `name`'s buffers of self.staging, the same addresses every step; else through fresh page-locked memory."""
+        return self.staging.put(name, a) if staged else to_device(torch.from_numpy(a), self.device)
 
     def attend(self, layer: int, q: torch.Tensor, batch: Batch, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One query token per row, q [B, H, 1, D], over each row's keys of a device layer, its new k, v [B, Hkv, 1, D]
@@ -364,9 +373,9 @@ class StoreStep(KVCache):
     def begin(self, positions) -> None:
         self.positions = positions
         self.reused = self.store.selector.reuse(self, self.rids, 1)
-        self.slots = self.store.append(self.rids, 1, self.reused)
-        self.batch = self.store.batch(self.rids, 1 - self.reused)
-        self.dense = self.store.dense_pass(self, self.rids, 1)  # the device layers' (slots, batch)
+        self.slots = self.store.append(self.rids, 1, self.reused, staged=True)
+        self.batch = self.store.batch(self.rids, 1 - self.reused, staged=True)
+        self.dense = self.store.dense_pass(self, self.rids, 1, staged=True)  # the device layers' (slots, batch)
         self.held = self.batch.held()
         self.span = None  # one row whose first T slots are one run: their slice (read in place, no gather)
         if self.store.pooled or self.store.selector.indexed:  # [B, T]: the flat slots of every row's tokens held
