@@ -45,6 +45,7 @@ from infinigen_rt.kv.window import Rings
 from infinigen_rt.system import Staging, to_device
 
 BLOCK = 16
+STEP_BUCKET = 1024  # tokens: a GPU decode step's tables and attention split sized for the next multiple (tables)
 
 
 @dataclass
@@ -273,16 +274,21 @@ class KVStore:
 
     def tables(self, alloc: BlockAllocator, length: dict[int, int], rids: list[int], new,
                staged: bool = False) -> Batch:  # fmt: skip
-        """A Batch of `alloc`'s tables and `length`'s lengths (see batch)."""
+        """A Batch of `alloc`'s tables and `length`'s lengths (see batch). A GPU's decode step (`staged`) sizes its
+        table and its attention's split for the next multiple of STEP_BUCKET tokens, the same for every step within
+        it (the kernel reads each row's length from the device and stops there)."""
         tables = [alloc.tables[r] for r in rids]
-        width = max(len(t) for t in tables)
+        lengths = np.array([length[r] for r in rids], dtype=np.int32)
+        longest = int(lengths.max())
+        if staged and self.device.type == "cuda":
+            longest = -(-longest // STEP_BUCKET) * STEP_BUCKET
+        width = max(max(len(t) for t in tables), -(-longest // BLOCK))
         table = np.zeros((len(rids), width), dtype=np.int32)
         for i, t in enumerate(tables):
             table[i, : len(t)] = t
-        lengths = np.array([length[r] for r in rids], dtype=np.int32)
         name = "dense" if alloc is not self.alloc else ""
         return Batch(rids, self.up(f"{name} table", table, staged), self.up(f"{name} lengths", lengths, staged),
-                     int(lengths.max()), lengths.astype(np.int64) - new)  # fmt: skip
+                     longest, lengths.astype(np.int64) - new)  # fmt: skip
 
     def up(self, name: str, a: np.ndarray, staged: bool) -> torch.Tensor:
         """A host array on the device, the copy not waited for: `staged` (a decode step's, once a step) through
