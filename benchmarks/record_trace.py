@@ -3,7 +3,8 @@ files that `infinigen-rt bench --replay` projects later with whatever projection
 
 Runs `infinigen-rt bench ARGS --rehearse` of the tree that is imported (a worktree of an older commit on
 PYTHONPATH records that commit's step) and writes one file a point: its fields (model, policy, batch, context, ...)
-and its ops, each [kind, name, stream, hbm_bytes, flops, pcie_bytes, event, streams, d2h_bytes], gzipped JSON.
+the floor's bytes (the device's, the fetched rows') and its ops, each a row of FIELDS (projection.Op's), gzipped
+JSON. A tree older than Op.site and Op.new_shape gets both from `annotate`.
 
     PYTHONPATH=../wt-5a5a7e7 python benchmarks/record_trace.py --out DIR -- \\
         --synthetic llama-3.1-8b --batch 1,4 --context 32768 --policies full,offload,infinigen
@@ -56,7 +57,6 @@ def main() -> None:
     import infinigen_rt
     import infinigen_rt.measure.fakecuda as fakecuda
     import infinigen_rt.measure.floor as floor_module
-    import infinigen_rt.measure.rehearse as rehearse
     from infinigen_rt.cli import main as cli
 
     tree = Path(infinigen_rt.__file__).resolve().parents[1]
@@ -66,17 +66,12 @@ def main() -> None:
     except (OSError, subprocess.CalledProcessError):
         commit = None
     a.out.mkdir(parents=True, exist_ok=True)
-    project, floor = rehearse.project, floor_module.floor_seconds
+    floor = floor_module.floor_seconds
     if not hasattr(fakecuda, "site"):
         annotate(fakecuda)
-    step: list = []
 
-    def recorded(ops, hw):  # (rehearse's loop: the ops of the point it projects next)
-        step[:] = ops
-        return project(ops, hw)
-
-    def floored(engine, policy, batch, context, h2d_bytes, bw):  # (called next, with the point beside it)
-        point = sys._getframe(1).f_locals["point"]
+    def floored(engine, policy, batch, context, h2d_bytes, bw):  # (rehearse's loop, its step recorded as `ops`)
+        point, step = sys._getframe(1).f_locals["point"], sys._getframe(1).f_locals["ops"]
         name = f"{point.model.split(':')[-1]}-{point.policy}-b{point.batch}-{point.context}.json.gz"
         device = floor(engine, policy, batch, context, 0, {"device_bytes_per_s": 1.0, "h2d_bytes_per_s": 1.0})
         record = {"tree": commit, "model": point.model, "policy": point.policy, "batch": point.batch,
@@ -90,7 +85,6 @@ def main() -> None:
         return floor(engine, policy, batch, context, h2d_bytes, bw)
 
     floor_module.floor_seconds = floored
-    rehearse.project = recorded
     sys.argv = ["infinigen-rt", "bench", *args, "--rehearse"]
     cli()
 

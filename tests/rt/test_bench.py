@@ -207,3 +207,21 @@ def test_bench_replays_the_recorded_steps(tmp_path):
     one_line_error(run_cli("rt", "bench", "--replay", tmp_path / "none.json.gz"), "no such file")
     (tmp_path / "bad.json.gz").write_text("{}")
     one_line_error(run_cli("rt", "bench", "--replay", tmp_path / "bad.json.gz"), "not a recorded step")
+
+
+def test_a_recorded_step_replays_as_it_was_rehearsed(tmp_path):
+    """benchmarks/record_trace.py on this tree, then bench --replay: the same projection, eager and graphed, as
+    bench --rehearse gives the same point."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    args = ["--synthetic", "smollm2-4l", "--batch", "1", "--context", "64", "--policies", "full"]
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "record_trace.py"), "--out", str(tmp_path), "--",
+                        *args], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    replayed = json.loads(run_cli("rt", "bench", "--replay", tmp_path, "--json").stdout)["points"]
+    rehearsed = json.loads(run_cli("rt", "bench", *args, "--rehearse", "--json").stdout)["points"]
+    key = ("policy", "batch", "context", "graphs", "launches", "projected_ms", "floor_ms", "hbm_bytes", "pcie_bytes")
+    assert [[p[k] for k in key] for p in replayed] == [[p[k] for k in key] for p in rehearsed]
