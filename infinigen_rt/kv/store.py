@@ -122,7 +122,8 @@ class KVStore:
         self.length: dict[int, int] = {}  # pool slots taken per request (host): its tokens, but under a capacity
         self.seen: dict[int, int] = {}  # tokens written per request (host)
         self.ledger = Ledger()
-        self.heads: dict = {}  # Hkv -> arange(Hkv) [1, Hkv, 1] on a CPU (gather's, made once)
+        # Hkv -> arange(Hkv) [1, Hkv, 1] (each row's KV head, for gather and write): made once, before any step
+        self.heads = {self.n_kv: torch.arange(self.n_kv, device=self.device).view(1, self.n_kv, 1)}
         self.rings = Rings(cfg, rows, device, dtype) if cfg.sliding_layers else None  # the sliding layers' KV
         self.sliding = set(cfg.sliding_layers)
         selector.attach(self)
@@ -192,7 +193,7 @@ class KVStore:
         [B, Hkv, n, X] each on the device, for attention to read the new tokens as stored."""
         if layer in self.pooled:
             h = self.n_kv
-            head = torch.arange(h, device=slots.device)
+            head = self.heads[h].view(h)
             if slots.dim() == 1:  # every head's the same
                 rows = (slots[:, None] * h + head).reshape(-1)  # [B * n * Hkv], token-major
             else:
@@ -239,9 +240,8 @@ class KVStore:
             out = [tuple(o[: b * h * (n + extra) * x.shape[-1]].view(b, h, n + extra, x.shape[-1]) for o in pair)
                    for pair, x in zip(out, keys, strict=True)]  # fmt: skip
         got = tuple(o for o, _ in out), tuple(o for _, o in out)
-        # each row's KV head [1, Hkv, 1]: a CPU's made once (a GPU's each call, a launch the projection counts)
-        head = self.heads.get(h) if slots.device.type == "cpu" else None
-        if head is None:
+        head = self.heads.get(h)  # each row's KV head [1, Hkv, 1]
+        if head is None:  # (another count of heads: made here, on a GPU each call, so no stream reads it unordered)
             head = torch.arange(h, device=slots.device).view(1, h, 1)
             if slots.device.type == "cpu":
                 self.heads[h] = head
