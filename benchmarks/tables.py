@@ -47,30 +47,6 @@ def bench(d: dict) -> str:
     return "\n".join(out)
 
 
-def _by_point(d: dict) -> dict:
-    return {(p["policy"], p.get("spec_keys"), p.get("correct"), p["batch"]): p for p in d["points"]}
-
-
-def projected(before: dict, after: dict) -> str:
-    """bench --rehearse's points before and after a change: launches, projected ms and x floor, per policy (in the
-    order of `after`) and batch (a point not ok before shows "-")."""
-    old = _by_point(before)
-    out = ["| policy | batch | launches before | after | projected ms before | after | floor ms | x floor before "
-           "| after |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    order = list(dict.fromkeys((p["policy"], p.get("spec_keys"), p.get("correct")) for p in after["points"]))
-    points = sorted(after["points"], key=lambda p: (order.index((p["policy"], p.get("spec_keys"), p.get("correct"))),
-                                                    p["batch"]))  # fmt: skip
-    for p in points:
-        k = (p["policy"], p.get("spec_keys"), p.get("correct"), p["batch"])
-        b = old.get(k)
-        was = ["-"] * 3 if b is None or b["status"] != "ok" else [
-            f"{b['launches']:,}", f"{b['projected_ms']:.1f}", f"{b['over_floor']:.2f}"]  # fmt: skip
-        name = label(*k[:3], short=True)
-        out.append(f"| {name} | {p['batch']} | {was[0]} | {p['launches']:,} | {was[1]} | {p['projected_ms']:.1f} "
-                   f"| {p['floor_ms']:.1f} | {was[2]} | {p['over_floor']:.2f} |")  # fmt: skip
-    return "\n".join(out)
-
-
 def _pair(points: list[dict]) -> dict:
     """bench --rehearse's or --replay's points: {(model, policy, spec_keys, correct, batch, context): {graphs: p}}."""
     out: dict = {}
@@ -105,49 +81,6 @@ def graphed(*files: dict) -> str:
         out.append(f"| {model.removeprefix('synthetic:')} | {label(policy, spec, correct, short=True)} | {b} x {c} "
                    f"| {e['launches']:,} | {e['projected_ms']:.1f} | {g['projected_ms']:.1f} | {e['floor_ms']:.1f} "
                    f"| {e['over_floor']:.2f} | {g['over_floor']:.2f} |")  # fmt: skip
-    return "\n".join(out)
-
-
-def reused(plain: dict, reuse: dict, full: dict) -> str:
-    """bench --rehearse's speculating points without and with `--reuse` (rows kept across steps, at the share of
-    rows held the point states), beside `full`'s step at the same batch: launches, PCIe MB, projected ms and the
-    ratio to `full`."""
-    base = _by_point(plain)
-    whole = {p["batch"]: p for p in full["points"] if p["policy"] == "full"}
-    out = ["| policy | batch | rows held | launches without | with | PCIe MB without | with | projected ms without "
-           "| with | x `full` without | with |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    order = list(dict.fromkeys((p["policy"], p.get("spec_keys"), p.get("correct")) for p in reuse["points"]))
-    for p in sorted(reuse["points"], key=lambda p: (order.index((p["policy"], p.get("spec_keys"), p.get("correct"))),
-                                                     p["batch"])):  # fmt: skip
-        b = base[(p["policy"], p.get("spec_keys"), p.get("correct"), p["batch"])]
-        f = whole[p["batch"]]["projected_ms"]
-        out.append(f"| {label(p['policy'], p.get('spec_keys'), p.get('correct'), short=True)} | {p['batch']} "
-                   f"| {pct(p['reused'])} | {b['launches']:,} | {p['launches']:,} | {b['pcie_bytes'] / 1e6:,.0f} "
-                   f"| {p['pcie_bytes'] / 1e6:,.0f} | {b['projected_ms']:.1f} | {p['projected_ms']:.1f} "
-                   f"| {b['projected_ms'] / f:.2f} | {p['projected_ms'] / f:.2f} |")  # fmt: skip
-    return "\n".join(out)
-
-
-def batch_ratios(before: dict, after: dict) -> str:
-    """Two interleaved bench runs at two batch sizes: each policy's ms per step, its ratio to the same run's
-    `full`, and how much of its ratio at the smaller batch it keeps at the larger one."""
-    def ratios(d):
-        full = {p["batch"]: p["ms_per_step"] for p in d["points"] if p["policy"] == "full"}
-        r = {}
-        for p in d["points"]:
-            r.setdefault((p["policy"], p.get("spec_keys"), p.get("correct")), {})[p["batch"]] = (
-                p["ms_per_step"], full[p["batch"]] / p["ms_per_step"])
-        return r
-
-    old, new = ratios(before), ratios(after)
-    lo, hi = sorted({p["batch"] for p in after["points"]})
-    out = [f"| policy | ms / step, batch {lo} / {hi}, before | after | x `full`, batch {lo} / {hi}, before | after "
-           f"| batch {hi} ratio over batch {lo}'s, before | after |", "|---|---|---|---|---|---|---|"]
-    for k, n in new.items():
-        o = old[k]
-        out.append(f"| {label(*k, short=True)} | {o[lo][0]:.1f} / {o[hi][0]:.1f} | {n[lo][0]:.1f} / {n[hi][0]:.1f} "
-                   f"| {o[lo][1]:.2f} / {o[hi][1]:.2f} | {n[lo][1]:.2f} / {n[hi][1]:.2f} | {o[hi][1] / o[lo][1]:.2f} "
-                   f"| {n[hi][1] / n[lo][1]:.2f} |")
     return "\n".join(out)
 
 
