@@ -12,7 +12,9 @@
 #   bash benchmarks/gpu.sh gather-grid  the defaults at Llama-2-7B b8 x 8k with the row gather's grid capped
 #                                       (INFINIGEN_GATHER_PROGRAMS 0: uncapped, 32, 132): does it overlap more (~6 min)
 #   bash benchmarks/gpu.sh graphs       what a CUDA graph costs here (benchmarks/graph_probe.py): a kernel's eager
-#                                       launch, its time replayed from a graph, a replay's host time  (~1 min)
+#                                       launch, its time replayed from a graph, a replay's host time; graphed tokens
+#                                       against eager; `full` eager and graphed at Llama-3.1-8B b1, b4 x 32k and
+#                                       Llama-2-7B b8 x 8k (bench --graphs both)                     (~6 min)
 # The device machine has torch, Triton, transformers and pytest and no network: the project runs from the tree.
 #
 # REHEARSAL=1 runs a part here, on the CPU: the same commands, files and time-outs, through fake CUDA
@@ -96,6 +98,12 @@ case "$PART" in
     ;;
   graphs)
     timeout 120 $PYTHON benchmarks/graph_probe.py --out "$OUT/graph-probe.json" 2>>"$OUT/log-$PART.txt" | tail -30
+    if [ -z "$REHEARSAL" ]; then  # graphed tokens against eager ones on this GPU (tests/rt/test_graphs.py: fake CUDA)
+      timeout 150 $PYTHON -m pytest -q -p no:cacheprovider tests/rt/test_gpu.py -k graphed \
+        2>&1 | tail -15 | tee "$OUT/graph-tokens.txt"
+    fi
+    bench 200 llama-3.1-8b-32k-graphs --synthetic llama-3.1-8b --batch 1,4 --context 32768 --policies full --graphs both --interleave
+    bench 150 llama-2-7b-b8-8k-graphs --synthetic llama-2-7b --batch 8 --context 8192 --policies full --graphs both
     ;;
   *)
     echo "unknown part $PART: tests, llama2-8k, llama2-32k, llama31-32k, llama31-128k, gather-grid, graphs" >&2

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from infinigen_rt.errors import InfinigenError
+from infinigen_rt.graphs import StepGraphs
 from infinigen_rt.kv.cache import KVReport, Rows, merge_reports
 from infinigen_rt.kv.paged import PagedStore
 from infinigen_rt.kv.prefetch import engine_prefetcher
@@ -179,10 +180,11 @@ class Runner:
 
     def __init__(
         self, engine: Engine, policy: Policy, *, max_batch: int = 8, prefill_chunk: int | None = 512,
-        kv_tokens: int | None = None, max_positions: int | None = None,
+        kv_tokens: int | None = None, max_positions: int | None = None, graphs: bool = False,
     ):  # fmt: skip
         """`policy`: what a request that brings none runs; `max_positions`: the most tokens a request may reach
-        (default: the model's context)."""
+        (default: the model's context); `graphs`: on a GPU, decode steps the store's policy allows replayed from CUDA
+        graphs (graphs.py)."""
         if max_batch < 1:
             raise InfinigenError(f"--max-batch must be >= 1, got {max_batch}")
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -195,6 +197,8 @@ class Runner:
         # caches take lanes of it (on a CPU under tensor parallelism speculation runs inline: collectives in order)
         self.prefetch = engine_prefetcher(engine)
         self.kv: KVStore | None = None  # the batch's KV store (kv/store.py), made for the first policy it can run
+        self.graphs = graphs and engine.device.type == "cuda"
+        self.step_graphs: StepGraphs | None = None  # the store's decode steps as CUDA graphs (with `graphs`)
         self._inputs: torch.Tensor | None = None  # [2, max_batch, 1]: a decode step's token ids and positions
         self.kv_policy: Policy | None = None  # the policy (with its options) whose requests it holds
         self.waiting: deque[_Seq] = deque()
@@ -261,7 +265,7 @@ class Runner:
         request makes a new one)."""
         for seq in [*self.waiting, *self.running]:
             self.abort(seq.id)
-        self.kv = self.kv_policy = None
+        self.kv = self.kv_policy = self.step_graphs = None
 
     @property
     def has_work(self) -> bool:
@@ -333,6 +337,7 @@ class Runner:
         if need > 0.9 * free:  # a pool sized for admission only (the default: max_batch x the context)
             return False
         self.kv = KVStore(self.store, selector, cfg, dev, self.engine.dtype, self.max_batch, self.max_positions)
+        self.step_graphs = StepGraphs(self.engine) if self.graphs and self.kv.graphs else None
         return True
 
     def _prefill(self, outs: dict[int, Output]) -> None:
@@ -400,7 +405,10 @@ class Runner:
         free = [i for i, s in enumerate(rows) if s.forced >= len(s.req.prompt_ids)]
         try:
             with self.prefetch.sharing():
-                logits = decode_step(self.engine, cache, ids, pos)
+                if self.step_graphs is not None and len(stored) == len(rows):
+                    logits = self.step_graphs.step(cache, ids, pos)
+                else:
+                    logits = decode_step(self.engine, cache, ids, pos)
             if len(free) == len(rows):
                 toks = sample_rows(logits, [s.req.sampling for s in rows], [s.gen for s in rows])
             else:

@@ -53,6 +53,8 @@ def plan_seconds(line: str) -> tuple[int, float, str]:
         batches = [int(b) for b in option(args, "--batch").split(",")]
         contexts = [int(c) for c in option(args, "--context").split(",")]
         policies = option(args, "--policies").split(",")
+        if "--graphs" in args and option(args, "--graphs") == "both":  # every point eager and graphed
+            policies = policies * 2
         steps = 3 + gen + 2  # warm-up, timed, the sync count and the profiled step
     else:
         cfg = preset_config(words[3])
@@ -135,10 +137,19 @@ def test_every_part_runs_its_rehearsal(part, tmp_path):
             assert row["status"] == "ok" and row["steps_done"] >= 1 and math.isfinite(row["ms_per_step"])
 
 
-def test_the_graph_part_says_when_there_is_no_gpu(tmp_path):
-    """gpu.sh graphs on a machine without a GPU (a rehearsal): one file, which says nothing was measured."""
+@pytest.mark.skipif(available() is not None, reason=f"fake CUDA: {available()}")
+def test_the_graph_part_rehearses_its_benches_and_says_its_probe_needs_a_gpu(tmp_path):
+    """gpu.sh graphs on a machine without a GPU (a rehearsal): the probe's file says nothing was measured; each
+    bench point of `full` twice, eager and replayed from CUDA graphs (fake CUDA's), one host sync a step."""
     env = {**os.environ, "REHEARSAL": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
-    r = subprocess.run(["bash", str(GPU_SH), "graphs"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
+    r = subprocess.run(["bash", str(GPU_SH), "graphs"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    log = "".join(p.read_text() for p in tmp_path.glob("log-*.txt"))
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:], log[-3000:])
     data = json.loads((tmp_path / "graph-probe.json").read_text())
     assert data["status"].startswith("no GPU") and "points" not in data
+    assert len(list(tmp_path.iterdir())) <= MAX_FILES and "Traceback" not in log
+    for line in lines("graphs"):
+        points = json.loads((tmp_path / f"bench-{line.split()[2]}.json").read_text())["points"]
+        assert [(p["policy"], p["graphs"]) for p in points[:2]] == [("full", False), ("full", True)]
+        assert all(p["status"] == "ok" and p["syncs_per_step"] == 1 for p in points)
+        assert all((p["graph_replays"] or 0) > 0 for p in points if p["graphs"])

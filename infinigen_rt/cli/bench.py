@@ -113,6 +113,9 @@ Rehearse = Annotated[bool, typer.Option(
 Replay = Annotated[Optional[list[Path]], typer.Option(
     help="Project recorded decode steps (a trace file, or a folder of them: benchmarks/record_trace.py) with this "
          "tree's projection, eager and from a CUDA graph, instead of running anything; repeatable.")]  # fmt: skip
+Graphs = Annotated[str, typer.Option(
+    help="CUDA: decode steps replayed from CUDA graphs where the policy's step allows it (full): off, on, or both "
+         "(every point eager and graphed; side by side with --interleave).")]  # fmt: skip
 Tp = Annotated[
     int, typer.Option("--tp", help="Tensor-parallel ranks: starts this many processes (torchrun); needs a BUNDLE.")
 ]
@@ -148,6 +151,7 @@ def bench_cmd(
     tp: Tp = 1,
     rehearse: Rehearse = False,
     replay: Replay = None,
+    graphs: Graphs = "off",
 ):
     """Decode speed of each KV policy for every batch x context, with bytes moved, memory and the floor.
 
@@ -170,6 +174,14 @@ def bench_cmd(
     for name, value in (("budget", budget), ("max_kv", max_kv), ("alpha", alpha), ("prefill_chunk", prefill_chunk)):
         check_value(name, value)
     variants = _variants(names, spec_keys, correct, reuse, shortlist)
+    if graphs not in ("off", "on", "both"):
+        from infinigen_rt.errors import InfinigenError
+
+        raise InfinigenError(f"--graphs takes off, on or both, got {graphs!r}")
+    if graphs != "off":
+        from dataclasses import replace
+
+        variants = [w for v in variants for w in ([v] if graphs == "both" else []) + [replace(v, graphs=True)]]
     check_outputs(out, plot_path)
     if rehearse:
         from infinigen_rt.errors import InfinigenError

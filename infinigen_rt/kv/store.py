@@ -128,6 +128,12 @@ class KVStore:
         self.sliding = set(cfg.sliding_layers)
         selector.attach(self)
 
+    @property
+    def graphs(self) -> bool:
+        """Whether a CUDA graph may replay its decode steps (graphs.py): on a GPU, no sliding layer's ring, and a
+        selector whose step reads only what the step's begin stages (Selector.graphs)."""
+        return self.kernel and self.rings is None and self.selector.graphs()
+
     @staticmethod
     def apart(selector) -> bool:
         """Whether the device layers have blocks of their own: under a capacity, whose requests reserve the slots
@@ -393,6 +399,13 @@ class StoreStep(KVCache):
         if self.store.rings is not None:
             self.store.rings.begin(self.rids, [self.store.seen[r] - 1 for r in self.rids])
         self.store.selector.begin(self)
+
+    def graph_inputs(self) -> list[torch.Tensor]:
+        """What the step's device work reads that its begin put on the device (graphs.py: a replay reads them where
+        the capture did): the new tokens' slots, the tables and lengths."""
+        slots, batch = self.dense
+        got = [self.slots, self.batch.table, self.batch.lengths, slots, batch.table, batch.lengths]
+        return list({id(t): t for t in got}.values())
 
     def physical(self, slots: torch.Tensor) -> torch.Tensor:
         """Token slots [B, ..., n] of each row's own sequence, below the step's held count (what a selection over the

@@ -43,6 +43,7 @@ class Variant:
     correct: float | None = None
     reuse: bool | None = None
     shortlist: float | None = None
+    graphs: bool = False  # decode steps replayed from CUDA graphs where the policy allows (graphs.py)
 
     def changes(self) -> dict:
         return {k: v for k, v in (("spec_keys", self.spec_keys), ("correct", self.correct), ("reuse", self.reuse),
@@ -61,6 +62,8 @@ class Point:
     spec_keys: str | None = None  # a speculating policy's keys and correction share (None for the others)
     correct: float | None = None
     shortlist: float | None = None  # and the correction's shortlist, where it has one (KVOptions.shortlist)
+    graphs: bool = False  # asked for CUDA graphs (graph_replays: the timed steps replayed from one; 0: all eager)
+    graph_replays: int | None = None
     status: str = "ok"  # ok, oom-device, oom-host
     predicted: bool | None = None  # an OOM row: predicted before allocating (True) or caught (False)
     prefill_s: float | None = None
@@ -187,7 +190,8 @@ def run_points(
         spec = "spec_keys" in pol.cls.knobs
         points.append(Point(model_name, str(dev), str(engine.dtype).removeprefix("torch."), v.policy, batch, context,
                             gen, pol.opts.spec_keys if spec else None, pol.opts.correct if spec else None,
-                            (pol.opts.shortlist or None) if spec and pol.opts.correct else None))  # fmt: skip
+                            (pol.opts.shortlist or None) if spec and pol.opts.correct else None,
+                            v.graphs))  # fmt: skip
     _predict_oom(engine, points, [memory_needs(engine, p, batch, context, gen, chunk) for p in configured])
     if all(pt.status != "ok" for pt in points):
         return points
@@ -205,7 +209,8 @@ def run_points(
         for i, (pt, policy) in enumerate(zip(points, configured, strict=True)):
             if pt.status == "ok":
                 try:
-                    runner, pt.prefill_s = start_runner(engine, policy, prompts, warmup + gen + SPARE_TOKENS, warmup)
+                    runner, pt.prefill_s = start_runner(engine, policy, prompts, warmup + gen + SPARE_TOKENS, warmup,
+                                                        pt.graphs)  # fmt: skip
                     runs[i] = runner, [], runner.live_report()
                 except Exception as ex:
                     _out_of_memory(pt, ex, dev)
@@ -257,16 +262,17 @@ def _predict_oom(engine: Engine, points: list[Point], needs: list[dict]) -> None
                 pt.error = "another tensor-parallel rank predicted it does not fit"
 
 
-def start_runner(engine: Engine, policy: Policy, prompts: list[list[int]], new: int,
-                 warmup: int) -> tuple[Runner, float]:  # fmt: skip
+def start_runner(engine: Engine, policy: Policy, prompts: list[list[int]], new: int, warmup: int,
+                 graphs: bool = False) -> tuple[Runner, float]:  # fmt: skip
     """A runner over a paged pool of exactly the blocks its requests take, every prompt prefilled, then `warmup`
     decode steps (the first is the one the step finishing the prefills makes): its every `step` now decodes the whole
-    batch (greedy requests of `new` tokens that ignore end-of-sequence). Returns (the runner, prefill seconds)."""
+    batch (greedy requests of `new` tokens that ignore end-of-sequence); `graphs`: replayed from CUDA graphs where
+    the policy allows (graphs.py). Returns (the runner, prefill seconds)."""
     context, chunk = len(prompts[0]), policy.opts.prefill_chunk
     pool = blocks_for(reserved(policy, context, new, chunk)) * len(prompts) * BLOCK_TOKENS
     # positions past the model's trained context compute the same work: bench measures any length
     runner = Runner(engine, policy, max_batch=len(prompts), prefill_chunk=None, kv_tokens=pool,
-                    max_positions=context + new)  # fmt: skip
+                    max_positions=context + new, graphs=graphs)  # fmt: skip
     try:
         for p in prompts:
             runner.add(Request(p, new, ignore_eos=True))
@@ -285,6 +291,8 @@ def _finish(pt: Point, e: Engine, policy: Policy, runner: Runner, times: list[fl
             trace: bool) -> None:  # fmt: skip
     dev, gen, batch = e.device, len(times), pt.batch
     after = runner.live_report()
+    if pt.graphs:  # (the warm-up's captures before the timed steps)
+        pt.graph_replays = runner.step_graphs.stats.replayed if runner.step_graphs is not None else 0
     med = statistics.median(times)
     pt.ms_per_step = round(1000 * med, 3)
     pt.ms_per_step_p90 = round(1000 * sorted(times)[int(0.9 * (len(times) - 1))], 3)
@@ -334,8 +342,10 @@ def _free(dev: torch.device) -> None:
 
 
 def point_label(p: dict) -> str:
-    """A point's policy in tables and plots ("infinigen int4 c0.25"; files from before the keys had no field)."""
-    return label(p["policy"], p.get("spec_keys"), p.get("correct"), short=True, shortlist=p.get("shortlist"))
+    """A point's policy in tables and plots ("infinigen int4 c0.25"; "full graphs": replayed from CUDA graphs; files
+    from before the keys had no field)."""
+    name = label(p["policy"], p.get("spec_keys"), p.get("correct"), short=True, shortlist=p.get("shortlist"))
+    return f"{name} graphs" if p.get("graph_replays") else name
 
 
 def plot(points: list[dict], path, title: str) -> None:

@@ -370,6 +370,117 @@ class _StreamContext:
         return False
 
 
+class _Capture:
+    """What a CUDA graph's capture holds: its nodes (closures over the inner tensors, run in issue order by a replay:
+    the same kernels on the same memory, none of the host code around them), the Ops noted while capturing (noted
+    again by each replay, for a recording), the memory from outside the graph it touched (touched again by each
+    replay, on the replaying stream), and what capturing wrote there, restored when the capture ends: a real GPU
+    runs nothing while it captures."""
+
+    def __init__(self):
+        self.nodes: list = []
+        self.ops: list[Op] = []
+        self.stream = ""  # the capturing stream (a replay's ops run on the replaying one)
+        self.made: set[int] = set()  # storage keys of what the graph's own ops made (its memory pool)
+        self.outputs: list[torch.Tensor] = []  # those of them in floating point, poisoned once captured
+        self.outside: dict[int, tuple] = {}  # storage key -> (tensor, written) outside the graph
+        self.saved: dict[int, tuple] = {}  # storage key -> (its storage, a copy of it from before the capture)
+
+
+class Graph:
+    """torch.cuda.CUDAGraph on the fake (see _Capture): `with torch.cuda.graph(g): ...` captures, `g.replay()` runs
+    the captured kernels again on the memory they were captured with. Inside a capture a host sync or a copy from
+    pageable memory raises, as CUDA refuses them while a stream captures."""
+
+    def __init__(self, keep_graph=False):
+        self.captured: _Capture | None = None
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        h = _HARNESS
+        assert h.capture is None, "fake CUDA: a capture inside a capture"
+        h.capture = _Capture()
+        h.capture.stream = h.current_stream().name
+
+    def capture_end(self):
+        h = _HARNESS
+        c, h.capture = h.capture, None
+        with _paused():
+            for storage, copy in c.saved.values():
+                storage.copy_(copy)
+            for t in c.outputs:  # nothing ran: what a kernel would have written is not there
+                t.fill_(float("nan"))
+        c.saved.clear()
+        _merge(h.vc["host"], h.vc[c.stream])  # (its accesses never happened: none to order a replay after)
+        self.captured = c
+
+    def replay(self):
+        h = _HARNESS
+        c = self.captured
+        if c is None:
+            raise RuntimeError("CUDA error: replay of a graph that was not captured (fake CUDA)")
+        h.raise_last_error()
+        stream = h.current_stream()
+        tick = h.tick(stream.name)
+        for t, written in c.outside.values():
+            h.touch(t, stream.name, tick, written, "CUDA graph replay")
+        with _paused():
+            for node in c.nodes:
+                node()
+        for op in c.ops:
+            h.note(replace(op, stream=stream.name if op.stream == c.stream else op.stream))
+        h.profile_event(stream.name, "cudaGraphLaunch")
+
+    def reset(self):
+        self.captured = None
+
+    def pool(self):
+        return ("fake pool", id(self))
+
+
+class _GraphContext:
+    """torch.cuda.graph(g, pool, stream): the device synchronized, then g captures what is issued on `stream` (a
+    side stream of its own by default) until the block ends."""
+
+    def __init__(self, cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+        self.graph, self.stream = cuda_graph, stream
+
+    def __enter__(self):
+        h = _HARNESS
+        h.device_sync(what="torch.cuda.graph: synchronize before capturing")
+        if h.capture_stream is None:
+            h.capture_stream = Stream()
+        self.ctx = _StreamContext(self.stream or h.capture_stream)
+        self.ctx.__enter__()
+        self.graph.capture_begin()
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            if exc[0] is None:
+                self.graph.capture_end()
+            else:
+                _HARNESS.capture = None
+        finally:
+            self.ctx.__exit__(*exc)
+        return False
+
+
+def _again(func, a, k, out):
+    """A graph's node for an operator: run again on the same inner tensors, its results into the same memory."""
+
+    def node():
+        new = func(*a, **k)
+        for dst, src in zip(_flat(out), _flat(new), strict=True):
+            if isinstance(dst, torch.Tensor) and dst is not src:
+                dst.copy_(src)
+
+    return node
+
+
+def _flat(x) -> list:
+    return [y for v in x for y in _flat(v)] if isinstance(x, (list, tuple)) else [x]
+
+
 class _Cudart:
     """torch.cuda.cudart() on the fake: page-locking against `host_limit`, with CUDA's sticky last error."""
 
@@ -467,6 +578,8 @@ class FakeCuda:
         self.ops: list[Op] | None = None  # what the device is asked to do, while `recording`
         self.shapes: set[tuple] = set()  # the fused attentions' shapes run outside `recording` (Op.new_shape)
         self.detailed, self.mark = False, 0  # `recording(detail=True)`: Op.detail; blocks from `mark` on are its own
+        self.capture: _Capture | None = None  # a CUDA graph capturing (Graph)
+        self.capture_stream: Stream | None = None
 
     # ---- thread state
     def streams_tls(self) -> dict:
@@ -517,6 +630,10 @@ class FakeCuda:
         self.release_pending()
 
     def note_sync(self, kind: str, what: str) -> None:
+        if self.capture is not None:
+            self.capture = None
+            raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing (fake CUDA: {what}, a "
+                               f"{kind} inside a CUDA graph's capture, at {where()})")  # fmt: skip
         s = Sync(kind, what, where())
         self.syncs.append(s)
         for r in self.regions:
@@ -638,6 +755,10 @@ class FakeCuda:
         b = self.track(t, actor, what)
         if b is None:
             return
+        c = self.capture
+        if c is not None and storage_key(t) not in c.made and what != "CUDA graph replay":
+            key = storage_key(t)
+            c.outside[key] = (t, write or c.outside.get(key, (t, False))[1])
         ranges = ranges if ranges is not None else [span(t)]
         vc, host = self.vc[actor], self.vc["host"]
         for a, acc in list(b.accesses.items()):
@@ -657,6 +778,16 @@ class FakeCuda:
         mine += [(lo, hi, tick, write) for lo, hi in ranges]
         if actor != b.actor and actor != "host":
             b.uses[actor] = tick
+
+    def keep(self, t: torch.Tensor) -> None:
+        """Before a write to t while a graph captures: a copy of its storage, if from outside the graph, put back
+        when the capture ends (nothing ran)."""
+        c = self.capture
+        key = storage_key(t)
+        if c is not None and self.values and key not in c.made and key not in c.saved:
+            storage = inner_of(t).untyped_storage()
+            with _paused():
+                c.saved[key] = (storage, storage.clone())
 
     def race(self, text: str) -> None:
         text = f"{text} at {where()}"
@@ -729,7 +860,10 @@ class FakeCuda:
         return tuple(one(v) for v in values)
 
     def note(self, op: Op) -> None:
-        if self.ops is not None:
+        if self.capture is not None:  # (noted when the graph replays)
+            op.site = op.site or site()
+            self.capture.ops.append(op)
+        elif self.ops is not None:
             op.site = op.site or site()
             self.ops.append(op)
 
@@ -772,7 +906,7 @@ class FakeCuda:
         key += sorted(meta.items())
         self.kernel_keys[name].add(tuple(key))
         self.launches.append((name, f"cuda:{idx}", stream.name))
-        if self.ops is not None:
+        if self.ops is not None or self.capture is not None:
             op = _row_kernel_op if "rows" in params else OPS.get(name, _span_op)
             self.note(replace(op(name, stream.name, named, written, grid, meta), detail=self.described(args, meta,
                                                                                                        grid)))
@@ -780,8 +914,14 @@ class FakeCuda:
             r.launches.append(name)
         self.profile_event(stream.name, name)
         if self.values:
+            for pname, a in named:
+                if pname in written and isinstance(a, torch.Tensor):
+                    self.keep(a)
+            run, inner = self.kernel_runs[name], [inner_of(a) for a in args]
             with _paused():
-                self.kernel_runs[name](*[inner_of(a) for a in args], grid=grid, warmup=False, **meta)
+                run(*inner, grid=grid, warmup=False, **meta)
+            if self.capture is not None:
+                self.capture.nodes.append(lambda: run(*inner, grid=grid, warmup=False, **meta))
 
     def raise_last_error(self) -> None:
         if self.last_error:
@@ -914,7 +1054,8 @@ def _patch_torch(h: FakeCuda) -> list:
         "Stream": Stream, "Event": Event, "current_stream": h.current_stream,
         "default_stream": lambda d=None: h.current_stream(d), "stream": _StreamContext,
         "set_sync_debug_mode": set_sync_debug_mode, "get_sync_debug_mode": lambda: h.sync_debug,
-        "cudart": lambda: cudart,
+        "cudart": lambda: cudart, "CUDAGraph": Graph, "graph": _GraphContext, "graph_pool_handle": lambda: ("pool",),
+        "is_current_stream_capturing": lambda: h.capture is not None,
     }.items():  # fmt: skip
         put(cuda, name, value)
     put(torch, "Generator", _Generator)
@@ -1018,6 +1159,13 @@ class _Functions(TorchFunctionMode):
                     inner_of(q), inner_of(k), inner_of(v), attn_mask=None if attn_mask is None else inner_of(attn_mask),
                     dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                 )  # fmt: skip
+            if h.capture is not None and dev.type == "cuda":
+                a = [inner_of(x) for x in (q, k, v)] + [None if attn_mask is None else inner_of(attn_mask)]
+                kw = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+                h.capture.nodes.append(_again(lambda q, k, v, m: torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=m, **kw), a, {}, out))  # fmt: skip
+                h.capture.made.add(storage_key(out))
+                h.capture.outputs.append(out)
             out = VTensor(out, dev) if dev.type == "cuda" else out
         else:
             with _paused():
@@ -1138,6 +1286,12 @@ class _Dispatch(TorchDispatchMode):
         a, k = _map(unwrap, args), {kk: _map(unwrap, v) for kk, v in kwargs.items()}
         if info.has_device and (k.get("device") is not None or meta):  # a factory: made on the inner device
             k["device"] = h.inner_device
+        if h.capture is not None:
+            for i in info.written:
+                if i < len(args) and isinstance(args[i], torch.Tensor):
+                    h.keep(args[i])
+            if isinstance(kwargs.get("out"), torch.Tensor):
+                h.keep(kwargs["out"])
         try:
             out = func(*a, **k)
         except NotImplementedError as e:
@@ -1167,8 +1321,17 @@ class _Dispatch(TorchDispatchMode):
             return VTensor(x, dev if base is None else base.device)
 
         result = _map(wrap, out)
-        if info.is_view:  # metadata only: nothing is read or written
-            return result
+        results = _tensors(result if isinstance(result, (list, tuple)) else (result,), {})
+        if info.is_view and all(storage_key(x) in in_keys for x in results):  # metadata only: nothing read or written
+            return result  # (`to` is a view where it changes nothing, a kernel where it casts)
+        c = h.capture
+        if c is not None and dev.type == "cuda":  # the graph's own memory, and its node
+            fresh = [x for x in _tensors(result if isinstance(result, (list, tuple)) else (result,), {})
+                     if not any(x is w for w in written)]  # fmt: skip
+            c.made.update(storage_key(x) for x in fresh)
+            if h.values and info.name not in NO_KERNEL:
+                c.nodes.append(_again(func, a, k, out))
+                c.outputs += [inner_of(x) for x in fresh if x.dtype.is_floating_point]
         # accesses: reads of the inputs, writes of the outputs and of what the operator mutates
         actor = h.current_stream(dev).name if dev.type == "cuda" else "host"
         t = h.tick(actor)
@@ -1179,7 +1342,7 @@ class _Dispatch(TorchDispatchMode):
                 h.touch(x, actor, t, storage_key(x) not in in_keys, info.name)
         if dev.type == "cuda":
             h.profile_event(actor, f"aten::{info.name}")
-            if h.ops is not None and info.name not in NO_KERNEL:
+            if (h.ops is not None or h.capture is not None) and info.name not in NO_KERNEL:
                 outs = [x for x in _tensors(result if isinstance(result, (list, tuple)) else (result,), {})
                         if not any(x is w for w in written)]  # fmt: skip
                 h.note(Op("kernel", info.name, actor, _op_bytes(info.name, tensors, written, outs),
@@ -1202,9 +1365,12 @@ class _Dispatch(TorchDispatchMode):
         h.touch(src, stream.name, tick, False, f"copy {direction} (source)")
         h.touch(dst, stream.name, tick, True, f"copy {direction} (destination)")
         d, s = inner_of(dst), inner_of(src)  # (inside the handler: the dispatch mode is off)
+        h.keep(dst)
         if d.device.type == "meta" or s.device.type == "meta":
             s = s.to(d.device)
         d.copy_(s)
+        if h.capture is not None and h.values:
+            h.capture.nodes.append(lambda: d.copy_(s))
         pinned = h.is_pinned(host_side)
         h.profile_event(stream.name, f"Memcpy {direction} ({'Pinned' if pinned else 'Pageable'})")
         n = _bytes(src)

@@ -116,6 +116,12 @@ class Selector:
         if self.evicting is not None:
             self.evicting.attach(store, self.pooled_layers)
 
+    def graphs(self) -> bool:
+        """Whether a CUDA graph may replay a decode step's device work within its bucket (graphs.py): every layer on the
+        device, read whole, nothing chosen per step (`full`). The others' steps are sized by their context
+        (measure/capture.py lists where)."""
+        return type(self) is Selector and not self.pooled_layers and self.evicting is None and not self.indexed
+
     def reuse(self, p: StoreStep | RequestPass, rids: list[int], n: int) -> np.ndarray:
         """How many of the n new tokens of each request of pass `p` go into slots eviction freed ([B], host)."""
         if self.evicting is None:

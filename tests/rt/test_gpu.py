@@ -155,3 +155,32 @@ def test_the_defaults_with_rows_reused_give_the_cpus_tokens_and_cross_pcie_less(
     reused, moved_reused = run("cuda", True)
     assert plain == want and reused == want
     assert 0 < moved_reused < moved_plain, (moved_reused, moved_plain)
+
+
+def test_graphed_decode_steps_give_the_eager_tokens(bundles, monkeypatch):
+    """`full`'s decode steps replayed from CUDA graphs (graphs.py): the eager tokens across buckets (of 16 tokens
+    here) and a batch that shrinks; every shape captured once, the rest replayed; one host sync a replayed step."""
+    import infinigen_rt.kv.store as store
+    from infinigen_rt.policies import KVOptions, configure
+    from infinigen_rt.runner import Request, Runner
+
+    monkeypatch.setattr(store, "STEP_BUCKET", 16)
+    engine = Engine(read_bundle(bundles["llama31_gqa"]), device="cuda", dtype="float32")
+    policy = configure(engine, "full", KVOptions())
+
+    def run(graphs: bool):
+        runner = Runner(engine, policy, max_batch=3, prefill_chunk=8, kv_tokens=4096, graphs=graphs)
+        asks = (([*range(5, 30)], 40), ([13, 14, 15], 20), ([*range(40, 49)], 30))
+        ids = [runner.add(Request(p, n)) for p, n in asks]
+        out = {}
+        while runner.has_work:
+            for o in runner.step():
+                out[o.id] = list(o.token_ids)
+        stats = runner.step_graphs.stats if runner.step_graphs is not None else None
+        runner.close()
+        return [out[i] for i in ids], stats
+
+    want, _ = run(False)
+    got, stats = run(True)
+    assert got == want
+    assert stats.captured >= 3 and stats.replayed > 2 * stats.captured and not stats.moved

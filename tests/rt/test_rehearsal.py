@@ -570,9 +570,9 @@ def test_the_runner_at_real_shapes(preset, dtype, batch, context, policy, capaci
     growth = max(g for _, g in decode)
     # int4 decodes a layer's codes for the whole batch at once (the batch's KV store): that layer's keys and values
     # at full precision are the step's working set (0.5 GiB at 4 x 32k), made and freed on the compute stream layer
-    # after layer, not an accumulation
+    # after layer, not an accumulation; beside the float32 values of one of them, their cast to the model's dtype
     layer = batch * cfg.num_key_value_heads * (context + 3) * cfg.head_dim * 2 * dtype.itemsize
-    allowed = 0.5 * GiB + (layer if policy == "int4" else 0)
+    allowed = 0.5 * GiB + (1.25 * layer if policy == "int4" else 0)
     assert growth < allowed, f"a decode step held {growth / GiB:.2f} GiB more at its peak than at its start"
     if policy in ("offload", "infinigen", "int4"):
         assert gpu.pinned_peak == pinned > 0

@@ -1,0 +1,110 @@
+"""Decode steps replayed from CUDA graphs, as vLLM and SGLang replay decode: one graph per shape of step (the batch,
+the bucket of STEP_BUCKET tokens its table and attention split are sized for), captured the second time that shape
+comes and replayed from then on; the host's part of a step (its slots and tables, written into the same staging
+buffers every step: kv/store.py) runs before each replay, eagerly. Eager stays the reference and the fallback: a
+step whose device work cannot be replayed (`Selector.graphs`), a shape seen once, or a step whose inputs are not
+where the graph read them (a staging buffer grew) runs eagerly and is captured again; a shape whose inputs keep
+moving is left eager. `measure/capture.py` names what stops a policy's step from being replayed; the tests hold
+graphed tokens to eager ones under fake CUDA (tests/rt/test_graphs.py), and `benchmarks/gpu.sh graphs` on a GPU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from infinigen_rt.kv.cache import KVCache
+
+MOVES = 2  # a shape whose inputs moved more often after a capture stays eager
+
+
+def _where(inputs: list[torch.Tensor]) -> tuple:
+    """The addresses a graph reads its inputs at."""
+    return tuple(t.data_ptr() for t in inputs)
+
+
+class _Begun(KVCache):
+    """A decode step whose `begin` ran already (eagerly, before the graph) and whose `end` runs after it: the layers'
+    calls go through, begin and end are nothing inside the graph."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def begin(self, positions) -> None:
+        pass
+
+    def observe(self, layer, x) -> None:
+        self.step.observe(layer, x)
+
+    def attend(self, layer, q, k, v) -> torch.Tensor:
+        return self.step.attend(layer, q, k, v)
+
+
+@dataclass
+class _Captured:
+    graph: object
+    logits: torch.Tensor  # the graph's output: [B, V]
+    where: tuple  # the addresses of what it reads from outside (inputs, staged tables)
+
+
+@dataclass
+class GraphStats:
+    captured: int = 0
+    replayed: int = 0
+    eager: int = 0  # graphable steps run eagerly (a shape's first, or inputs moved)
+    moved: dict = field(default_factory=dict)  # shape -> how often its inputs moved after a capture
+
+
+class StepGraphs:
+    """A runner's decode-step graphs (see the module docstring), sharing one memory pool (one replays at a time)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.graphs: dict[tuple, _Captured] = {}
+        self.seen: set[tuple] = set()
+        self.pool = None
+        self.stats = GraphStats()
+
+    def step(self, step, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One decode step of `step` (a store.StoreStep whose device work a graph may replay) over ids and positions
+        [B, 1] (the same device buffers every step): its logits [B, V]."""
+        step.begin(positions)
+        inputs = [ids, positions, *step.graph_inputs()]
+        key = (step.batch.longest, *((tuple(t.shape), t.dtype) for t in inputs))
+        where = _where(inputs)
+        got = self.graphs.get(key)
+        if got is not None and got.where != where:  # its inputs moved (a staging buffer grew, or a copy from one was
+            del self.graphs[key]  # not done yet): never replayed against other memory; eager now, captured again next
+            got = None
+            self.stats.moved[key] = self.stats.moved.get(key, 0) + 1
+            self.seen.discard(key)
+        if got is None:
+            # a shape's first step warms up what a capture must not do (kernels compiled, library handles made)
+            if key not in self.seen or self.stats.moved.get(key, 0) > MOVES:
+                self.seen.add(key)
+                self.stats.eager += 1
+                logits = self._forward(step, ids, positions)
+                step.end()
+                return logits
+            got = self.graphs[key] = self._capture(step, ids, positions, where)
+        got.graph.replay()
+        self.stats.replayed += 1
+        step.end()
+        return got.logits
+
+    def _forward(self, step, ids, positions) -> torch.Tensor:
+        return self.engine.model(ids, positions, _Begun(step), last_only=True)[:, -1]
+
+    def _capture(self, step, ids, positions, where: tuple) -> _Captured:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(step, ids, positions)
+        self.stats.captured += 1
+        return _Captured(graph, logits, where)
+
+    @property
+    def unstable(self) -> list[tuple]:
+        """The shapes left eager for good: their inputs moved more than MOVES times after a capture."""
+        return [k for k, n in self.stats.moved.items() if n > MOVES]

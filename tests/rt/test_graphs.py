@@ -1,0 +1,114 @@
+"""Decode steps replayed from CUDA graphs (graphs.py), under fake CUDA: its graphs run nothing while capturing and
+replay the captured kernels on the captured memory, none of the host code (measure/fakecuda.py), so a step that
+read anything its begin did not stage where the capture read it gives other tokens. Graphed tokens equal eager ones
+across buckets, batches that shrink and a store made again; a policy whose step a graph cannot replay runs eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infinigen_rt.bundle import read_bundle
+from infinigen_rt.engine import Engine
+from infinigen_rt.measure.fakecuda import FakeCuda, available
+from infinigen_rt.policies import KVOptions, configure
+from infinigen_rt.runner import Request, Runner
+
+pytestmark = pytest.mark.skipif(available() is not None, reason=f"fake CUDA: {available()}")
+PROMPTS = [list(range(5, 30)), [13, 14, 15], list(range(40, 49))]
+NEW = [20, 9, 14]  # the batch shrinks as requests end
+
+
+def test_a_fake_graph_replays_its_kernels_on_its_memory_and_runs_nothing_while_capturing():
+    with FakeCuda() as gpu, torch.inference_mode():
+        host = torch.ones(4).pin_memory()
+        x, acc = torch.zeros(4, device="cuda"), torch.zeros(4, device="cuda")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            x.copy_(host, non_blocking=True)
+            y = x * 2 + 1
+            acc.add_(y)
+        assert acc.inner.tolist() == [0] * 4 and y.inner.isnan().all()  # captured, not run
+        g.replay()
+        assert acc.inner.tolist() == [3] * 4
+        torch.cuda.synchronize()  # (the host may write the staging buffer once the copy from it is done)
+        host.fill_(2)
+        with gpu.recording() as ops:
+            g.replay()
+        assert acc.inner.tolist() == [8] * 4 and y.inner.tolist() == [5] * 4
+        assert [o.name for o in ops] == ["Memcpy HtoD", "mul", "add", "add_"]
+        with pytest.raises(AssertionError, match="race: write after read: fill_ on host and copy HtoD"):
+            host.fill_(3)  # not waited for: the replay's copy may still read it
+        for bad in (lambda: (x * 2).sum().item(), lambda: x + torch.ones(4).to("cuda")):
+            with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+                with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                    bad()
+
+
+def generate(engine, policy, graphs: bool, bucket_hits: list | None = None):
+    """Every prompt's tokens through one runner (three requests in one store, one prompt chunk a step)."""
+    run = Runner(engine, policy, max_batch=3, prefill_chunk=8, kv_tokens=4096, graphs=graphs)
+    ids = [run.add(Request(p, n)) for p, n in zip(PROMPTS, NEW, strict=True)]
+    out = {}
+    while run.has_work:
+        for o in run.step():
+            out[o.id] = list(o.token_ids)
+    stats = run.step_graphs.stats if run.step_graphs is not None else None
+    run.close()
+    return [out[i] for i in ids], stats
+
+
+def test_graphed_decode_steps_give_the_eager_tokens_across_buckets_and_batches(bundles, monkeypatch):
+    import infinigen_rt.kv.store as store
+
+    monkeypatch.setattr(store, "STEP_BUCKET", 16)  # decoding crosses buckets: a graph each
+    b = read_bundle(bundles["llama31_gqa"])
+    with FakeCuda() as gpu:
+        engine = Engine(b, device="cuda", dtype="float32")
+        policy = configure(engine, "full", KVOptions())
+        want, none = generate(engine, policy, graphs=False)
+        got, stats = generate(engine, policy, graphs=True)
+        again, stats2 = generate(engine, policy, graphs=True)  # a new store: its own graphs
+        del engine
+    assert none is None
+    assert got == want and again == want
+    assert gpu.races == []
+    assert stats.captured >= 3 and stats.replayed > stats.captured  # (batch 3, 2, 1; buckets of 16 tokens)
+    assert stats.eager >= stats.captured  # each shape's first step
+    assert stats2.replayed == stats.replayed
+
+
+def test_a_step_whose_inputs_move_is_never_replayed_against_other_memory(bundles, monkeypatch):
+    """The lengths uploaded into fresh memory each step (not the staging buffers): a graph replayed regardless reads
+    the captured step's lengths and gives other tokens (the fake sees it); StepGraphs sees the move and leaves the
+    shape eager: the eager tokens."""
+    import infinigen_rt.graphs as graphs
+    import infinigen_rt.kv.store as store
+
+    real = store.KVStore.up
+    monkeypatch.setattr(store.KVStore, "up", lambda self, name, a, staged: real(self, name, a,
+                                                                                staged and name.strip() != "lengths"))
+    monkeypatch.setattr(store, "STEP_BUCKET", 64)
+    b = read_bundle(bundles["llama31_gqa"])
+    with FakeCuda():
+        engine = Engine(b, device="cuda", dtype="float32")
+        policy = configure(engine, "full", KVOptions())
+        want, _ = generate(engine, policy, graphs=False)
+        got, stats = generate(engine, policy, graphs=True)
+        with monkeypatch.context() as m:
+            m.setattr(graphs, "_where", lambda inputs: ())  # the move not seen
+            stale, _ = generate(engine, policy, graphs=True)
+        del engine
+    assert got == want and stale != want
+    assert stats.moved and max(stats.moved.values()) > graphs.MOVES
+
+@pytest.mark.parametrize("policy", ["offload", "infinigen"])
+def test_a_policy_whose_step_a_graph_cannot_replay_runs_eagerly(policy, bundles):
+    b = read_bundle(bundles["llama31_gqa"])
+    with FakeCuda():
+        engine = Engine(b, device="cuda", dtype="float32")
+        p = configure(engine, policy, KVOptions(alpha=2.0, budget=0.5))
+        want, _ = generate(engine, p, graphs=False)
+        got, stats = generate(engine, p, graphs=True)
+        del engine
+    assert got == want and stats is None
