@@ -13,8 +13,8 @@
 #                                       (INFINIGEN_GATHER_PROGRAMS 0: uncapped, 32, 132): does it overlap more (~6 min)
 #   bash benchmarks/gpu.sh graphs       what a CUDA graph costs here (benchmarks/graph_probe.py): a kernel's eager
 #                                       launch, its time replayed from a graph, a replay's host time; graphed tokens
-#                                       against eager; `full` eager and graphed at Llama-3.1-8B b1, b4 x 32k and
-#                                       Llama-2-7B b8 x 8k (bench --graphs both)                     (~6 min)
+#                                       against eager; `full` and the defaults eager and graphed at Llama-3.1-8B b1,
+#                                       b4 x 32k and Llama-2-7B b8 x 8k (bench --graphs both)        (~7 min)
 # The device machine has torch, Triton, transformers and pytest and no network: the project runs from the tree.
 #
 # REHEARSAL=1 runs a part here, on the CPU: the same commands, files and time-outs, through fake CUDA
@@ -102,8 +102,8 @@ case "$PART" in
       timeout 150 $PYTHON -m pytest -q -p no:cacheprovider tests/rt/test_gpu.py -k graphed \
         2>&1 | tail -15 | tee "$OUT/graph-tokens.txt"
     fi
-    bench 200 llama-3.1-8b-32k-graphs --synthetic llama-3.1-8b --batch 1,4 --context 32768 --policies full --graphs both --interleave
-    bench 150 llama-2-7b-b8-8k-graphs --synthetic llama-2-7b --batch 8 --context 8192 --policies full --graphs both
+    bench 240 llama-3.1-8b-32k-graphs --synthetic llama-3.1-8b --batch 1,4 --context 32768 --policies full,infinigen --graphs both --interleave
+    bench 180 llama-2-7b-b8-8k-graphs --synthetic llama-2-7b --batch 8 --context 8192 --policies full,infinigen --graphs both
     ;;
   *)
     echo "unknown part $PART: tests, llama2-8k, llama2-32k, llama31-32k, llama31-128k, gather-grid, graphs" >&2

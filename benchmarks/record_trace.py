@@ -4,7 +4,8 @@ files that `infinigen-rt bench --replay` projects later with whatever projection
 Runs `infinigen-rt bench ARGS --rehearse` of the tree that is imported (a worktree of an older commit on
 PYTHONPATH records that commit's step) and writes one file a point: its fields (model, policy, batch, context, ...)
 the floor's bytes (the device's, the fetched rows') and its ops, each a row of FIELDS (projection.Op's), gzipped
-JSON. A tree older than Op.site and Op.new_shape gets both from `annotate`.
+JSON. A tree older than Op.site and Op.new_shape gets both from `annotate`, one whose fake CUDA did not count casts
+gets them from `casts`.
 
     PYTHONPATH=../wt-5a5a7e7 python benchmarks/record_trace.py --out DIR -- \\
         --synthetic llama-3.1-8b --batch 1,4 --context 32768 --policies full,offload,infinigen
@@ -48,6 +49,23 @@ def annotate(fakecuda) -> None:
     fakecuda.FakeCuda.note = noted
 
 
+def casts(fakecuda) -> None:
+    """For a tree whose fake CUDA took every `aten.to` for a view (before it counted a cast as the kernel it is): its
+    dispatch patched to note a cast that made new memory, as today's fake CUDA does."""
+    run = fakecuda._Dispatch.run
+
+    def counted(self, func, args, kwargs, dev, tensors=None):
+        out = run(self, func, args, kwargs, dev, tensors)
+        h = self.h
+        if (fakecuda._info(func).name == "to" and dev.type == "cuda" and isinstance(out, fakecuda.torch.Tensor)
+                and fakecuda.storage_key(out) != fakecuda.storage_key(args[0])):  # fmt: skip
+            actor = h.current_stream(dev).name
+            h.note(fakecuda.Op("kernel", "to", actor, fakecuda._bytes(args[0], out)))
+        return out
+
+    fakecuda._Dispatch.run = counted
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, type=Path, help="folder for the trace files")
@@ -69,6 +87,8 @@ def main() -> None:
     floor = floor_module.floor_seconds
     if not hasattr(fakecuda, "site"):
         annotate(fakecuda)
+    if not hasattr(fakecuda, "Graph"):
+        casts(fakecuda)
 
     def floored(engine, policy, batch, context, h2d_bytes, bw):  # (rehearse's loop, its step recorded as `ops`)
         point, step = sys._getframe(1).f_locals["point"], sys._getframe(1).f_locals["ops"]

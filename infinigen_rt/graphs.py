@@ -24,14 +24,14 @@ def _where(inputs: list[torch.Tensor]) -> tuple:
 
 
 class _Begun(KVCache):
-    """A decode step whose `begin` ran already (eagerly, before the graph) and whose `end` runs after it: the layers'
-    calls go through, begin and end are nothing inside the graph."""
+    """A decode step whose host part (`prepare`) ran already, eagerly, before the graph, and whose `end` runs after
+    it: the device part of its begin and the layers' calls go into the graph."""
 
     def __init__(self, step):
         self.step = step
 
     def begin(self, positions) -> None:
-        pass
+        self.step.begin_device()
 
     def observe(self, layer, x) -> None:
         self.step.observe(layer, x)
@@ -45,6 +45,8 @@ class _Captured:
     graph: object
     logits: torch.Tensor  # the graph's output: [B, V]
     where: tuple  # the addresses of what it reads from outside (inputs, staged tables)
+    counts: list  # the ledger's adds the step made while captured: (key, a number, or a slice of `flat`, scale)
+    flat: torch.Tensor | None  # the device counts among them, one float64 buffer the graph fills
 
 
 @dataclass
@@ -68,9 +70,9 @@ class StepGraphs:
     def step(self, step, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One decode step of `step` (a store.StoreStep whose device work a graph may replay) over ids and positions
         [B, 1] (the same device buffers every step): its logits [B, V]."""
-        step.begin(positions)
+        step.prepare(positions)
         inputs = [ids, positions, *step.graph_inputs()]
-        key = (step.batch.longest, *((tuple(t.shape), t.dtype) for t in inputs))
+        key = (step.batch.longest, step.t if step.bucketed else None, *((tuple(t.shape), t.dtype) for t in inputs))
         where = _where(inputs)
         got = self.graphs.get(key)
         if got is not None and got.where != where:  # its inputs moved (a staging buffer grew, or a copy from one was
@@ -89,6 +91,7 @@ class StepGraphs:
             got = self.graphs[key] = self._capture(step, ids, positions, where)
         got.graph.replay()
         self.stats.replayed += 1
+        _counted(step.store.ledger, got, step.rids)
         step.end()
         return got.logits
 
@@ -99,12 +102,41 @@ class StepGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(step, ids, positions)
+        ledger = step.store.ledger
+        ledger.tap = []  # the counts the step adds: a replay adds them again (_counted)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self._forward(step, ids, positions)
+                counts, flat = _flattened(ledger.tap)
+        finally:
+            ledger.tap = None
         self.stats.captured += 1
-        return _Captured(graph, logits, where)
+        return _Captured(graph, logits, where, counts, flat)
 
     @property
     def unstable(self) -> list[tuple]:
         """The shapes left eager for good: their inputs moved more than MOVES times after a capture."""
         return [k for k, n in self.stats.moved.items() if n > MOVES]
+
+
+def _flattened(tap: list) -> tuple[list, torch.Tensor | None]:
+    """The ledger's adds made while capturing (Ledger.tap: key, rids, counts, scale), their device counts as slices
+    of one float64 buffer that the graph fills (read when a report asks, as the ledger reads its device counts)."""
+    device = [c for _, _, c, _ in tap if isinstance(c, torch.Tensor) and c.device.type != "cpu"]
+    flat = torch.cat([c.double().reshape(-1) for c in device]) if device else None
+    out, at = [], 0
+    for key, _, c, scale in tap:
+        if isinstance(c, torch.Tensor) and c.device.type != "cpu":
+            out.append((key, slice(at, at + c.numel()), scale))
+            at += c.numel()
+        else:
+            out.append((key, c, scale))
+    return out, flat
+
+
+def _counted(ledger, got: _Captured, rids: list[int]) -> None:
+    """A replay's counts into the ledger: the numbers as captured (the step's shape fixes them), the device counts
+    from a copy of the graph's buffer (the next replay overwrites it)."""
+    flat = got.flat.clone() if got.flat is not None else None
+    for key, c, scale in got.counts:
+        ledger.add(key, rids, flat[c] if isinstance(c, slice) else c, scale)

@@ -150,6 +150,8 @@ def test_the_graph_part_rehearses_its_benches_and_says_its_probe_needs_a_gpu(tmp
     assert len(list(tmp_path.iterdir())) <= MAX_FILES and "Traceback" not in log
     for line in lines("graphs"):
         points = json.loads((tmp_path / f"bench-{line.split()[2]}.json").read_text())["points"]
-        assert [(p["policy"], p["graphs"]) for p in points[:2]] == [("full", False), ("full", True)]
+        policies = option(line.split()[3:], "--policies").split(",")
+        assert [(p["policy"], p["graphs"]) for p in points[: 2 * len(policies)]] == [
+            (name, g) for name in policies for g in (False, True)]
         assert all(p["status"] == "ok" and p["syncs_per_step"] == 1 for p in points)
         assert all((p["graph_replays"] or 0) > 0 for p in points if p["graphs"])

@@ -20,10 +20,14 @@ class Ledger:
         self.later: list[tuple[str, tuple[int, ...], object, float]] = []  # host counts not yet summed (see add)
         self.total: dict[tuple[str, int], float] = defaultdict(float)
         self.top: dict[tuple[str, int], float] = {}
+        self.tap: list | None = None  # while a decode step is captured in a CUDA graph: its adds (graphs.py)
 
     def add(self, key: str, rids: list[int], counts, scale: float = 1.0) -> None:
         """counts (times `scale`): a number for every row, or [B] (host or device: a device tensor is kept as it is,
         no launch)."""
+        if self.tap is not None:
+            self.tap.append((key, rids, counts, scale))
+            return
         if isinstance(counts, torch.Tensor):
             if counts.device.type != "cpu":
                 self.pending.append((key, rids, counts, scale))

@@ -383,29 +383,54 @@ class StoreStep(KVCache):
         self.store, self.rids = store, rids
 
     def begin(self, positions) -> None:
+        self.prepare(positions)
+        self.begin_device()
+
+    def prepare(self, positions) -> None:
+        """The step's host part: each request's new slot taken, the slots, tables and lengths put on the device (on a
+        GPU into the same buffers every step: what a replayed graph reads, graphs.py, which runs this before each
+        replay and begin_device inside the graph). A selector that sizes a GPU step for its bucket (Selector.bucketed)
+        gets a step whose held count `t` is the next multiple of STEP_BUCKET, each row's own count on the device."""
+        store = self.store
         self.positions = positions
-        self.reused = self.store.selector.reuse(self, self.rids, 1)
-        self.slots = self.store.append(self.rids, 1, self.reused, staged=True)
-        self.batch = self.store.batch(self.rids, 1 - self.reused, staged=True)
-        self.dense = self.store.dense_pass(self, self.rids, 1, staged=True)  # the device layers' (slots, batch)
-        self.held = self.batch.held()
+        self.reused = store.selector.reuse(self, self.rids, 1)
+        self.slots = store.append(self.rids, 1, self.reused, staged=True)
+        self.batch = store.batch(self.rids, 1 - self.reused, staged=True)
+        self.dense = store.dense_pass(self, self.rids, 1, staged=True)  # the device layers' (slots, batch)
+        t, b = int(self.batch.old.max()), len(self.rids)
+        self.bucketed = store.kernel and store.selector.bucketed
+        self.old = None
+        if self.bucketed:  # the rows each held before the step, [B] on the device
+            t = -(-t // STEP_BUCKET) * STEP_BUCKET
+            self.old = store.up("old", self.batch.old, True)
+        self.t = t
         self.span = None  # one row whose first T slots are one run: their slice (read in place, no gather)
-        if self.store.pooled or self.store.selector.indexed:  # [B, T]: the flat slots of every row's tokens held
-            t, b = self.held[0], len(self.rids)  # before the step (on the compute stream, before a side stream reads)
-            self.idx = self.store.physical(self.batch, torch.arange(t, device=self.store.device).expand(b, t))
-            table = self.store.alloc.tables[self.rids[0]][: -(-t // BLOCK)]
+        if (store.pooled or store.selector.indexed) and not self.bucketed:
+            table = store.alloc.tables[self.rids[0]][: -(-t // BLOCK)]
             if b == 1 and t and table == list(range(table[0], table[0] + len(table))):
                 self.span = slice(table[0] * BLOCK, table[0] * BLOCK + t)
-        if self.store.rings is not None:
-            self.store.rings.begin(self.rids, [self.store.seen[r] - 1 for r in self.rids])
-        self.store.selector.begin(self)
+        if store.rings is not None:
+            store.rings.begin(self.rids, [store.seen[r] - 1 for r in self.rids])
+
+    def begin_device(self) -> None:
+        """The step's device part, from what `prepare` put there: which rows each request holds (`held`: T and [B, T]
+        bool, None where every row holds T), their flat slots (`idx` [B, T]: for the pooled layers, on the compute
+        stream before a side stream reads them), and the selector's own."""
+        store, t, b = self.store, self.t, len(self.rids)
+        if self.bucketed:
+            self.held = t, torch.arange(t, device=store.device) < self.old[:, None]
+        else:
+            self.held = self.batch.held()
+        if store.pooled or store.selector.indexed:
+            self.idx = store.physical(self.batch, torch.arange(t, device=store.device).expand(b, t))
+        store.selector.begin(self)
 
     def graph_inputs(self) -> list[torch.Tensor]:
-        """What the step's device work reads that its begin put on the device (graphs.py: a replay reads them where
-        the capture did): the new tokens' slots, the tables and lengths."""
+        """What the step's device work reads that `prepare` put on the device (graphs.py: a replay reads them where the
+        capture did): the new tokens' slots, the tables and lengths, the rows each request held."""
         slots, batch = self.dense
         got = [self.slots, self.batch.table, self.batch.lengths, slots, batch.table, batch.lengths]
-        return list({id(t): t for t in got}.values())
+        return list({id(t): t for t in got + ([] if self.old is None else [self.old])}.values())
 
     def physical(self, slots: torch.Tensor) -> torch.Tensor:
         """Token slots [B, ..., n] of each row's own sequence, below the step's held count (what a selection over the

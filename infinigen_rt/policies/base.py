@@ -103,6 +103,7 @@ class Selector:
     layout = Plain
 
     indexed = False  # a decode step needs every row's flat slots (StoreStep.idx) though nothing is pooled (h2o's)
+    bucketed = False  # a GPU step sized for its bucket of STEP_BUCKET tokens (StoreStep.prepare; infinigen's)
 
     def __init__(self, device_layers, pooled_layers, prefetch=None, evicting: Evicting | None = None):
         """`evicting`: the pooled layers' capacity (None: every token stays)."""

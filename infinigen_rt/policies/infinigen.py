@@ -31,7 +31,7 @@ from infinigen_rt.kv.cache import KVReport
 from infinigen_rt.kv.evict import Evicting
 from infinigen_rt.kv.kernels import gather_reused
 from infinigen_rt.kv.rows import PoolRows
-from infinigen_rt.kv.store import BLOCK, Plain
+from infinigen_rt.kv.store import BLOCK, STEP_BUCKET, Plain, StoreStep
 from infinigen_rt.policies.base import Selector, kv_layers
 from infinigen_rt.policies.offload import POOL_KNOBS, Offload
 from infinigen_rt.policies.options import KVOptions
@@ -41,7 +41,9 @@ from infinigen_rt.policies.speculation import (
     Selection,
     correction_counts,
     correction_gathered,
+    correction_room,
     correction_rows,
+    device_counts,
     fetch_width,
     select,
     selected,
@@ -234,6 +236,17 @@ class InfinigenSelector(Selector):
                          and store.layout.dtype == torch.float32 and cpu.library() is not None
                          and (not self.opts.correct or one_call) and not self.opts.trace_recall)  # fmt: skip
 
+    @property
+    def bucketed(self) -> bool:
+        """A GPU step sized for its bucket of STEP_BUCKET tokens (store.StoreStep.prepare): its scores, selections,
+        fetch widths and the correction's room the same for every step of the bucket, each row's counts on the
+        device. Not under a capacity (the slots each request freed are its own) or with `trace_recall`."""
+        return self.evicting is None and not self.opts.trace_recall
+
+    def graphs(self) -> bool:
+        """A step replayed from a CUDA graph (graphs.py): a bucketed step, on one rank, its rows gathered afresh."""
+        return self.bucketed and self.last_rows is None and not self.in_place and self.tp is None
+
     def written(self, batch, layer, k, phys, reusing=None) -> None:
         b, h, s, d = k.shape  # the batch's new keys as one sequence of the store's, at their flat slots
         at = phys.view(1, 1, -1).expand(1, h, -1) if phys.dim() == 1 else phys.transpose(0, 1).reshape(1, h, -1)
@@ -261,6 +274,7 @@ class InfinigenSelector(Selector):
         step.pos = None if held is None else torch.where(held, at, -1)[:, None].expand(b, h, t)
         step.cos_sin = self.spec.rope(step.positions, self.dtype)
         step.counts = {}  # layer -> the correction's counts (see counts)
+        step.memo = {}  # what select and correction_rows make once a step (see select)
         if self.last_rows is not None:
             self.last_rows.begin(step)
 
@@ -278,16 +292,16 @@ class InfinigenSelector(Selector):
         q = self.spec.query(j, x, step.cos_sin, self.opts.renorm, self.keys.full)  # [B, Hkv, G, d' or D], scaled
         t = step.held[0]
         opts = self.spec_opts[j]
-        kept = self.kept(step)
-        width = fetch_width(int(kept.max()), t, opts, BUCKET) if self.sync_free else None
+        most = t if step.bucketed else int(self.kept(step).max())  # (a bucketed step: the bucket's, t)
+        width = fetch_width(most, t, opts, BUCKET) if self.sync_free else None
         at = step.span or step.idx
         k = 0  # the correction's candidates: every held slot, or a shortlist
         if self.opts.correct and self.opts.shortlist:
-            k = shortlist_size(int(kept.max()), t, opts, self.counts(step, j), self.opts.shortlist)
+            k = shortlist_size(most, t, opts, [self.room(step, j)], self.opts.shortlist)
         held, pos = self.held(step, j)
         sel = selected(self.keys, j, q, at, t, self.alphas[j], opts, held, width, self.tp, k)  # (one kernel call)
         if sel is None:
-            sel = select(self.keys.scores_at(j, q, at), self.alphas[j], opts, held, pos, width, self.tp, k)
+            sel = select(self.keys.scores_at(j, q, at), self.alphas[j], opts, held, pos, width, self.tp, k, step.memo)
         return step, j, sel
 
     @torch.inference_mode()
@@ -317,20 +331,32 @@ class InfinigenSelector(Selector):
         self.store.ledger.add(f"h2d{j}", step.batch.rids, read, self.store.row_bytes)
         return rows
 
-    def counts(self, step, j: int) -> list[int]:
+    def counts(self, step, j: int) -> list[int] | torch.Tensor:
         """What layer j's correction fetches per request this step (correction_counts): worked out once a step and
-        layer, for speculation's shortlist, the room its gather leaves and the correction itself."""
+        layer, for the room its gather leaves and the correction itself; a bucketed step's [B] on the device (from
+        each row's held count there)."""
         if j not in step.counts:
-            step.counts[j] = correction_counts(self.kept(step).tolist(), self.layer_opts[j], self.spec_opts[j])
+            o, so = self.layer_opts[j], self.spec_opts[j]
+            key = ("counts", o.budget, o.max_kv, so.budget, so.max_kv)  # (layers of one budget share them)
+            if not step.bucketed:
+                step.counts[j] = correction_counts(self.kept(step).tolist(), o, so)
+            elif key in step.memo:
+                step.counts[j] = step.memo[key]
+            else:
+                step.counts[j] = step.memo[key] = device_counts(step.old, o) - device_counts(step.old, so)
         return step.counts[j]
 
     def room(self, step, j: int) -> int:
         """The rows layer j's correction adds at most (its largest count, at most the slots held): speculation's
         gather leaves them between its rows and the new token's, and the correction writes its rows there, in
-        place of joining the two (a copy of every row a layer reads)."""
+        place of joining the two (a copy of every row a layer reads). A bucketed step's: the most any held count of
+        its bucket gives (the same for the whole bucket)."""
         if not self.opts.correct:
             return 0
-        return max(0, min(max(self.counts(step, j)), step.held[0]))
+        t = step.held[0]
+        if step.bucketed:
+            return correction_room(t - STEP_BUCKET + 1, t, self.layer_opts[j], self.spec_opts[j])
+        return max(0, min(max(self.counts(step, j)), t))
 
     def rows(self, step, layer, q):
         if layer not in self.prefetch:
@@ -347,13 +373,23 @@ class InfinigenSelector(Selector):
         if self.opts.trace_recall:
             led.add("recall", rids, self.recall(step, layer, q, sel))
             led.add("recalls", rids, 1)
-        led.add(f"held{layer}", rids, self.kept(step) * self.store.n_kv)
         led.add("per_row", rids, sel.per_row)
         led.add("per_row_n", rids, 1)
         if self.in_place:  # k: the speculated rows' pool rows, v: the correction's (or None)
             (src_k,), (src_v,) = self.store.k[layer], self.store.v[layer]
             return PoolRows(src_k, src_v, [k] if v is None else [k, v], self.prefetch), None, None
         return k, v, None if sel.every else sel.ok
+
+    def end(self, step) -> None:
+        """The tokens each request held, per speculated layer that selected (every one a layer before it feeds), in
+        the ledger: host numbers, counted here rather than where the layer runs, which a replayed graph skips."""
+        super().end(step)
+        if not isinstance(step, StoreStep):  # (a prompt chunk's pass)
+            return
+        held = self.kept(step) * self.store.n_kv
+        for j in self.layers:
+            if j > 0:
+                self.store.ledger.add(f"held{j}", step.rids, held)
 
     def recall(self, step, layer: int, q: torch.Tensor, sel: Selection) -> torch.Tensor:
         """Diagnosis only (`trace_recall`: it reads every held row of the layer, moving the whole context on a GPU):
@@ -379,7 +415,7 @@ class InfinigenSelector(Selector):
         ones (in the room before the new token's row that speculation's gather left, or as a second list of pool rows
         where attention reads them in place)."""
         per_row = self.counts(step, layer)
-        if max(per_row) <= 0:
+        if self.room(step, layer) <= 0:
             return sel, k, v
         b, hkv = sel.slots.shape[:2]
         at = step.span or step.idx if sel.cand is None else step.physical(sel.cand)  # every held slot, or a shortlist
@@ -419,7 +455,7 @@ class InfinigenSelector(Selector):
         n = sel.slots.shape[-1]
         room = k.shape[2] - n - 1
         s = self.keys.scores_at(layer, qk, at)
-        slots, ok = correction_rows(s, sel, held, per_row, self.opts.group_agg)
+        slots, ok = correction_rows(s, sel, held, per_row, self.opts.group_agg, room, step.memo)
         counted = ok.sum((1, 2))
         c = slots.shape[-1]
         assert room >= c, "the correction's rows exceed the room left for them"

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from infinigen_rt.bundle import partial_idx_name, partial_q_name, skew_name
@@ -424,7 +425,7 @@ def fetch_width(held_max: int, t: int, opts: KVOptions, bucket: int) -> int:
 
 def select(
     s: torch.Tensor, alpha: float, opts: KVOptions, held: torch.Tensor | None = None, pos: torch.Tensor | None = None,
-    width: int | None = None, tp=None, shortlist: int = 0,
+    width: int | None = None, tp=None, shortlist: int = 0, memo: dict | None = None,
 ) -> Selection:  # fmt: skip
     """Choose the rows to fetch from the speculative scores s [B, Hkv, G, t] (float32) over the t slots taken.
 
@@ -440,19 +441,19 @@ def select(
     the same count per head), so the budget's cap needs nothing from the other ranks.
 
     `shortlist` > 0: the best `shortlist` slots (at least the chosen ones) are kept too, in order (Selection.cand:
-    the correction's candidates, see shortlist_size)."""
+    the correction's candidates, see shortlist_size).
+
+    `memo`: a step's dict, where what depends on `held` and `pos` alone (the free slots, each sequence's cap, the
+    forced tokens) is made once for every layer of the step."""
     inf = float("inf")
     t = s.shape[-1]
     prefix = held is None
     if prefix:
         cap = fetch_count(t, opts)
     else:
-        s = s.masked_fill(~held[:, :, None, :], -inf)
-        held_b = held.sum(-1).amax(-1)  # [B]
-        cap = torch.clamp((opts.budget * held_b).floor().long(), min=1)
-        if opts.max_kv is not None:
-            cap = cap.clamp(max=opts.max_kv)
-        cap = torch.minimum(cap, held_b)[:, None]
+        s = s.masked_fill(_memo(memo, "free", lambda: ~held[:, :, None, :]), -inf)
+        cap = _memo(memo, ("cap", opts.budget, opts.max_kv),
+                    lambda: device_counts(held.sum(-1).amax(-1), opts)[:, None])  # fmt: skip
     agg, within = group_softmax(s, alpha) if opts.group_agg == "sum" else (s.amax(2), None)
     if math.isinf(alpha):  # no margin: the budget decides
         n = cap
@@ -476,10 +477,8 @@ def select(
             agg[..., t - r :] = FORCED - opts.sinks - torch.arange(r - 1, -1, -1, device=agg.device)
         agg[..., : opts.sinks] = FORCED - torch.arange(min(opts.sinks, t), device=agg.device)
     elif opts.sinks or opts.recent:
-        newest = pos.amax(-1, keepdim=True)
-        forced = held & ((pos < opts.sinks) | (pos > newest - opts.recent))
-        rank = torch.where(pos < opts.sinks, pos, opts.sinks + newest - pos)
-        agg = torch.where(forced, FORCED - rank.to(agg.dtype), agg)
+        forced, value = _memo(memo, ("forced", opts.sinks, opts.recent), lambda: _forced(held, pos, opts, agg.dtype))
+        agg = torch.where(forced, value, agg)
     b = s.shape[0]
     if isinstance(n, int):  # known on the host
         per_row = torch.full((b,), float(n), device=s.device)
@@ -509,6 +508,23 @@ def select(
         if n_min != n_max:
             ok &= torch.arange(n_max, device=top.device) < n[..., None]
     return Selection(top, ok, prefix and n_min == n_max, per_row, cand=cand)
+
+
+def _memo(memo: dict | None, key, make):
+    """make(), once per key where there is a memo."""
+    if memo is None:
+        return make()
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
+def _forced(held: torch.Tensor, pos: torch.Tensor, opts: KVOptions, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sinks and recent tokens among the held ones, [B, Hkv, T] bool, and their rank values (see select)."""
+    newest = pos.amax(-1, keepdim=True)
+    forced = held & ((pos < opts.sinks) | (pos > newest - opts.recent))
+    rank = torch.where(pos < opts.sinks, pos, opts.sinks + newest - pos)
+    return forced, FORCED - rank.to(dtype)
 
 
 def selected(keys, j: int, q: torch.Tensor, at, t: int, alpha: float, opts: KVOptions, held: torch.Tensor | None,
@@ -569,16 +585,38 @@ def correction_counts(held: list[int], opts: KVOptions, spec_opts: KVOptions) ->
     return [fetch_count(h, opts) - fetch_count(h, spec_opts) for h in held]
 
 
-def correction_rows(s: torch.Tensor, sel: Selection, held: torch.Tensor | None, per_row: list[int],
-                    group_agg: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def device_counts(held: torch.Tensor, opts: KVOptions) -> torch.Tensor:
+    """fetch_count of each held count [B] (int64, on the device), computed there: the same float64 product and floor
+    as the host's."""
+    n = (held.double() * opts.budget).floor().long().clamp(min=1)
+    return torch.minimum(n.clamp(max=opts.max_kv) if opts.max_kv else n, held)
+
+
+def correction_room(lo: int, hi: int, opts: KVOptions, spec_opts: KVOptions) -> int:
+    """The most the correction fetches for any held count from lo to hi (at most that count): the room a bucketed
+    step leaves it."""
+    h = np.arange(max(1, lo), max(1, hi) + 1, dtype=np.int64)
+
+    def count(o: KVOptions) -> np.ndarray:
+        n = np.maximum(1, np.floor(o.budget * h).astype(np.int64))
+        return np.minimum(np.minimum(n, o.max_kv) if o.max_kv else n, h)
+
+    return int(np.minimum(count(opts) - count(spec_opts), h).max())
+
+
+def correction_rows(s: torch.Tensor, sel: Selection, held: torch.Tensor | None, per_row: list[int] | torch.Tensor,
+                    group_agg: str, room: int | None = None,
+                    memo: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The correction's choice from the true query's scores s [B, Hkv, G, t]: each sequence's best `per_row` slots
     that speculation (`sel`) did not take, among the held ones (`held` [B, Hkv, t], None: all). (slots, ok)
     [B, Hkv, max(per_row)]; sorted where the counts differ, so a sequence with a smaller count keeps the first.
-    With a shortlist (sel.cand), s [B, Hkv, G, n + m] scores the candidates only (a group's softmax over them)."""
+    With a shortlist (sel.cand), s [B, Hkv, G, n + m] scores the candidates only (a group's softmax over them).
+    `per_row` a tensor [B] on the device (a bucketed step): `room` rows each, sorted, those past its count not ok.
+    `memo`: see select (the free slots, where every slot is a candidate)."""
     b, hkv, _, t = s.shape
-    n = max(per_row)
+    n = max(per_row) if room is None else room
     cand = sel.cand
-    if group_agg == "sum" and s.device.type == "cpu":  # one call of the CPU's kernel, if in use
+    if group_agg == "sum" and s.device.type == "cpu" and room is None:  # one call of the CPU's kernel, if in use
         taken = sel.slots if cand is None else torch.arange(sel.slots.shape[-1]).view(1, 1, -1)
         cut = held if held is None or cand is None else torch.gather(held, 2, cand)
         got = cpu.correct_pick(s if cut is None else s.masked_fill(~cut[:, :, None], float("-inf")), taken,
@@ -592,11 +630,13 @@ def correction_rows(s: torch.Tensor, sel: Selection, held: torch.Tensor | None, 
         taken = torch.cat([sel.ok.expand(sel.slots.shape), sel.ok.new_zeros(b, hkv, t - sel.slots.shape[-1])], -1)
         held = None if held is None else torch.gather(held, 2, cand)
     if held is not None:
-        s = s.masked_fill(~held[:, :, None], float("-inf"))
-        taken |= ~held
+        free = _memo(memo if cand is None else None, "free", lambda: ~held[:, :, None, :])
+        s = s.masked_fill(free, float("-inf"))
+        taken |= free[:, :, 0]
     agg = group_softmax(s, math.inf)[0] if group_agg == "sum" else s.amax(2)
     # in order only where sequences take different counts (an unsorted top-k is several times cheaper on a CPU)
-    return _counted(*top_k(agg.masked_fill(taken, float("-inf")), min(n, t), min(per_row) < n), cand, per_row)
+    uneven = room is not None or min(per_row) < n
+    return _counted(*top_k(agg.masked_fill(taken, float("-inf")), min(n, t), uneven), cand, per_row)
 
 
 def correction_gathered(keys, j: int, q: torch.Tensor, at, t: int, sel: Selection, held: torch.Tensor | None,
@@ -620,11 +660,12 @@ def correction_gathered(keys, j: int, q: torch.Tensor, at, t: int, sel: Selectio
 def _counted(values, slots, cand, per_row) -> tuple[torch.Tensor, torch.Tensor]:
     """correction_rows' (slots, ok) from the top-k of the candidates: the slots themselves (a shortlist's through
     `cand`), the rows that count (a score, and within each sequence's count)."""
-    n = max(per_row)
     ok = values > float("-inf")
     if cand is not None:
         slots = torch.gather(cand, 2, slots)
-    if min(per_row) < n:  # sequences of other lengths: each its own count (a host-made mask)
+    if isinstance(per_row, torch.Tensor):  # each its own count, on the device
+        ok &= torch.arange(slots.shape[-1], device=ok.device) < per_row[:, None, None]
+    elif min(per_row) < max(per_row):  # sequences of other lengths: each its own count (a host-made mask)
         limit = to_device(torch.tensor(per_row), ok.device)
         ok &= torch.arange(slots.shape[-1], device=ok.device) < limit[:, None, None]
     return slots, ok

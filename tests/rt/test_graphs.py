@@ -45,8 +45,9 @@ def test_a_fake_graph_replays_its_kernels_on_its_memory_and_runs_nothing_while_c
                     bad()
 
 
-def generate(engine, policy, graphs: bool, bucket_hits: list | None = None):
-    """Every prompt's tokens through one runner (three requests in one store, one prompt chunk a step)."""
+def generate(engine, policy, graphs: bool, report: bool = False):
+    """Every prompt's tokens through one runner (three requests in one store, one prompt chunk a step), and its
+    graphs' counts; with `report`, the runner's KV report instead."""
     run = Runner(engine, policy, max_batch=3, prefill_chunk=8, kv_tokens=4096, graphs=graphs)
     ids = [run.add(Request(p, n)) for p, n in zip(PROMPTS, NEW, strict=True)]
     out = {}
@@ -55,20 +56,24 @@ def generate(engine, policy, graphs: bool, bucket_hits: list | None = None):
             out[o.id] = list(o.token_ids)
     stats = run.step_graphs.stats if run.step_graphs is not None else None
     run.close()
+    if report:
+        return run.report().to_dict()
     return [out[i] for i in ids], stats
 
 
-def test_graphed_decode_steps_give_the_eager_tokens_across_buckets_and_batches(bundles, monkeypatch):
+@pytest.mark.parametrize("policy", ["full", "infinigen"])
+def test_graphed_decode_steps_give_the_eager_tokens_across_buckets_and_batches(policy, bundles, monkeypatch):
     import infinigen_rt.kv.store as store
 
     monkeypatch.setattr(store, "STEP_BUCKET", 16)  # decoding crosses buckets: a graph each
     b = read_bundle(bundles["llama31_gqa"])
     with FakeCuda() as gpu:
         engine = Engine(b, device="cuda", dtype="float32")
-        policy = configure(engine, "full", KVOptions())
-        want, none = generate(engine, policy, graphs=False)
-        got, stats = generate(engine, policy, graphs=True)
-        again, stats2 = generate(engine, policy, graphs=True)  # a new store: its own graphs
+        p = configure(engine, policy, KVOptions(budget=0.3))
+        want, none = generate(engine, p, graphs=False)
+        got, stats = generate(engine, p, graphs=True)
+        again, stats2 = generate(engine, p, graphs=True)  # a new store: its own graphs
+        reports = [generate(engine, p, graphs=g, report=True) for g in (False, True)]
         del engine
     assert none is None
     assert got == want and again == want
@@ -76,6 +81,7 @@ def test_graphed_decode_steps_give_the_eager_tokens_across_buckets_and_batches(b
     assert stats.captured >= 3 and stats.replayed > stats.captured  # (batch 3, 2, 1; buckets of 16 tokens)
     assert stats.eager >= stats.captured  # each shape's first step
     assert stats2.replayed == stats.replayed
+    assert reports[0] == reports[1]  # bytes, shares and counts: a replay's ledger as the eager step's
 
 
 def test_a_step_whose_inputs_move_is_never_replayed_against_other_memory(bundles, monkeypatch):
@@ -102,7 +108,7 @@ def test_a_step_whose_inputs_move_is_never_replayed_against_other_memory(bundles
     assert got == want and stale != want
     assert stats.moved and max(stats.moved.values()) > graphs.MOVES
 
-@pytest.mark.parametrize("policy", ["offload", "infinigen"])
+@pytest.mark.parametrize("policy", ["offload", "h2o"])
 def test_a_policy_whose_step_a_graph_cannot_replay_runs_eagerly(policy, bundles):
     b = read_bundle(bundles["llama31_gqa"])
     with FakeCuda():

@@ -87,12 +87,12 @@ def test_the_recorder_sees_kernels_copies_events_and_syncs_with_their_bytes():
 # (about one launch of kv/ a layer at batch 1), so that a step that grows fails here. Through the batch's KV store a
 # step's launches do not grow with the batch (one kernel scores a layer's int4 codes for the whole batch)
 STEP_LIMITS = {
-    ("full", None, None): (675, 1.0, 2.56, 4.25),  # 661 at batch 1 and 8; 2.51x and 4.16x
-    ("offload", None, None): (905, 1.0, 2.04, 1.25),  # 891 and 891; 2.00x and 1.22x
-    ("infinigen", "partial", 0.0): (1_680, 1.05, 8.37, 1.48),  # 1,664 and 1,694; 8.20x and 1.45x
-    ("infinigen", "int4", 0.25): (2_190, 1.0, 12.06, 2.01),  # the defaults: 2,174 and 2,174; 11.82x and 1.97x
-    ("h2o", None, None): (1_165, 1.0, 6.99, 3.65),  # 1,150 and 1,150; 6.86x and 3.57x
-    ("int4", None, None): (2_380, 1.0, 7.51, 2.24),  # 2,363 and 2,363; 7.36x and 2.19x
+    ("full", None, None): (808, 1.05, 2.68, 4.25),  # 794 at batch 1, 826 at 8; 2.63x and 4.18x
+    ("offload", None, None): (1_040, 1.07, 2.06, 1.27),  # 1,025 and 1,089; 2.01x and 1.22x
+    ("infinigen", "partial", 0.0): (1_870, 1.05, 8.40, 1.52),  # 1,856 and 1,918; 8.25x and 1.48x
+    ("infinigen", "int4", 0.25): (2_575, 1.05, 13.0, 2.05),  # the defaults: 2,559 and 2,651; 12.86x and 2.01x
+    ("h2o", None, None): (1_396, 1.0, 7.80, 4.75),  # 1,382 and 1,382; 7.66x and 4.67x
+    ("int4", None, None): (3_025, 1.0, 8.50, 2.58),  # 3,009 and 3,009; 8.38x and 2.53x
 }
 
 
