@@ -23,10 +23,12 @@ def generate(
     *,
     policy: Policy | str = BASELINE,
     kv: KVOptions | None = None,
+    graphs: bool = False,
 ) -> tuple[list[Generation], RunStats]:
     """Generate for token-id prompts. `policy`: a Policy, or a
     policy's name configured with `kv`. Limits, sampling and stop strings are one for all rows or one per row.
-    `on_step(generated)` sees every step's ids so far and may return rows to cancel."""
+    `on_step(generated)` sees every step's ids so far and may return rows to cancel. `graphs`: on a GPU, decode
+    steps replayed from CUDA graphs where the policy allows (graphs.py)."""
     if isinstance(policy, str):
         policy = configure(engine, policy, kv)
     b = len(prompts)
@@ -38,7 +40,7 @@ def generate(
     # a paged pool of exactly the blocks these requests take
     chunk = policy.opts.prefill_chunk
     pool = sum(blocks_for(reserved(policy, len(p), n, chunk)) for p, n in zip(prompts, limits, strict=True))
-    run = Runner(engine, policy, max_batch=b, prefill_chunk=chunk, kv_tokens=pool * BLOCK_TOKENS)
+    run = Runner(engine, policy, max_batch=b, prefill_chunk=chunk, kv_tokens=pool * BLOCK_TOKENS, graphs=graphs)
     reduces = (engine.tp.reduces, engine.tp.reduce_s) if engine.tp else None
     rids = [run.add(Request(p, n, s, x)) for p, n, s, x in zip(prompts, limits, params, stops, strict=True)]
     row = {rid: i for i, rid in enumerate(rids)}

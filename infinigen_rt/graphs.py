@@ -9,6 +9,7 @@ graphed tokens to eager ones under fake CUDA (tests/rt/test_graphs.py), and `ben
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +56,7 @@ class GraphStats:
     replayed: int = 0
     eager: int = 0  # graphable steps run eagerly (a shape's first, or inputs moved)
     moved: dict = field(default_factory=dict)  # shape -> how often its inputs moved after a capture
+    failed: list = field(default_factory=list)  # why captures failed (their shapes then run eagerly)
 
 
 class StepGraphs:
@@ -64,6 +66,7 @@ class StepGraphs:
         self.engine = engine
         self.graphs: dict[tuple, _Captured] = {}
         self.seen: set[tuple] = set()
+        self.broken: set[tuple] = set()  # shapes whose capture failed
         self.pool = None
         self.stats = GraphStats()
 
@@ -82,18 +85,29 @@ class StepGraphs:
             self.seen.discard(key)
         if got is None:
             # a shape's first step warms up what a capture must not do (kernels compiled, library handles made)
-            if key not in self.seen or self.stats.moved.get(key, 0) > MOVES:
-                self.seen.add(key)
-                self.stats.eager += 1
-                logits = self._forward(step, ids, positions)
-                step.end()
-                return logits
-            got = self.graphs[key] = self._capture(step, ids, positions, where)
+            if key not in self.seen or self.stats.moved.get(key, 0) > MOVES or key in self.broken:
+                return self._eager(step, ids, positions, key)
+            try:
+                got = self.graphs[key] = self._capture(step, ids, positions, where)
+            except RuntimeError as e:  # nothing ran while capturing: the step runs eagerly, and its shape from now on
+                self.broken.add(key)
+                self.stats.failed.append(f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                if len(self.stats.failed) == 1:
+                    warnings.warn(f"a decode step could not be captured in a CUDA graph; it runs eagerly "
+                                  f"({self.stats.failed[0]})", stacklevel=2)  # fmt: skip
+                return self._eager(step, ids, positions, key)
         got.graph.replay()
         self.stats.replayed += 1
         _counted(step.store.ledger, got, step.rids)
         step.end()
         return got.logits
+
+    def _eager(self, step, ids, positions, key) -> torch.Tensor:
+        self.seen.add(key)
+        self.stats.eager += 1
+        logits = self._forward(step, ids, positions)
+        step.end()
+        return logits
 
     def _forward(self, step, ids, positions) -> torch.Tensor:
         return self.engine.model(ids, positions, _Begun(step), last_only=True)[:, -1]

@@ -14,6 +14,7 @@ from infinigen_rt.cli.options import (
     BundleArg,
     Device,
     Dtype,
+    Graphs,
     JsonOut,
     PolicyName,
     Revision,
@@ -47,6 +48,7 @@ def generate(
     revision: Revision = None,
     verify: Verify = True,
     tp: TPSize = 1,
+    graphs: Graphs = False,
     kv=None,  # the KV options, one KVOptions (kv_options)
 ):
     """Generate text from PROMPT with a bundle.
@@ -93,7 +95,7 @@ def generate(
     ids, max_new_tokens = _prompt_ids(engine, prompt, chat, max_new_tokens)
     printer = _StreamPrinter(engine.tokenizer, stop or []) if stream and not quiet else None
     progress = _progress(max_new_tokens) if printer is None and not quiet else None
-    res, stats = _run(engine, run_policy, ids, max_new_tokens, sampling, stop, printer, progress)
+    res, stats = _run(engine, run_policy, ids, max_new_tokens, sampling, stop, printer, progress, graphs)
     if not follower:  # a tensor-parallel rank other than 0 runs every step with rank 0 and prints nothing
         _show(res, stats, prompt if not chat else "", json_out, printer)
 
@@ -153,7 +155,7 @@ def _prompt_ids(engine, prompt: str, chat: bool, max_new_tokens: int) -> tuple[l
     return ids, max_new_tokens
 
 
-def _run(engine, policy, ids, max_new_tokens, sampling, stop, printer, progress):
+def _run(engine, policy, ids, max_new_tokens, sampling, stop, printer, progress, graphs=False):
     """Generate, showing the text as it comes (`printer`) or a progress bar (`progress`); (result, stats)."""
     from infinigen_rt.generate import generate as run
 
@@ -161,7 +163,7 @@ def _run(engine, policy, ids, max_new_tokens, sampling, stop, printer, progress)
     if progress:
         progress.start()
     try:
-        results, stats = run(engine, [ids], max_new_tokens, sampling, stop, on_step, policy=policy)
+        results, stats = run(engine, [ids], max_new_tokens, sampling, stop, on_step, policy=policy, graphs=graphs)
     finally:
         if progress:
             progress.stop()

@@ -22,6 +22,8 @@ TPSize = Annotated[
     int, typer.Option("--tp", help="Tensor-parallel ranks: starts this many processes (torchrun) on this machine.")
 ]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+Graphs = Annotated[bool, typer.Option(
+    "--graphs", help="On a GPU, replay decode steps from CUDA graphs where the policy allows it (full, infinigen).")]
 PolicyName = Annotated[str, typer.Option("--policy", help="KV policy: full, offload, infinigen, h2o, int4.")]
 
 

@@ -8,7 +8,17 @@ from typing import Annotated, Optional
 import typer
 
 from infinigen_rt.cli.console import err_console, parse_bytes
-from infinigen_rt.cli.options import BundleArg, Device, Dtype, PolicyName, Revision, TPSize, Verify, kv_options
+from infinigen_rt.cli.options import (
+    BundleArg,
+    Device,
+    Dtype,
+    Graphs,
+    PolicyName,
+    Revision,
+    TPSize,
+    Verify,
+    kv_options,
+)
 
 
 @kv_options
@@ -47,6 +57,7 @@ def serve(
     device: Device = "auto",
     dtype: Dtype = "auto",
     policy: PolicyName = "full",
+    graphs: Graphs = False,
     prefill_chunk: Annotated[
         int, typer.Option(help="Prompt tokens prefilled per step, between decode steps of the running requests.")
     ] = 512,
@@ -112,7 +123,7 @@ def serve(
     server_app = create_app(
         engine, server_policy, name, max_batch=max_batch, max_queue=max_queue, api_key=api_key, max_body=max_body,
         prefill_chunk=prefill_chunk, kv_tokens=kv_tokens, kv_memory=kv_bytes, score=score, score_tail=score_tail,
-        body_timeout=body_timeout,
+        body_timeout=body_timeout, graphs=graphs,
     )  # fmt: skip
     _run(server_app, sock, host, name, policy, engine, max_batch, tp, api_key)
 

@@ -38,7 +38,7 @@ def create_app(
     engine: Engine, policy: Policy, model_name: str, *, max_batch: int = 8, max_queue: int = 64,
     api_key: str | None = None, prefill_chunk: int | None = 512, kv_tokens: int | None = None,
     kv_memory: int | None = None, max_body: int | None = None, score: str = "decode", score_tail: int = SCORE_TAIL,
-    body_timeout: float = BODY_TIMEOUT_S,
+    body_timeout: float = BODY_TIMEOUT_S, graphs: bool = False,
 ) -> FastAPI:  # fmt: skip
     """An app serving `engine` with `policy` (a request may override some of its options) as `model_name`; its
     scheduler thread runs while the app does (lifespan).
@@ -46,11 +46,12 @@ def create_app(
     `max_body`: larger request bodies get a 413 before they are parsed (default: `body_limit(context)`); one not
     all sent within `body_timeout` seconds of its headers gets a 408.
     `score`, `score_tail`: how prompt logprobs are computed ("decode": the last `score_tail` prompt tokens by
-    decode steps through the request's policy; "prefill": by the dense prefill)."""
+    decode steps through the request's policy; "prefill": by the dense prefill). `graphs`: decode steps replayed from
+    CUDA graphs where the policy allows (graphs.py)."""
     metrics = Metrics()
     scheduler = Scheduler(
         engine, policy, max_batch=max_batch, max_queue=max_queue, metrics=metrics, prefill_chunk=prefill_chunk,
-        kv_tokens=kv_tokens, kv_memory=kv_memory,
+        kv_tokens=kv_tokens, kv_memory=kv_memory, graphs=graphs,
     )  # fmt: skip
 
     @asynccontextmanager

@@ -99,11 +99,14 @@ class Scheduler:
         kv_tokens: int | None = None,
         kv_memory: int | None = None,
         runner_class=Runner,
+        graphs: bool = False,
     ):
         """`policy`: the server's (a request may bring its own); `runner_class`: what runs the steps (a test's fake)."""
         self.engine, self.policy = engine, policy
         kv_tokens = pool_tokens(engine, policy, max_batch, kv_tokens, kv_memory)
         params = {"policy": policy, "max_batch": max_batch, "prefill_chunk": prefill_chunk, "kv_tokens": kv_tokens}
+        if graphs:  # decode steps from CUDA graphs where the policy allows (graphs.py)
+            params["graphs"] = True
         self.runner = runner_class(engine, **params)
         if getattr(engine, "tp", None) is not None:  # rank 0 of a tensor-parallel group: the others replay it
             from infinigen_rt.serve.ranks import Leader, control_group

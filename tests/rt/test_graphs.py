@@ -118,3 +118,42 @@ def test_a_policy_whose_step_a_graph_cannot_replay_runs_eagerly(policy, bundles)
         got, stats = generate(engine, p, graphs=True)
         del engine
     assert got == want and stats is None
+
+
+def test_generate_with_graphs_gives_its_eager_tokens(bundles):
+    """`generate --graphs` (generate.generate(graphs=True)): the same tokens, the defaults' steps replayed."""
+    from infinigen_rt.generate import generate as run
+
+    b = read_bundle(bundles["llama31_gqa"])
+    with FakeCuda():
+        engine = Engine(b, device="cuda", dtype="float32")
+        kv = KVOptions(budget=0.3)
+        want, _ = run(engine, PROMPTS[:2], 12, policy="infinigen", kv=kv)
+        got, _ = run(engine, PROMPTS[:2], 12, policy="infinigen", kv=kv, graphs=True)
+        del engine
+    assert [g.token_ids for g in got] == [g.token_ids for g in want]
+
+
+def test_a_step_that_cannot_be_captured_runs_eagerly(bundles, monkeypatch):
+    """A capture that fails (here: a host read inside it, which CUDA refuses while a stream captures) leaves the step
+    and its shape eager, with a warning once: the eager tokens."""
+    import infinigen_rt.graphs as graphs
+
+    forward = graphs.StepGraphs._forward
+
+    def reads(self, step, ids, positions):
+        out = forward(self, step, ids, positions)
+        out.sum().item()  # a sync: refused inside a capture
+        return out
+
+    b = read_bundle(bundles["llama31_gqa"])
+    with FakeCuda():
+        engine = Engine(b, device="cuda", dtype="float32")
+        policy = configure(engine, "full", KVOptions())
+        want, _ = generate(engine, policy, graphs=False)
+        monkeypatch.setattr(graphs.StepGraphs, "_forward", reads)
+        with pytest.warns(UserWarning, match="could not be captured in a CUDA graph"):
+            got, stats = generate(engine, policy, graphs=True)
+        del engine
+    assert got == want
+    assert stats.replayed == 0 and stats.failed and "not permitted when stream is capturing" in stats.failed[0]
