@@ -50,17 +50,18 @@ def annotate(fakecuda) -> None:
 
 
 def casts(fakecuda) -> None:
-    """For a tree whose fake CUDA took every `aten.to` for a view (before it counted a cast as the kernel it is): its
-    dispatch patched to note a cast that made new memory, as today's fake CUDA does."""
+    """For a tree whose fake CUDA took every operator that may return a view (`to`, `contiguous`, `reshape`) for one
+    even where it copied (before it counted a cast as the kernel it is): its dispatch patched to note those that made
+    new memory, as today's fake CUDA does."""
     run = fakecuda._Dispatch.run
 
     def counted(self, func, args, kwargs, dev, tensors=None):
         out = run(self, func, args, kwargs, dev, tensors)
-        h = self.h
-        if (fakecuda._info(func).name == "to" and dev.type == "cuda" and isinstance(out, fakecuda.torch.Tensor)
+        info, h = fakecuda._info(func), self.h
+        if (info.is_view and dev.type == "cuda" and isinstance(out, fakecuda.torch.Tensor) and args
+                and isinstance(args[0], fakecuda.torch.Tensor)
                 and fakecuda.storage_key(out) != fakecuda.storage_key(args[0])):  # fmt: skip
-            actor = h.current_stream(dev).name
-            h.note(fakecuda.Op("kernel", "to", actor, fakecuda._bytes(args[0], out)))
+            h.note(fakecuda.Op("kernel", info.name, h.current_stream(dev).name, fakecuda._bytes(args[0], out)))
         return out
 
     fakecuda._Dispatch.run = counted

@@ -63,9 +63,9 @@ H100 = Hardware(
     flops_per_s=700e12,  # not reached by a decode step's matmuls (bytes bound them); bf16 dense, 989 peak
     pcie_bytes_per_s=47.1e9,  # bench's probe, host-to-device DMA 47.1-54.1 GB/s (README.md)
     # bench-llama-3.1-8b-32k.json, batch 1: `full` 24.6 ms over 1,146 model ops and 128 kv ops, the defaults 116.7
-    # over 1,275 and 1,666 (the traces, casts counted): the two equations' solution
-    launch_s=14.9e-6,
-    kv_launch_s=58.6e-6,
+    # over 1,275 and 1,726 (the traces, copies by `to`, `contiguous` and `reshape` counted): the two equations' solution
+    launch_s=15.2e-6,
+    kv_launch_s=56.4e-6,
     gather_bytes_per_s=42.9e9,  # profile-llama31-8b-32k-b4.json, defaults: gather_rows_kernel 38.03 ms, 1.630 GB
     matmul_bytes_per_s=2.51e12,  # profile-llama31-8b-32k-b1.json, full: aten::mm 5.97 ms, 15.01 GB of weights
     attention_bytes_per_s=544e9,  # profile-llama31-8b-32k-b4.json, full: paged_decode_kernel 31.62 ms, 17.21 GB
