@@ -1,10 +1,10 @@
 """Decode steps replayed from CUDA graphs, as vLLM and SGLang replay decode: one graph per shape of step (the batch,
-the bucket of STEP_BUCKET tokens its table and attention split are sized for), captured the second time that shape
-comes and replayed from then on; the host's part of a step (its slots and tables, written into the same staging
-buffers every step: kv/store.py) runs before each replay, eagerly. Eager stays the reference and the fallback: a
-step whose device work cannot be replayed (`Selector.graphs`), a shape seen once, or a step whose inputs are not
-where the graph read them (a staging buffer grew) runs eagerly and is captured again; a shape whose inputs keep
-moving is left eager. `measure/capture.py` names what stops a policy's step from being replayed; the tests hold
+the bucket of tokens its table, attention and selection are sized for: kv/store.bucket_end), captured the second
+time that shape comes and replayed from then on; the host's part of a step (its slots and tables, written into the
+same staging buffers every step: kv/store.py) runs before each replay, eagerly. Eager stays the reference and the
+fallback: a step whose device work cannot be replayed (`Selector.graphs`), a shape seen once, or a step whose inputs
+are not where the graph read them (a staging buffer grew) runs eagerly and is captured again; a shape whose inputs
+keep moving is left eager. `measure/capture.py` names what stops a policy's step from being replayed; the tests hold
 graphed tokens to eager ones under fake CUDA (tests/rt/test_graphs.py), and `benchmarks/gpu.sh graphs` on a GPU."""
 
 from __future__ import annotations

@@ -45,7 +45,17 @@ from infinigen_rt.kv.window import Rings
 from infinigen_rt.system import Staging, to_device
 
 BLOCK = 16
-STEP_BUCKET = 1024  # tokens: a GPU decode step's tables and attention split sized for the next multiple (tables)
+STEP_BUCKET = 1024  # tokens: the widest bucket a GPU decode step is sized for (bucket_end)
+
+
+def bucket_end(t: int) -> int:
+    """The end of the bucket of t tokens a GPU decode step is sized for (its table, attention split and selection):
+    t rounded up to a sixteenth of the power of two at or below it, at least BLOCK and at most STEP_BUCKET tokens:
+    at most ~6 % more than t, one bucket of 1,024 tokens from 16k on, and every t of a bucket has the same end."""
+    if t <= 0:
+        return 0
+    q = min(STEP_BUCKET, max(BLOCK, (1 << (t.bit_length() - 1)) // 16))
+    return -(-t // q) * q
 
 
 @dataclass
@@ -281,13 +291,13 @@ class KVStore:
     def tables(self, alloc: BlockAllocator, length: dict[int, int], rids: list[int], new,
                staged: bool = False) -> Batch:  # fmt: skip
         """A Batch of `alloc`'s tables and `length`'s lengths (see batch). A GPU's decode step (`staged`) sizes its
-        table and its attention's split for the next multiple of STEP_BUCKET tokens, the same for every step within
+        table and its attention's split for the end of its bucket (bucket_end), the same for every step within
         it (the kernel reads each row's length from the device and stops there)."""
         tables = [alloc.tables[r] for r in rids]
         lengths = np.array([length[r] for r in rids], dtype=np.int32)
         longest = int(lengths.max())
         if staged and self.device.type == "cuda":
-            longest = -(-longest // STEP_BUCKET) * STEP_BUCKET
+            longest = bucket_end(longest)
         width = max(max(len(t) for t in tables), -(-longest // BLOCK))
         table = np.zeros((len(rids), width), dtype=np.int32)
         for i, t in enumerate(tables):
@@ -390,7 +400,7 @@ class StoreStep(KVCache):
         """The step's host part: each request's new slot taken, the slots, tables and lengths put on the device (on a
         GPU into the same buffers every step: what a replayed graph reads, graphs.py, which runs this before each
         replay and begin_device inside the graph). A selector that sizes a GPU step for its bucket (Selector.bucketed)
-        gets a step whose held count `t` is the next multiple of STEP_BUCKET, each row's own count on the device."""
+        gets a step whose held count `t` is its bucket's end (bucket_end), each row's own count on the device."""
         store = self.store
         self.positions = positions
         self.reused = store.selector.reuse(self, self.rids, 1)
@@ -398,10 +408,10 @@ class StoreStep(KVCache):
         self.batch = store.batch(self.rids, 1 - self.reused, staged=True)
         self.dense = store.dense_pass(self, self.rids, 1, staged=True)  # the device layers' (slots, batch)
         t, b = int(self.batch.old.max()), len(self.rids)
-        self.bucketed = store.kernel and store.selector.bucketed
+        self.bucketed = store.kernel and store.device.type == "cuda" and store.selector.bucketed  # (as `tables`)
         self.old = None
         if self.bucketed:  # the rows each held before the step, [B] on the device
-            t = -(-t // STEP_BUCKET) * STEP_BUCKET
+            t = bucket_end(t)
             self.old = store.up("old", self.batch.old, True)
         self.t = t
         self.span = None  # one row whose first T slots are one run: their slice (read in place, no gather)

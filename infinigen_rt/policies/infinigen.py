@@ -238,7 +238,7 @@ class InfinigenSelector(Selector):
 
     @property
     def bucketed(self) -> bool:
-        """A GPU step sized for its bucket of STEP_BUCKET tokens (store.StoreStep.prepare): its scores, selections,
+        """A GPU step sized for its bucket (store.bucket_end, StoreStep.prepare): its scores, selections,
         fetch widths and the correction's room the same for every step of the bucket, each row's counts on the
         device. Not under a capacity (the slots each request freed are its own) or with `trace_recall`."""
         return self.evicting is None and not self.opts.trace_recall
@@ -301,7 +301,8 @@ class InfinigenSelector(Selector):
         held, pos = self.held(step, j)
         sel = selected(self.keys, j, q, at, t, self.alphas[j], opts, held, width, self.tp, k)  # (one kernel call)
         if sel is None:
-            sel = select(self.keys.scores_at(j, q, at), self.alphas[j], opts, held, pos, width, self.tp, k, step.memo)
+            sel = select(self.keys.scores_at(j, q, at), self.alphas[j], opts, held, pos, width, self.tp, k,
+                         self.memo(step))  # fmt: skip
         return step, j, sel
 
     @torch.inference_mode()
@@ -331,6 +332,11 @@ class InfinigenSelector(Selector):
         self.store.ledger.add(f"h2d{j}", step.batch.rids, read, self.store.row_bytes)
         return rows
 
+    def memo(self, step) -> dict | None:
+        """What select and correction_rows may make once for every layer of the step (see select): where every layer
+        holds the same rows (no capacity: under one, each layer's freed slots are its own)."""
+        return step.memo if self.evicting is None else None
+
     def counts(self, step, j: int) -> list[int] | torch.Tensor:
         """What layer j's correction fetches per request this step (correction_counts): worked out once a step and
         layer, for the room its gather leaves and the correction itself; a bucketed step's [B] on the device (from
@@ -355,7 +361,7 @@ class InfinigenSelector(Selector):
             return 0
         t = step.held[0]
         if step.bucketed:
-            return correction_room(t - STEP_BUCKET + 1, t, self.layer_opts[j], self.spec_opts[j])
+            return correction_room(t - STEP_BUCKET + 1, t, self.layer_opts[j], self.spec_opts[j])  # (the widest)
         return max(0, min(max(self.counts(step, j)), t))
 
     def rows(self, step, layer, q):
@@ -455,7 +461,8 @@ class InfinigenSelector(Selector):
         n = sel.slots.shape[-1]
         room = k.shape[2] - n - 1
         s = self.keys.scores_at(layer, qk, at)
-        slots, ok = correction_rows(s, sel, held, per_row, self.opts.group_agg, room, step.memo)
+        slots, ok = correction_rows(s, sel, held, per_row, self.opts.group_agg, room if step.bucketed else None,
+                                    self.memo(step))  # fmt: skip
         counted = ok.sum((1, 2))
         c = slots.shape[-1]
         assert room >= c, "the correction's rows exceed the room left for them"

@@ -53,20 +53,20 @@ def test_each_kind_of_break_is_named_with_its_count():
 
 
 # what the real steps break today (a graph needs none of it), by policy and prompt length (the steps recorded hold
-# 68 and 69 tokens, one block of 16 apart; 80 and 81, across a block's edge, within one STEP_BUCKET): the kind of
+# 68 and 69 tokens; 528 and 529, across a block's edge, within one bucket: store.bucket_end): the kind of
 # break and the op. A fix removes its line here; a change that adds one to the step fails
 TODAY = {
     ("full", 64): set(),
-    ("full", 76): set(),
+    ("full", 524): set(),
     ("infinigen", 64): set(),  # its step sized for the bucket, each row's counts on the device
-    ("infinigen", 76): set(),
+    ("infinigen", 524): set(),
 }
 
 
 @pytest.mark.skipif(available() is not None, reason=f"fake CUDA: {available()}")
 @pytest.mark.parametrize(("policy", "context"), list(TODAY))
 def test_the_decode_step_breaks_no_more_than_it_does_today(policy, context):
-    """`full`'s step replays one graph within a bucket of STEP_BUCKET tokens: its token ids, positions, slots and
+    """`full`'s step replays one graph within its bucket (store.bucket_end): its token ids, positions, slots and
     tables go up into the same buffers every step (runner.py, system.Staging), its table and split sized for the
     bucket (kv/store.py)."""
     from infinigen_rt.measure.bench import Variant
