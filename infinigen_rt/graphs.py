@@ -127,11 +127,6 @@ class StepGraphs:
         self.stats.captured += 1
         return _Captured(graph, logits, where, counts, flat)
 
-    @property
-    def unstable(self) -> list[tuple]:
-        """The shapes left eager for good: their inputs moved more than MOVES times after a capture."""
-        return [k for k, n in self.stats.moved.items() if n > MOVES]
-
 
 def _flattened(tap: list) -> tuple[list, torch.Tensor | None]:
     """The ledger's adds made while capturing (Ledger.tap: key, rids, counts, scale), their device counts as slices
