@@ -528,11 +528,12 @@ _PACKAGE = str(Path(__file__).resolve().parents[1])
 
 def site() -> str:
     """Which code issues the op being noted: "kv" (kv/, policies/) or "model" (the first of the project's frames
-    outside measure/ decides; "model" where none is)."""
+    outside measure/ and the launcher every Triton kernel goes through (kv/kernels.py: the models' fused ops too)
+    decides; "model" where none is)."""
     f = sys._getframe(1)
     while f is not None:
         name = f.f_code.co_filename
-        if name.startswith(_PACKAGE) and "/measure/" not in name:
+        if name.startswith(_PACKAGE) and "/measure/" not in name and not name.endswith("/kv/kernels.py"):
             return "kv" if "/kv/" in name or "/policies/" in name else "model"
         f = f.f_back
     return "model"
@@ -867,7 +868,8 @@ class FakeCuda:
             op.site = op.site or site()
             self.ops.append(op)
 
-    # ---- launches: every Triton kernel of infinigen_rt.kv._gather_kernel, at the call torch's launcher makes
+    # ---- launches: every Triton kernel of the runtime (kv/_*_kernel.py, models/_fused_kernel.py), at the call torch's
+    # launcher makes
     def launch(self, kernel, grid, *args, **meta) -> None:
         """kernel[grid](*args, **meta) as Triton's launcher sees it: on the current device and stream."""
         self.raise_last_error()
@@ -1069,10 +1071,12 @@ def _patch_torch(h: FakeCuda) -> list:
     import infinigen_rt.kv._gather_kernel
     import infinigen_rt.kv._quant_kernel
     import infinigen_rt.kv.kernels
+    import infinigen_rt.models._fused_kernel
     import infinigen_rt.system
 
     h.kernel_runs = {}
-    for kernels in (infinigen_rt.kv._gather_kernel, infinigen_rt.kv._attention_kernel, infinigen_rt.kv._quant_kernel):
+    for kernels in (infinigen_rt.kv._gather_kernel, infinigen_rt.kv._attention_kernel, infinigen_rt.kv._quant_kernel,
+                    infinigen_rt.models._fused_kernel):  # fmt: skip
         for name, k in vars(kernels).items():  # kernel[grid](...) calls kernel.run(..., grid=grid, warmup=False)
             if hasattr(k, "run") and hasattr(k, "arg_names"):
                 h.kernel_runs[name] = k.run

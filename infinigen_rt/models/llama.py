@@ -17,6 +17,7 @@ from torch import nn
 from infinigen_rt.config import ModelConfig
 from infinigen_rt.kv import cpu
 from infinigen_rt.kv.cache import KVCache
+from infinigen_rt.models import fused
 
 ACT = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -70,10 +71,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
+        if fused.on_gpu(x) and self.weight.dtype == x.dtype:  # one kernel (fused.py)
+            return fused.rms_norm(x, self.weight, self.eps)
         # normalise in fp32 like the reference, then cast back before the weight: torch's one op for x * rsqrt(mean
         # x^2 + eps), the same bits as the four it replaces: each op a step's thread runs gives the GIL up for a while
         # to the worker's Python, so fewer ops make the norm's share of the step smaller
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+
+    def added(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x + y), x + y): the residual add and this norm, one kernel on a GPU."""
+        if fused.on_gpu(x) and fused.on_gpu(y) and self.weight.dtype == x.dtype == y.dtype:
+            return fused.add_rms_norm(x, y, self.weight, self.eps)
+        x = x + y
+        return self(x), x
 
 
 def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
@@ -113,6 +123,13 @@ def apply_rope(x, cos, sin):
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
+def rope_heads(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope of x's first `heads` heads (x [B, H, S, D]): on a GPU, a decode step's one kernel (fused.py)."""
+    if fused.on_gpu(x) and x.shape[-2] == 1 and cos.dtype == x.dtype:
+        return fused.rope(x, cos, sin, heads)
+    return apply_rope(x[:, :heads], cos, sin)
+
+
 def identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
@@ -147,7 +164,7 @@ class Attention(nn.Module):
         if hasattr(self, "qkv") and decoding(x):  # one call (fuse)
             heads = linear(x, *self.qkv).view(b, s, h + 2 * hkv, d).transpose(1, 2)  # (B, H + 2 Hkv, S, D)
             if not hasattr(self, "q_norm"):
-                qk = apply_rope(heads[:, : h + hkv], cos, sin)
+                qk = rope_heads(heads, h + hkv, cos, sin)
                 q, k, v = qk[:, :h], qk[:, h:], heads[:, h + hkv :]
             else:
                 q, k, v = heads.split([h, hkv, hkv], 1)
@@ -183,7 +200,10 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if hasattr(self, "gate_up") and decoding(x):  # one call (fuse)
-            gate, up = linear(x, *self.gate_up).chunk(2, -1)
+            gate_up = linear(x, *self.gate_up)
+            if self.act is F.silu and fused.on_gpu(gate_up):  # SwiGLU's two ops one kernel (fused.py)
+                return self.reduce(self.down_proj(fused.silu_mul(gate_up)))
+            gate, up = gate_up.chunk(2, -1)
             return self.reduce(self.down_proj(self.act(gate) * up))
         return self.reduce(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
 
@@ -222,8 +242,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, reduce)
 
     def forward(self, x, cos, sin, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.added(x, self.self_attn(self.input_layernorm(x), cos, sin, cache))
+        return x + self.mlp(h)
 
 
 class Llama(nn.Module):
