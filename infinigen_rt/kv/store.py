@@ -201,18 +201,20 @@ class KVStore:
         return self.up("dense slots", np.concatenate(slots), staged), self.tables(self.dense, self.seen, rids, n,
                                                                                   staged)  # fmt: skip
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              rows: torch.Tensor | None = None):  # fmt: skip
         """k, v [B, Hkv, n, D] into `slots` [B * n] (from `append`), or for a pooled layer each head's own flat
         slots [B, Hkv, n] (a capacity's reused ones: Evicting.place): one copy per tensor (a pooled layer: per part)
         for the whole batch. A pooled layer's rows go to host memory as its layout encodes them: on a GPU the scatter
         kernel writes them into the pinned pages, on a CPU index_copy; it returns them, (keys' parts, values' parts)
-        [B, Hkv, n, X] each on the device, for attention to read the new tokens as stored."""
+        [B, Hkv, n, X] each on the device, for attention to read the new tokens as stored. `rows`: a pooled layer's
+        rows for `slots` [B * n] where the caller has them (StoreStep.new_rows)."""
         if layer in self.pooled:
             h = self.n_kv
             head = self.heads[h].view(h)
-            if slots.dim() == 1:  # every head's the same
+            if rows is None and slots.dim() == 1:  # every head's the same
                 rows = (slots[:, None] * h + head).reshape(-1)  # [B * n * Hkv], token-major
-            else:
+            elif rows is None:
                 rows = (slots * h + head[:, None]).transpose(1, 2).reshape(-1)
             stored = self.layout.encode(k), self.layout.encode(v)
             for bufs, parts in zip((self.k[layer], self.v[layer]), stored, strict=True):
@@ -236,13 +238,13 @@ class KVStore:
         return blocks * BLOCK + slots % BLOCK
 
     def gather(self, layer: int, batch: Batch, slots: torch.Tensor, ok: torch.Tensor | None, extra: int = 1,
-               out=None, phys: torch.Tensor | None = None, into=None):  # fmt: skip
+               out=None, rows: torch.Tensor | None = None, into=None):  # fmt: skip
         """The K and V rows of every row's `slots` [B, Hkv, n] from pooled layer `layer` as stored, in one copy per
         part for the batch: (keys' parts, values' parts), each [B, Hkv, n + extra, X] on the device (the `extra` last
         rows: room for the new tokens), to decode (the layout's). On a GPU the row kernel reads them from pinned
         memory, skipping those where `ok` is False; on a CPU, index_select. `out`: flat device buffers, a (keys,
-        values) pair per part, to fill instead of new tensors (the kernel only). `phys`: the slots' flat slot numbers
-        where the caller has them (see physical; [B, 1, n] where every head's are the same). `into` (a CPU): the
+        values) pair per part, to fill instead of new tensors (the kernel only). `rows`: the slots' pool rows [B, Hkv,
+        n] where the caller has them (StoreStep.pool_rows: flat slot x Hkv + KV head). `into` (a CPU): the
         (keys, values) tensors [B, Hkv, n + extra, X] of each part to write, windows of larger ones (the room a
         speculated gather left for the correction), returned as they are."""
         b, h, n = slots.shape
@@ -264,8 +266,7 @@ class KVStore:
         if ok is not None and not self.kernel and bool(ok.all()):  # a CPU reads ok for free: every row counts
             ok = None
         if ok is None or self.kernel:  # the kernel writes zeros where ok is False
-            phys = self.physical(batch, slots) if phys is None else phys
-            rows = phys * h + head
+            rows = self.physical(batch, slots) * h + head if rows is None else rows
             for src_k, src_v, (out_k, out_v) in zip(keys, values, out, strict=True):
                 copy_rows(src_k, src_v, rows, ok, out_k, out_v, self.kernel)
             return got
@@ -433,6 +434,10 @@ class StoreStep(KVCache):
             self.held = self.batch.held()
         if store.pooled or store.selector.indexed:
             self.idx = store.physical(self.batch, torch.arange(t, device=store.device).expand(b, t))
+        if store.pooled:  # each held slot's pool row (flat slot x Hkv + KV head) [B, Hkv, T] (pool_rows), the new
+            h, head = store.n_kv, store.heads[store.n_kv]  # tokens' [B x Hkv] (write): once, not a layer's ops each
+            self.row_table = self.idx[:, None] * h + head
+            self.new_rows = (self.slots[:, None] * h + head.view(h)).reshape(-1)
         store.selector.begin(self)
 
     def graph_inputs(self) -> list[torch.Tensor]:
@@ -447,6 +452,11 @@ class StoreStep(KVCache):
         held tokens picks) -> their flat slot numbers: one gather from `idx`, not the tables' arithmetic again."""
         b = slots.shape[0]
         return torch.gather(self.idx, 1, slots.reshape(b, -1)).view(slots.shape)
+
+    def pool_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Token slots [B, Hkv, n] as `physical` takes them -> their rows in a pooled layer's pool (flat slot x Hkv +
+        KV head) [B, Hkv, n]: one gather from the step's table (three ops a call without it)."""
+        return torch.gather(self.row_table, 2, slots)
 
     def observe(self, layer, x) -> None:
         self.store.selector.observe(self, layer, x)

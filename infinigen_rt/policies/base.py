@@ -158,12 +158,11 @@ class Selector:
         b, h = len(step.batch.rids), self.store.n_kv
         slots = torch.arange(t, device=self.store.device).expand(b, h, t)
         ok = None if held is None else held[:, None].expand(b, h, t)
-        phys = step.idx[:, None]  # [B, 1, T]: the heads' row numbers are then the one [B, Hkv, T] temporary
-        k, v = self.gather(step, layer, slots, ok, 1, layer % 2, step.batch.old * h, phys)
+        k, v = self.gather(step, layer, slots, ok, 1, layer % 2, step.batch.old * h, step.row_table)
         return k, v, ok
 
     def gather(self, step: StoreStep, j: int, slots, ok, extra: int, turn: int | None = None, counted=None,
-               phys=None, room: int = 0, into=None):  # fmt: skip
+               rows=None, room: int = 0, into=None):  # fmt: skip
         """Rows `slots` [B, Hkv, n] of pooled layer j for every request as stored (store.gather), counted per request:
         on a GPU the rows that count (`counted` per request, a tensor [B] or a CPU's list, where `ok` skips some; else
         all), into device buffers `turn` (two sets, used in turn by consecutive layers: a new tensor per layer, made on
@@ -180,7 +179,7 @@ class Selector:
                 self.buffers[turn] = [tuple(torch.empty(m + m // 8, dtype=t, device=store.device) for _ in "kv")
                                       for m, (_, _, t) in zip(need, store.layout.parts, strict=True)]  # fmt: skip
             out = self.buffers[turn]
-        k, v = store.gather(j, step.batch, slots, ok, room + extra, out, phys, into)
+        k, v = store.gather(j, step.batch, slots, ok, room + extra, out, rows, into)
         if ok is None:
             copied = n * h + (0 if store.kernel else extra * h)
         else:  # what counts (the kernel and a CPU copy only that), and on a CPU the new tokens' rows
@@ -217,7 +216,7 @@ class Selector:
         store.ledger.add("d2h", step.rids, k.shape[1] * store.row_bytes)
 
         def put():  # the new rows into the pool, and the policy's record of them
-            out = store.write(layer, slots, k, v)
+            out = store.write(layer, slots, k, v, step.new_rows if self.evicting is None else None)
             self.written(step.batch, layer, k, slots, None if self.evicting is None else step.reusing)
             return out
 
@@ -244,7 +243,7 @@ class Selector:
         if ok is not None:  # [B, H, 1, n + 1]
             group = q.shape[1] // ok.shape[1]
             ok = ok.repeat_interleave(group, 1) if group > 1 else ok
-            mask = torch.cat([ok, torch.ones_like(ok[..., :1])], -1)[:, :, None]
+            mask = F.pad(ok, (0, 1), value=True)[:, :, None]  # (one op where ones and a cat were two)
         return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
                                               enable_gqa=keys.shape[1] != q.shape[1])  # fmt: skip
 

@@ -157,7 +157,7 @@ class LastRows:
         self.turn: dict[int, int] = {}
         self.buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.rids: list[int] | None = None
-        self.places: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (b, h, n, room) -> (head, place)
+        self.places: dict[tuple, torch.Tensor] = {}  # (b, h, n, room) -> place
 
     def begin(self, step) -> None:
         if step.batch.rids != self.rids:
@@ -173,12 +173,12 @@ class LastRows:
         store, (b, h, n) = self.store, sel.slots.shape
         (k_src,), (v_src,) = store.k[j], store.v[j]
         x, width = k_src.shape[-1], n + room + 1
-        if (b, h, n, room) not in self.places:  # the head of each row, and where it lands in the output (fetch
-            dev = sel.slots.device  # widths are a few: multiples of a bucket)
-            self.places[b, h, n, room] = (torch.arange(h, device=dev).view(1, h, 1), torch.arange(n, device=dev)
-                                          + torch.arange(b * h, device=dev).view(b, h, 1) * width)  # fmt: skip
-        head, place = self.places[b, h, n, room]
-        rows = step.physical(sel.slots) * h + head  # [B, Hkv, n]: pool rows (slot x heads + head)
+        if (b, h, n, room) not in self.places:  # where each row lands in the output (fetch widths are a few:
+            dev = sel.slots.device  # multiples of a bucket)
+            across = torch.arange(b * h, device=dev).view(b, h, 1) * width
+            self.places[b, h, n, room] = torch.arange(n, device=dev) + across
+        place = self.places[b, h, n, room]
+        rows = step.pool_rows(sel.slots)  # [B, Hkv, n]: pool rows (slot x heads + head)
         if j not in self.where:
             self.where[j] = torch.full((k_src.numel() // x,), -1, dtype=torch.int64, device=store.device)
         turn = self.turn[j] = 1 - self.turn.get(j, 1)
@@ -310,13 +310,14 @@ class InfinigenSelector(Selector):
         """The chosen rows of layer j for every request: (selection, keys, values), as stored: plain rows, one part
         [B, Hkv, n + 1, D] each (store.Plain)."""
         step, j, sel = chosen
-        sel.counted = None if sel.every else sel.ok.sum((1, 2))  # rows per request (its fetch, its bytes)
+        if not sel.every and sel.counted is None:  # rows per request (its fetch, its bytes)
+            sel.counted = sel.ok.sum((1, 2))
         if self.in_place:  # their pool rows, for attention to read there (PoolRows)
             return sel, self.pool_rows(step, j, sel.slots, None if sel.every else sel.ok, sel.counted, 1), None
         if self.last_rows is not None:
             return sel, *self.last_rows.gather(step, j, sel, self.room(step, j))
         return sel, *self.gather(step, j, sel.slots, None if sel.every else sel.ok, 1, j % 2, sel.counted,
-                                 step.physical(sel.slots), room=self.room(step, j))  # fmt: skip
+                                 step.pool_rows(sel.slots), room=self.room(step, j))  # fmt: skip
 
     def pool_rows(self, step, j: int, slots: torch.Tensor, ok: torch.Tensor | None, counted,
                   extra: int = 0) -> torch.Tensor:  # fmt: skip
@@ -324,7 +325,7 @@ class InfinigenSelector(Selector):
         is False. The rows that count (`counted` per request, or every one) and `extra` new tokens' a KV head go in
         the ledger as a CPU's gather counts them (the rows read from the host pool, and the new token's)."""
         h, n = self.store.n_kv, slots.shape[-1]
-        rows = step.physical(slots) * h + torch.arange(h, device=slots.device).view(1, h, 1)
+        rows = step.pool_rows(slots)
         if ok is not None:
             rows = rows.masked_fill(~ok, -1)
         read = h * n if counted is None else counted  # a number, or one per request (a tensor)
@@ -472,7 +473,7 @@ class InfinigenSelector(Selector):
         if not self.store.kernel:  # a CPU reads the counts for free: once, for the ledger and whether all count
             counted = counted.tolist()
             every = None if sum(counted) == ok.numel() else ok
-        (kc,), (vc,) = self.gather(step, layer, slots, every, 0, counted=counted, phys=step.physical(slots), into=into)
+        (kc,), (vc,) = self.gather(step, layer, slots, every, 0, counted=counted, rows=step.pool_rows(slots), into=into)
         self.count_corrected(step, layer, counted)
         if into is None:
             k[:, :, n : n + c], v[:, :, n : n + c] = kc, vc

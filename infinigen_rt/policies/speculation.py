@@ -26,7 +26,7 @@ from infinigen_rt.bundle import partial_idx_name, partial_q_name, skew_name
 from infinigen_rt.config import ModelConfig
 from infinigen_rt.kv import cpu, quant
 from infinigen_rt.kv.quant import code_bytes
-from infinigen_rt.models.llama import SpeculationTaps, apply_rope, linear
+from infinigen_rt.models.llama import SpeculationTaps, linear, rope_heads
 from infinigen_rt.system import to_device
 
 if TYPE_CHECKING:  # the policies import this module
@@ -103,7 +103,7 @@ class Speculator:
         if self.taps.q_norm is not None and self.taps.q_norm[j] is not None:  # the head's norm, as layer j's own
             q = self.taps.q_norm[j](q)
         if self.taps.rope is not None:
-            q = apply_rope(q, *cos_sin)
+            q = rope_heads(q, q.shape[1], *cos_sin)
         if self.taps.query_scale != 1.0:  # as the model scales its queries (the correction's true query comes so)
             q = q * self.taps.query_scale
         return self.keys_side(j, q.reshape(b, hkv, g, d), full)
@@ -444,7 +444,9 @@ def select(
     the correction's candidates, see shortlist_size).
 
     `memo`: a step's dict, where what depends on `held` and `pos` alone (the free slots, each sequence's cap, the
-    forced tokens) is made once for every layer of the step."""
+    forced tokens; with no margin the counts, and `ok`) is made once for every layer of the step. Given only where
+    every KV head of a sequence holds the same slots (no capacity): each row's first n then are held ones (its count
+    is at most what it holds, and a free slot scores below every held one), so `ok` needs no look at `held`."""
     inf = float("inf")
     t = s.shape[-1]
     prefix = held is None
@@ -480,21 +482,24 @@ def select(
         forced, value = _memo(memo, ("forced", opts.sinks, opts.recent), lambda: _forced(held, pos, opts, agg.dtype))
         agg = torch.where(forced, value, agg)
     b = s.shape[0]
+    capped = memo if math.isinf(alpha) else None  # the counts are the caps: the same for every layer of the step
     if isinstance(n, int):  # known on the host
         per_row = torch.full((b,), float(n), device=s.device)
         n_min = n_max = n
     else:
-        per_row = n.float().mean(-1)
+        per_row = _memo(capped, ("per_row", opts.budget, opts.max_kv), lambda: n.float().mean(-1))
         if width is None:  # the one host sync of a speculation on a CPU: the fetch size
             n_min, n_max = (int(x) for x in torch.stack([n.min(), n.max()]).tolist())
     if width is not None:  # sorted: the first n of each row are its best
         cand = agg.topk(max(width, min(t, shortlist)), dim=-1, sorted=True).indices  # [B, Hkv, width or more]
         top = cand[..., :width]
         limit = n[..., None] if isinstance(n, torch.Tensor) else n
-        ok = (torch.arange(width, device=top.device) < limit).expand(top.shape)
-        if not prefix:
+        key = ("ok", width, opts.budget, opts.max_kv)
+        ok = _memo(capped, key, lambda: (torch.arange(width, device=top.device) < limit).expand(top.shape))
+        counted = None if capped is None else _memo(capped, ("counted", *key), lambda: ok.sum((1, 2)))
+        if not prefix and memo is None:  # (with a memo a row's first n are held: see above)
             ok = ok & torch.gather(held, 2, top)
-        return Selection(top, ok, False, per_row, cand=cand if shortlist else None)
+        return Selection(top, ok, False, per_row, counted, cand=cand if shortlist else None)
     # every row fetching the same count needs no order among the chosen (an unsorted top-k is several times
     # cheaper on a CPU once k is a sizeable share); rows fetching fewer take the first n of a sorted top-k
     cand = top_k(agg, max(n_max, min(t, shortlist)), True)[1] if shortlist else None  # the first n_max: as below
@@ -636,7 +641,7 @@ def correction_rows(s: torch.Tensor, sel: Selection, held: torch.Tensor | None, 
     agg = group_softmax(s, math.inf)[0] if group_agg == "sum" else s.amax(2)
     # in order only where sequences take different counts (an unsorted top-k is several times cheaper on a CPU)
     uneven = room is not None or min(per_row) < n
-    return _counted(*top_k(agg.masked_fill(taken, float("-inf")), min(n, t), uneven), cand, per_row)
+    return _counted(*top_k(agg.masked_fill(taken, float("-inf")), min(n, t), uneven), cand, per_row, memo)
 
 
 def correction_gathered(keys, j: int, q: torch.Tensor, at, t: int, sel: Selection, held: torch.Tensor | None,
@@ -657,14 +662,16 @@ def correction_gathered(keys, j: int, q: torch.Tensor, at, t: int, sel: Selectio
                                out_k, out_v, beside=beside)  # fmt: skip
 
 
-def _counted(values, slots, cand, per_row) -> tuple[torch.Tensor, torch.Tensor]:
+def _counted(values, slots, cand, per_row, memo: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """correction_rows' (slots, ok) from the top-k of the candidates: the slots themselves (a shortlist's through
-    `cand`), the rows that count (a score, and within each sequence's count)."""
+    `cand`), the rows that count (a score, and within each sequence's count; `memo`: that mask made once a step)."""
     ok = values > float("-inf")
     if cand is not None:
         slots = torch.gather(cand, 2, slots)
     if isinstance(per_row, torch.Tensor):  # each its own count, on the device
-        ok &= torch.arange(slots.shape[-1], device=ok.device) < per_row[:, None, None]
+        c = slots.shape[-1]
+        ok &= _memo(memo, ("within", c, id(per_row)),
+                    lambda: torch.arange(c, device=ok.device) < per_row[:, None, None])  # fmt: skip
     elif min(per_row) < max(per_row):  # sequences of other lengths: each its own count (a host-made mask)
         limit = to_device(torch.tensor(per_row), ok.device)
         ok &= torch.arange(slots.shape[-1], device=ok.device) < limit[:, None, None]

@@ -87,12 +87,12 @@ def test_the_recorder_sees_kernels_copies_events_and_syncs_with_their_bytes():
 # (about one launch of kv/ a layer at batch 1), so that a step that grows fails here. Through the batch's KV store a
 # step's launches do not grow with the batch (one kernel scores a layer's int4 codes for the whole batch)
 STEP_LIMITS = {
-    ("full", None, None): (808, 1.05, 2.68, 4.25),  # 794 at batch 1, 826 at 8; 2.61x and 4.18x
-    ("offload", None, None): (1_040, 1.07, 2.06, 1.27),  # 1,025 and 1,089; 2.01x and 1.22x
-    ("infinigen", "partial", 0.0): (1_870, 1.05, 8.20, 1.52),  # 1,856 and 1,918; 8.02x and 1.48x
-    ("infinigen", "int4", 0.25): (2_575, 1.05, 12.65, 2.05),  # the defaults: 2,559 and 2,651; 12.46x and 2.01x
-    ("h2o", None, None): (1_396, 1.0, 7.60, 4.75),  # 1,382 and 1,382; 7.46x and 4.67x
-    ("int4", None, None): (3_025, 1.0, 8.35, 2.58),  # 3,009 and 3,009; 8.19x and 2.53x
+    ("full", None, None): (450, 1.08, 2.30, 4.25),  # 439 at batch 1, 471 at 8; 2.21x and 4.14x
+    ("offload", None, None): (560, 1.12, 2.00, 1.27),  # 546 and 610; 1.92x and 1.22x
+    ("infinigen", "partial", 0.0): (1_105, 1.06, 5.40, 1.52),  # 1,090 and 1,152; 5.22x and 1.46x
+    ("infinigen", "int4", 0.25): (1_690, 1.06, 9.10, 2.05),  # the defaults: 1,675 and 1,767; 8.91x and 1.99x
+    ("h2o", None, None): (1_040, 1.0, 6.85, 4.75),  # 1,027 and 1,027; 6.67x and 4.62x
+    ("int4", None, None): (2_545, 1.0, 7.90, 2.58),  # 2,530 and 2,530; 7.71x and 2.52x
 }
 
 

@@ -5,6 +5,7 @@ tokens as it makes them alone, with its own cache."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -444,6 +445,7 @@ def test_speculations_one_call_makes_the_tokens_and_reports_its_steps_make(bundl
     calls, taken, one_call, take = [], [], cpu.speculate_channel, cpu.take_offered
 
     def counted(*a):
+        time.sleep(0.02)  # (the compute thread then waits for this call: it joins it, rather than finding it done)
         calls.append(out := one_call(*a))
         return out
 
