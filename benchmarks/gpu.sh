@@ -98,8 +98,8 @@ case "$PART" in
     ;;
   graphs)
     timeout 120 $PYTHON benchmarks/graph_probe.py --out "$OUT/graph-probe.json" 2>>"$OUT/log-$PART.txt" | tail -30
-    if [ -z "$REHEARSAL" ]; then  # graphed tokens against eager ones on this GPU (tests/rt/test_graphs.py: fake CUDA)
-      timeout 150 $PYTHON -m pytest -q -p no:cacheprovider tests/rt/test_gpu.py -k graphed \
+    if [ -z "$REHEARSAL" ]; then  # graphed tokens against eager ones, the fused kernels against torch, on this GPU
+      timeout 150 $PYTHON -m pytest -q -p no:cacheprovider tests/rt/test_gpu.py -k "graphed or fused" \
         2>&1 | tail -15 | tee "$OUT/graph-tokens.txt"
     fi
     bench 240 llama-3.1-8b-32k-graphs --synthetic llama-3.1-8b --batch 1,4 --context 32768 --policies full,infinigen --graphs both --interleave

@@ -184,3 +184,33 @@ def test_graphed_decode_steps_give_the_eager_tokens(bundles, monkeypatch):
     got, stats = run(True)
     assert got == want
     assert stats.captured >= 3 and stats.replayed > 2 * stats.captured and not stats.moved
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_fused_kernels_on_the_gpu_give_the_torch_chains_values(dtype):
+    """models/fused.py's kernels compiled for this GPU against the torch chains they replace at Llama-3.1-8B's widths:
+    RoPE and the residual add bit for bit (each product and sum rounded where torch rounds), the norm and SwiGLU
+    within two ulps of the dtype (a sum in another order, rounded twice; exp's own last bits)."""
+    import torch.nn.functional as F
+
+    from infinigen_rt.models import fused
+    from infinigen_rt.models.llama import apply_rope
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, y = (torch.randn(4, 1, 4096, generator=g, device="cuda").to(dtype) for _ in range(2))
+    w = torch.randn(4096, generator=g, device="cuda").to(dtype)
+    ulp = 2 * torch.finfo(dtype).eps
+
+    def norm(z):
+        return w * F.rms_norm(z.float(), w.shape, eps=1e-5).to(dtype)
+
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-5), norm(x), rtol=ulp, atol=0)
+    out, added = fused.add_rms_norm(x, y, w, 1e-5)
+    assert torch.equal(added, x + y)
+    torch.testing.assert_close(out, norm(x + y), rtol=ulp, atol=0)
+    heads = torch.randn(4, 48, 1, 128, generator=g, device="cuda").to(dtype)
+    cos, sin = (torch.randn(4, 1, 1, 128, generator=g, device="cuda").to(dtype) for _ in range(2))
+    assert torch.equal(fused.rope(heads, cos, sin, 40), apply_rope(heads[:, :40], cos, sin))
+    gate_up = torch.randn(4, 1, 2 * 14336, generator=g, device="cuda").to(dtype)
+    gate, up = gate_up.chunk(2, -1)
+    torch.testing.assert_close(fused.silu_mul(gate_up), F.silu(gate) * up, rtol=ulp, atol=0)
