@@ -165,6 +165,17 @@ qwen-eval: (setup "gguf,plot") texts (qwen "0.5b")
       --depths 0.25,0.75 --needles 1 --needle-tasks single --policies full,infinigen,oracle --budgets 0.1 \
       --device cpu --resume --out $r/needle-qwen2.5-coder-0.5b.json
 
+# RULER's tasks (eval --task ruler) on Qwen2.5-Coder (0.5b or 1.5b): the held-out novel (Alice) as haystack, contexts
+# to 32k, the budgets 2, 5 and 10 % at equal bytes; resumable, so a run cut short goes on where it stopped
+ruler size="0.5b" contexts="4096,8192,16384,32000": (setup "gguf,plot") texts (qwen size)
+    #!/usr/bin/env bash
+    set -euo pipefail
+    mkdir -p artifacts/results
+    r=artifacts/results/ruler-qwen2.5-coder-{{size}}
+    infinigen-rt eval artifacts/bundles/qwen2.5-coder-{{size}} --task ruler --text artifacts/cache/texts/alice.txt \
+      --contexts {{contexts}} --samples 4 --policies full,infinigen,oracle --budgets 0.02,0.05,0.1 --device cpu \
+      --resume --out $r.json --plot $r.png
+
 # Qwen2.5-Coder 0.5B held out at 2048 tokens (bundle keys, oracle, int4c) and what each key store keeps of the attention
 qwen-eval-2k: (setup "gguf,plot") texts (qwen "0.5b")
     #!/usr/bin/env bash

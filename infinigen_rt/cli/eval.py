@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -21,7 +22,9 @@ if TYPE_CHECKING:
 def eval_cmd(
     bundle: Annotated[str, typer.Argument(help="Bundle folder, or a Hub repo id to pull.")],
     text: Annotated[Path, typer.Option(help="A UTF-8 text: scored (perplexity) or the haystack (needle).")],
-    task: Annotated[str, typer.Option(help="perplexity, or needle (RULER-style retrieval).")] = "perplexity",
+    task: Annotated[str, typer.Option(help="perplexity, needle (RULER-style retrieval), or ruler (RULER's tasks).")] = (
+        "perplexity"
+    ),
     policies: Annotated[str, typer.Option(help="Comma-separated: full, offload, infinigen, h2o, int4, oracle.")] = (
         "full,infinigen,h2o,int4,oracle"
     ),
@@ -52,7 +55,10 @@ def eval_cmd(
     needle_tasks: Annotated[str, typer.Option(help="needle: single, multikey, multivalue.")] = (
         "single,multikey,multivalue"
     ),
-    seed: Annotated[int, typer.Option(help="needle: the seed of keys, values and haystack offsets.")] = 0,
+    ruler_tasks: Annotated[str, typer.Option(help="ruler: all, or of niah_single, niah_multikey, niah_multivalue, "
+                                             "niah_multiquery, vt, cwe, fwe, qa.")] = "all",
+    samples: Annotated[int, typer.Option(help="ruler: samples per task and context.")] = 4,
+    seed: Annotated[int, typer.Option(help="needle, ruler: the seed of keys, values and haystack offsets.")] = 0,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda.")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto, float32, float16, bfloat16.")] = "auto",
     json_out: Annotated[bool, typer.Option("--json", help="Print the results as one JSON object.")] = False,
@@ -61,12 +67,15 @@ def eval_cmd(
 
     With --task needle: RULER-style needles (single, multikey, multivalue) at depths of contexts cut from the
     text; each prompt is prefilled once for every policy compared, and each policy's greedy answer is checked.
+    With --task ruler: RULER's tasks (needles, variable tracking, common and frequent words, QA over the text's
+    passages), scored as RULER scores them; the average over tasks per policy, budget and context.
 
     Examples:
       infinigen-rt eval artifacts/bundles/smollm2-135m --text hamlet.txt --out results.json --plot results.png
       infinigen-rt eval BUNDLE --text play.txt --policies full,infinigen --budgets 0.1 --alphas 3,5 --json
       infinigen-rt eval BUNDLE --text play.txt --out results.json --resume
       infinigen-rt eval BUNDLE --task needle --text novel.txt --policies full,infinigen,h2o,oracle --budgets 0.1
+      infinigen-rt eval BUNDLE --task ruler --text novel.txt --contexts 4096,8192 --budgets 0.02,0.05,0.1 --out r.json
     """
     from infinigen_rt.bundle import read_bundle
     from infinigen_rt.engine import Engine
@@ -87,8 +96,8 @@ def eval_cmd(
     if out is not None and not resume and (out.is_file() or out.is_symlink()):  # (a folder: check_outputs says so)
         raise InfinigenError(f"--out {out} exists: pass --resume to add this run's rows to it, or give a path where "
                              "nothing is (it would be overwritten)")  # fmt: skip
-    if task not in ("perplexity", "needle"):
-        raise InfinigenError(f"--task must be perplexity or needle, got {task!r}")
+    if task not in ("perplexity", "needle", "ruler"):
+        raise InfinigenError(f"--task must be perplexity, needle or ruler, got {task!r}")
     spec = {k: v for k, v in (("spec_keys", spec_keys), ("correct", correct), ("shortlist", shortlist))
             if v is not None}  # fmt: skip
     KVOptions(**spec).check()
@@ -98,6 +107,9 @@ def eval_cmd(
     if task == "needle":
         return needle_cmd(engine, path, text, names, budget_list, alpha_list, contexts, depths, needles,
                           needle_tasks, seed, out, resume, plot_path, json_out, spec)  # fmt: skip
+    if task == "ruler":
+        return ruler_cmd(engine, path, text, names, budget_list, alpha_list, contexts, samples, ruler_tasks, seed,
+                         out, resume, plot_path, json_out, spec)  # fmt: skip
     perplexity_cmd(engine, path, text, names, budget_list, alpha_list, seq_len, score_from, out, resume, recall,
                    plot_path, json_out, spec)  # fmt: skip
 
@@ -227,6 +239,73 @@ def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depth
         print_json(needle.as_json(meta, results))
         return
     console.print(needle_table(needle.summary(results), f"needle accuracy in {text.name} (seed {seed})"))
+
+
+def ruler_cmd(engine, path, text: Path, names, budgets, alphas, contexts, samples, tasks, seed, out, resume,
+              plot_path, json_out, spec: dict) -> None:  # fmt: skip
+    """eval --task ruler: build the cases, answer them with every policy (needle.run), print, save, plot."""
+    import json
+
+    from infinigen_rt.errors import InfinigenError
+    from infinigen_rt.files import read_utf8, write_atomic
+    from infinigen_rt.measure import needle, ruler
+    from infinigen_rt.measure.perplexity import check_text_file, load_finished
+
+    task_list = list(ruler.TASKS) if tasks.strip() == "all" else [t.strip() for t in tasks.split(",") if t.strip()]
+    if not task_list or any(t not in ruler.TASKS for t in task_list):
+        raise InfinigenError(f"--ruler-tasks takes all, or of {', '.join(ruler.TASKS)}; got {tasks!r}")
+    if samples < 1:
+        raise InfinigenError(f"--samples must be >= 1, got {samples}")
+    limit = engine.cfg.max_position_embeddings - max(ruler.MAX_NEW[t] for t in task_list)
+    context_list = [int(c) for c in floats(contexts or "4096,8192,16384,32768", "--contexts")]
+    if not contexts:  # the default lengths this model holds
+        context_list = [c for c in context_list if c <= limit] or [limit]
+    if any(c > limit for c in context_list):
+        raise InfinigenError(f"--contexts must be at most {limit} for this model (its "
+                             f"{engine.cfg.max_position_embeddings} positions less the answer's tokens)")  # fmt: skip
+    if len(alphas) > 1:
+        raise InfinigenError("--task ruler takes one --alphas value (or none: the budget alone)")
+    check_text_file(text)
+    hay, sha = read_utf8(text, f"--text {text}")
+    cases = ruler.build_cases(engine.tokenizer, hay, task_list, context_list, samples, seed)
+    keys = engine.speculation.defaults.spec_keys if engine.speculation else None  # the bundle's default keys
+    todo = needle.configs(names, budgets or [0.1], alphas[0] if alphas else None, spec, keys)
+    meta = {"task": "ruler", "bundle": str(path), "text": text.name, "text_sha256": sha, "seed": seed,
+            "tasks": task_list, "contexts": context_list, "samples": samples,
+            "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}  # fmt: skip
+    done = load_finished(out, meta, "results", lambda r: needle.Result(**r), "a ruler",
+                         ("bundle", "text_sha256", "seed")) if resume else []  # fmt: skip
+
+    def as_json(results):
+        return {**meta, "summary": ruler.summary(results), "results": [asdict(r) for r in results]}
+
+    def save(results, _seconds):
+        write_atomic(out, json.dumps(as_json(results), indent=2) + "\n", "--out")
+
+    bar = _progress_bar(json_out)
+    with bar:
+        job = bar.add_task(f"RULER cases x {len(todo)} policies", total=len(cases))
+        results = needle.run(engine, cases, todo, done, on_case=save if out else None,
+                             progress=lambda d, t: bar.update(job, completed=d))  # fmt: skip
+    cells = {k.cell() for k in cases}  # what --out holds for these cases: this run's policies and earlier ones'
+    results = [r for r in results if (r.task, r.context, r.depth, r.index) in cells]
+    rows = ruler.summary(results)
+    if plot_path:
+        ruler.plot(rows, plot_path, f"{Path(str(path)).name}: RULER over {text.name} ({len(task_list)} tasks, "
+                   f"{samples} samples a task and context)")  # fmt: skip
+    if json_out:
+        print_json(as_json(results))
+        return
+    table = results_table(f"RULER in {text.name} (seed {seed})",
+                          ["policy", "budget", "context", "cases", *task_list, "average", "vs full"])  # fmt: skip
+    from infinigen_rt.measure.perplexity import label
+
+    for r in rows:
+        table.add_row(label(r["policy"], r["spec_keys"], r["correct"], short=True),
+                      "-" if r["budget"] is None else f"{r['budget']:.2f}", str(r["context"]), str(r["cases"]),
+                      *(f"{r['tasks'][t]:.0%}" if t in r["tasks"] else "-" for t in task_list), f"{r['score']:.1%}",
+                      "-" if r["vs_full"] is None else f"{r['vs_full']:.1%}")  # fmt: skip
+    console.print(table)
 
 
 def needle_table(rows: list[dict], title: str) -> Table:

@@ -66,6 +66,8 @@ class Case:
     key: str
     values: list[str]  # the answer: one value, or all of them (multivalue)
     ids: list[int] = field(repr=False)
+    max_new: int = 0  # the answer's tokens at most (0: MAX_NEW's for the task)
+    match: str = "number"  # how an answer is scored (see score): "number", or RULER's "all" and "part"
 
     def cell(self) -> tuple:
         return (self.task, self.context, self.depth, self.index)
@@ -120,10 +122,18 @@ def build_case(tok, hay: list[int], task: str, context: int, depth: float, index
     if task == "multikey":
         needles += [(rng.random(), NEEDLE.format(key=k, value=rng.randrange(1_000_000, 10_000_000))) for k in keys[1:]]
     question = QUESTION["all" if task == "multivalue" else "one"].format(key=key)
-    fixed = len(tok.encode(HEADER + "".join(n for _, n in needles) + question))
+    return Case(task, context, depth, index, key, values, compose(tok, hay, HEADER, needles, question, context, rng,
+                                                                  f"the {task} needles"))  # fmt: skip
+
+
+def compose(tok, hay: list[int], header: str, needles: list[tuple[float, str]], question: str, context: int,
+            rng: random.Random, what: str) -> list[int]:  # fmt: skip
+    """The ids of header + a haystack cut from `hay` (at a seeded offset) with each (depth, sentence) of `needles` at
+    the sentence end nearest its depth (in their order where depths tie) + question, at most `context` tokens."""
+    fixed = len(tok.encode(header + "".join(n for _, n in needles) + question))
     room = context - fixed - 8  # the haystack's tokens, with a margin for merges at the joins
     if room < 16:
-        raise InfinigenError(f"context {context} is too short for the {task} needles; use at least {fixed + 24}")
+        raise InfinigenError(f"context {context} is too short for {what}; use at least {fixed + 24}")
     if len(hay) < room:
         raise InfinigenError(f"the haystack text has {len(hay)} tokens, fewer than the {room} a {context}-token "
                              "context needs; give a longer --text")  # fmt: skip
@@ -137,9 +147,9 @@ def build_case(tok, hay: list[int], task: str, context: int, depth: float, index
             parts += [filler[prev:pos], s]
             prev = pos
         parts.append(filler[prev:])
-        ids = tok.encode(HEADER + "".join(parts) + question)
+        ids = tok.encode(header + "".join(parts) + question)
         if len(ids) <= context:
-            return Case(task, context, depth, index, key, values, ids)
+            return ids
         room -= len(ids) - context + 2
 
 
@@ -158,7 +168,11 @@ def build_cases(tok, hay_text: str, tasks, contexts, depths, per_cell: int, seed
 
 def score(case: Case, answer: str) -> float:
     """Exact numbers: 1 if the answer's first number is the value, else 0; multivalue: the share of the values
-    found among the answer's numbers."""
+    found among the answer's numbers. RULER's (case.match "all": string_match_all, the share of the answers the text
+    holds; "part": string_match_part, 1 if it holds any), letter case aside."""
+    if case.match != "number":
+        found = [v.lower() in answer.lower() for v in case.values]
+        return sum(found) / len(found) if case.match == "all" else float(any(found))
     numbers = re.findall(r"\d+", answer)
     if case.task == "multivalue":
         return sum(v in numbers for v in case.values) / len(case.values)
@@ -193,16 +207,17 @@ def options(config: tuple) -> KVOptions:
     return KVOptions(alpha=alpha, budget=budget or 1.0, **spec)
 
 
-def greedy(engine: Engine, cache: KVCache, first: torch.Tensor, n: int, max_new: int) -> list[int]:
+def greedy(engine: Engine, cache: KVCache, first: torch.Tensor, n: int, max_new: int, number: bool = True) -> list[int]:
     """Greedy tokens after a prefill of n tokens whose next token is `first`, up to max_new, an end of
-    sequence, or the end of the line that holds a number (the answer is given)."""
+    sequence, or the end of the line that holds a number (`number`; else any word): the answer is given."""
     dev, tok, got = engine.device, first, []
+    given = str.isdigit if number else str.isalnum
     for step in range(max_new):
         t = int(tok)
         if t in engine.tokenizer.eos_ids:
             break
         got.append(t)
-        if "\n" in engine.tokenizer.decode([t]) and any(ch.isdigit() for ch in engine.tokenizer.decode(got)):
+        if "\n" in engine.tokenizer.decode([t]) and any(given(ch) for ch in engine.tokenizer.decode(got)):
             break
         if step < max_new - 1:
             tok = decode_step(engine, cache, tok.view(1, 1), torch.tensor([[n + step]], device=dev)).argmax(-1)
@@ -223,7 +238,7 @@ def answer_all(engine: Engine, case: Case, todo: list[tuple]) -> list[Result]:
 
 def _answer(engine: Engine, case: Case, todo: list[tuple]) -> list[Result]:
     dev, n = engine.device, len(case.ids)
-    max_new = MAX_NEW[case.task]
+    max_new = case.max_new or MAX_NEW[case.task]
     caches = [Solo(engine, configure(engine, c[0], options(c)), n + max_new) for c in todo]
     ref = []  # a shared prefill attends on an exact dense cache: the baseline's, else one of its own
     if len(todo) > 1:
@@ -233,7 +248,7 @@ def _answer(engine: Engine, case: Case, todo: list[tuple]) -> list[Result]:
         first = prefill(engine, [c.prompt for c in ref + caches], x, torch.arange(n, device=dev)[None]).argmax(-1)
         out = []
         for (policy, budget, alpha, keys, correct), cache in zip(todo, caches, strict=True):
-            text = engine.tokenizer.decode(greedy(engine, cache, first, n, max_new))
+            text = engine.tokenizer.decode(greedy(engine, cache, first, n, max_new, case.match == "number"))
             report = cache.report()
             out.append(Result(policy, budget, alpha, case.task, case.context, case.depth, case.index,
                               score(case, text), text.strip(), report.kv_fetched_share,

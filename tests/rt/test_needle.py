@@ -122,7 +122,7 @@ def test_needle_cli_json_heatmap_resume_and_bad_input(bundles, tmp_path):
     one_line_error(run_cli(*args, "--contexts", "40"), "too short")
     one_line_error(run_cli(*args, "--depths", "1.5"), "--depths")
     one_line_error(run_cli(*args, "--needle-tasks", "passkey"), "--needle-tasks")
-    one_line_error(run_cli(*args, "--task", "ruler"), "--task")
+    one_line_error(run_cli(*args, "--task", "passkey"), "--task")
     short = tmp_path / "short.txt"
     short.write_text("Too short a haystack.")
     one_line_error(run_cli(*args[:5], "--text", short, *args[7:]), "longer --text")
