@@ -173,7 +173,7 @@ ruler size="0.5b" contexts="4096,8192,16384,32000": (setup "gguf,plot") texts (q
     mkdir -p artifacts/results
     r=artifacts/results/ruler-qwen2.5-coder-{{size}}
     infinigen-rt eval artifacts/bundles/qwen2.5-coder-{{size}} --task ruler --text artifacts/cache/texts/alice.txt \
-      --contexts {{contexts}} --samples 4 --policies full,infinigen,oracle --budgets 0.02,0.05,0.1 --device cpu \
+      --contexts {{contexts}} --samples 4 --policies full,infinigen,oracle,quest --budgets 0.02,0.05,0.1 --device cpu \
       --resume --out $r.json --plot $r.png
 
 # Qwen2.5-Coder 0.5B held out at 2048 tokens (bundle keys, oracle, int4c) and what each key store keeps of the attention

@@ -16,12 +16,13 @@ from infinigen_rt.policies.int4 import Int4
 from infinigen_rt.policies.offload import Offload
 from infinigen_rt.policies.options import KVOptions
 from infinigen_rt.policies.oracle import Oracle, PerHeadOracle
+from infinigen_rt.policies.quest import Quest
 
 POLICIES: dict[str, type[KVPolicy]] = {
-    cls.name: cls for cls in (Full, Offload, Infinigen, H2O, Int4, Oracle, PerHeadOracle)
+    cls.name: cls for cls in (Full, Offload, Infinigen, H2O, Int4, Oracle, PerHeadOracle, Quest)
 }
 # oracle, oracle-per-head: eval only, the true top-k at equal bytes (per KV head) and per query head (masks over
-# dense attention)
+# dense attention); quest: eval only, a Quest-style page selector (the peer at equal bytes)
 RUNTIME_POLICIES = tuple(name for name, cls in POLICIES.items() if cls.runtime)
 BASELINE = Full.name  # what eval and needle measure every other policy against
 
