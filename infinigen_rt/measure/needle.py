@@ -207,17 +207,19 @@ def options(config: tuple) -> KVOptions:
     return KVOptions(alpha=alpha, budget=budget or 1.0, **spec)
 
 
-def greedy(engine: Engine, cache: KVCache, first: torch.Tensor, n: int, max_new: int, number: bool = True) -> list[int]:
+def greedy(engine: Engine, cache: KVCache, first: torch.Tensor, n: int, max_new: int,
+           until: str | None = "number") -> list[int]:  # fmt: skip
     """Greedy tokens after a prefill of n tokens whose next token is `first`, up to max_new, an end of
-    sequence, or the end of the line that holds a number (`number`; else any word): the answer is given."""
+    sequence, or (`until`) the end of the line that holds a number ("number") or any word ("word"): the answer is
+    given. None: to max_new (RULER's answers of several items, which a model may put one to a line)."""
     dev, tok, got = engine.device, first, []
-    given = str.isdigit if number else str.isalnum
+    given = str.isdigit if until == "number" else str.isalnum
     for step in range(max_new):
         t = int(tok)
         if t in engine.tokenizer.eos_ids:
             break
         got.append(t)
-        if "\n" in engine.tokenizer.decode([t]) and any(given(ch) for ch in engine.tokenizer.decode(got)):
+        if until and "\n" in engine.tokenizer.decode([t]) and any(given(ch) for ch in engine.tokenizer.decode(got)):
             break
         if step < max_new - 1:
             tok = decode_step(engine, cache, tok.view(1, 1), torch.tensor([[n + step]], device=dev)).argmax(-1)
@@ -248,7 +250,8 @@ def _answer(engine: Engine, case: Case, todo: list[tuple]) -> list[Result]:
         first = prefill(engine, [c.prompt for c in ref + caches], x, torch.arange(n, device=dev)[None]).argmax(-1)
         out = []
         for (policy, budget, alpha, keys, correct), cache in zip(todo, caches, strict=True):
-            text = engine.tokenizer.decode(greedy(engine, cache, first, n, max_new, case.match == "number"))
+            until = "number" if case.match == "number" else "word" if len(case.values) == 1 else None
+            text = engine.tokenizer.decode(greedy(engine, cache, first, n, max_new, until))
             report = cache.report()
             out.append(Result(policy, budget, alpha, case.task, case.context, case.depth, case.index,
                               score(case, text), text.strip(), report.kv_fetched_share,

@@ -238,8 +238,9 @@ def plot(rows: list[dict], path, title: str) -> None:
     """RULER's average against the budget, a panel per context: a line per policy, `full` a level line."""
     plt = pyplot()
     contexts = sorted({r["context"] for r in rows})
-    fig, axes = plt.subplots(1, len(contexts), figsize=(0.8 + 3.4 * len(contexts), 3.4), squeeze=False, sharey=True,
-                             layout="constrained")  # fmt: skip
+    fig, axes = plt.subplots(1, len(contexts), figsize=(max(6.0, 0.8 + 3.4 * len(contexts)), 3.6), squeeze=False,
+                             sharey=True, layout="constrained")  # fmt: skip
+    budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
     for ax, context in zip(axes[0], contexts, strict=True):
         here = [r for r in rows if r["context"] == context]
         lines: dict[str, list[tuple[float, float]]] = {}
@@ -254,6 +255,8 @@ def plot(rows: list[dict], path, title: str) -> None:
             pts.sort()
             ax.plot([100 * b for b, _ in pts], [100 * s for _, s in pts], marker="o", label=name)
         ax.set_xscale("log")
+        ax.minorticks_off()
+        ax.set_xticks([100 * b for b in budgets], [f"{100 * b:g}" for b in budgets])
         ax.set_title(f"{context / 1024:g}k" if context >= 1024 else str(context), fontsize=9)
         ax.set_xlabel("KV fetched (% of the context)")
     axes[0][0].set_ylabel("RULER average (%)")
