@@ -147,10 +147,13 @@ def test_the_gpu_kernels_are_typed_operators_that_check_their_tensors():
     declaring the tensors it writes; an argument of the wrong kind is refused by the schema, and tensors of the wrong
     shape or dtype by the op's checks, before any kernel reads a pointer."""
     from infinigen_rt.kv import attention, kernels, quant
+    from infinigen_rt.models import fused
 
     ops = torch.ops.infinigen_gpu
     assert {op.default for op in (ops.gather_rows, ops.gather_reused, ops.scatter_rows, ops.paged_decode,
-                                  ops.score_codes, ops.quantize_rows, ops.quantize_channel)} == set(kernels.BODIES)
+                                  ops.score_codes, ops.quantize_rows, ops.quantize_channel, ops.rms_norm,
+                                  ops.add_rms_norm, ops.rope, ops.silu_mul)} == set(kernels.BODIES)  # fmt: skip
+    assert fused.rope is ops.rope and fused.silu_mul is ops.silu_mul
     assert gather_rows is ops.gather_rows and attention.paged_decode is ops.paged_decode
     assert quant.score_codes is ops.score_codes
     schema = str(ops.gather_rows.default._schema)
