@@ -180,10 +180,9 @@ def _progress_bar(disable: bool):
 def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depths, per_cell, tasks, seed, out,
                resume, plot_path, json_out, spec: dict) -> None:  # fmt: skip
     """eval --task needle: build the cases, answer them with every policy, print, save, plot."""
-    import json
 
     from infinigen_rt.errors import InfinigenError
-    from infinigen_rt.files import read_utf8, write_atomic
+    from infinigen_rt.files import read_utf8
     from infinigen_rt.measure import needle
     from infinigen_rt.measure.perplexity import check_text_file, load_finished
 
@@ -222,16 +221,8 @@ def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depth
     done = load_finished(out, meta, "results", lambda r: needle.Result(**r), "a needle",
                          ("bundle", "text_sha256", "seed")) if resume else []  # fmt: skip
 
-    def save(results, _seconds):
-        write_atomic(out, json.dumps(needle.as_json(meta, results), indent=2) + "\n", "--out")
-
-    bar = _progress_bar(json_out)
-    with bar:
-        job = bar.add_task(f"needles x {len(todo)} policies", total=len(cases))
-        results = needle.run(engine, cases, todo, done, on_case=save if out else None,
-                             progress=lambda d, t: bar.update(job, completed=d))  # fmt: skip
-    cells = {k.cell() for k in cases}  # what --out holds for these cases: this run's policies and earlier ones'
-    results = [r for r in results if (r.task, r.context, r.depth, r.index) in cells]
+    results = _answer_cases(engine, cases, todo, done, out, json_out, "needles",
+                            lambda results: needle.as_json(meta, results))  # fmt: skip
     if plot_path:
         needle.heatmaps(results, plot_path, f"{Path(str(path)).name}: needles in {text.name} "
                         f"({', '.join(task_list)}; {per_cell} per cell and task)")  # fmt: skip
@@ -241,13 +232,32 @@ def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depth
     console.print(needle_table(needle.summary(results), f"needle accuracy in {text.name} (seed {seed})"))
 
 
+def _answer_cases(engine, cases, todo, done, out, json_out, what: str, as_json) -> list:
+    """needle.run over `cases` with a progress bar, `as_json(results)` written to --out after each case; the results
+    of these cases (--out may hold other cases' too: this run's policies and earlier ones')."""
+    import json
+
+    from infinigen_rt.files import write_atomic
+    from infinigen_rt.measure import needle
+
+    def save(results, _seconds):
+        write_atomic(out, json.dumps(as_json(results), indent=2) + "\n", "--out")
+
+    bar = _progress_bar(json_out)
+    with bar:
+        job = bar.add_task(f"{what} x {len(todo)} policies", total=len(cases))
+        results = needle.run(engine, cases, todo, done, on_case=save if out else None,
+                             progress=lambda d, t: bar.update(job, completed=d))  # fmt: skip
+    cells = {k.cell() for k in cases}
+    return [r for r in results if (r.task, r.context, r.depth, r.index) in cells]
+
+
 def ruler_cmd(engine, path, text: Path, names, budgets, alphas, contexts, samples, tasks, seed, out, resume,
               plot_path, json_out, spec: dict) -> None:  # fmt: skip
     """eval --task ruler: build the cases, answer them with every policy (needle.run), print, save, plot."""
-    import json
 
     from infinigen_rt.errors import InfinigenError
-    from infinigen_rt.files import read_utf8, write_atomic
+    from infinigen_rt.files import read_utf8
     from infinigen_rt.measure import needle, ruler
     from infinigen_rt.measure.perplexity import check_text_file, load_finished
 
@@ -279,16 +289,7 @@ def ruler_cmd(engine, path, text: Path, names, budgets, alphas, contexts, sample
     def as_json(results):
         return {**meta, "summary": ruler.summary(results), "results": [asdict(r) for r in results]}
 
-    def save(results, _seconds):
-        write_atomic(out, json.dumps(as_json(results), indent=2) + "\n", "--out")
-
-    bar = _progress_bar(json_out)
-    with bar:
-        job = bar.add_task(f"RULER cases x {len(todo)} policies", total=len(cases))
-        results = needle.run(engine, cases, todo, done, on_case=save if out else None,
-                             progress=lambda d, t: bar.update(job, completed=d))  # fmt: skip
-    cells = {k.cell() for k in cases}  # what --out holds for these cases: this run's policies and earlier ones'
-    results = [r for r in results if (r.task, r.context, r.depth, r.index) in cells]
+    results = _answer_cases(engine, cases, todo, done, out, json_out, "RULER cases", as_json)
     rows = ruler.summary(results)
     if plot_path:
         ruler.plot(rows, plot_path, f"{Path(str(path)).name}: RULER over {text.name} ({len(task_list)} tasks, "
