@@ -27,7 +27,7 @@ import torch
 from infinigen_rt.engine import Engine
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.files import pyplot, save_figure
-from infinigen_rt.kv.cache import KVCache
+from infinigen_rt.kv.cache import KVCache, Rows
 from infinigen_rt.kv.store import Solo
 from infinigen_rt.measure.perplexity import label
 from infinigen_rt.policies import BASELINE, POLICIES, KVOptions, configure
@@ -207,22 +207,38 @@ def options(config: tuple) -> KVOptions:
     return KVOptions(alpha=alpha, budget=budget or 1.0, **spec)
 
 
-def greedy(engine: Engine, cache: KVCache, first: torch.Tensor, n: int, max_new: int,
-           until: str | None = "number") -> list[int]:  # fmt: skip
-    """Greedy tokens after a prefill of n tokens whose next token is `first`, up to max_new, an end of
-    sequence, or (`until`) the end of the line that holds a number ("number") or any word ("word"): the answer is
-    given. None: to max_new (RULER's answers of several items, which a model may put one to a line)."""
-    dev, tok, got = engine.device, first, []
+def greedy(engine: Engine, caches: list[KVCache], first: torch.Tensor, n: int, max_new: int,
+           until: str | None = "number") -> list[list[int]]:  # fmt: skip
+    """Each cache's greedy tokens after a prefill of n tokens whose next token is `first` [1], up to max_new, an end
+    of sequence, or (`until`) the end of the line that holds a number ("number") or any word ("word"): the answer is
+    given. None: to max_new (RULER's answers of several items, which a model may put one to a line).
+
+    The caches decode as one batch (kv.cache.Rows: the projections and the MLP batched, each row attending through
+    its own cache, its policy and state), so a prompt's policies cost about one decode where they cost one each;
+    a row leaves the batch when its answer is given."""
+    dev, tok = engine.device, engine.tokenizer
     given = str.isdigit if until == "number" else str.isalnum
+    got: list[list[int]] = [[] for _ in caches]
+    nxt = [int(first)] * len(caches)
+    live = list(range(len(caches)))
     for step in range(max_new):
-        t = int(tok)
-        if t in engine.tokenizer.eos_ids:
+        going = []
+        for i in live:
+            t = nxt[i]
+            if t in tok.eos_ids:
+                continue
+            got[i].append(t)
+            if until and "\n" in tok.decode([t]) and any(given(ch) for ch in tok.decode(got[i])):
+                continue
+            going.append(i)
+        live = going
+        if not live or step == max_new - 1:
             break
-        got.append(t)
-        if until and "\n" in engine.tokenizer.decode([t]) and any(given(ch) for ch in engine.tokenizer.decode(got)):
-            break
-        if step < max_new - 1:
-            tok = decode_step(engine, cache, tok.view(1, 1), torch.tensor([[n + step]], device=dev)).argmax(-1)
+        batch = caches[live[0]] if len(live) == 1 else Rows([caches[i] for i in live])
+        ids = torch.tensor([[nxt[i]] for i in live], device=dev)
+        out = decode_step(engine, batch, ids, torch.full((len(live), 1), n + step, device=dev)).argmax(-1)
+        for i, t in zip(live, out.tolist(), strict=True):
+            nxt[i] = t
     return got
 
 
@@ -248,10 +264,11 @@ def _answer(engine: Engine, case: Case, todo: list[tuple]) -> list[Result]:
     try:
         x = torch.tensor([case.ids], device=dev)
         first = prefill(engine, [c.prompt for c in ref + caches], x, torch.arange(n, device=dev)[None]).argmax(-1)
+        until = "number" if case.match == "number" else "word" if len(case.values) == 1 else None
+        answers = greedy(engine, caches, first, n, max_new, until)
         out = []
-        for (policy, budget, alpha, keys, correct), cache in zip(todo, caches, strict=True):
-            until = "number" if case.match == "number" else "word" if len(case.values) == 1 else None
-            text = engine.tokenizer.decode(greedy(engine, cache, first, n, max_new, until))
+        for (policy, budget, alpha, keys, correct), cache, got in zip(todo, caches, answers, strict=True):
+            text = engine.tokenizer.decode(got)
             report = cache.report()
             out.append(Result(policy, budget, alpha, case.task, case.context, case.depth, case.index,
                               score(case, text), text.strip(), report.kv_fetched_share,
