@@ -40,6 +40,9 @@ def eval_cmd(
     shortlist: Annotated[Optional[float], typer.Option(
         help="infinigen's correction: the candidates it scores, a multiple of its count (0 = every held slot) "
         "\\[its default].")] = None,  # fmt: skip
+    runs: Annotated[str, typer.Option(
+        help="needle, ruler: infinigen's speculation in runs of this many consecutive tokens, comma-separated "
+        "(1 = single tokens).")] = "1",  # fmt: skip
     seq_len: Annotated[int, typer.Option(help="Tokens of the text used.")] = 2048,
     score_from: Annotated[int, typer.Option(help="Tokens before this are the prompt; the rest are scored.")] = 1024,
     out: Annotated[Optional[Path], typer.Option(help="Write results JSON here (after every row).")] = None,
@@ -101,15 +104,22 @@ def eval_cmd(
     spec = {k: v for k, v in (("spec_keys", spec_keys), ("correct", correct), ("shortlist", shortlist))
             if v is not None}  # fmt: skip
     KVOptions(**spec).check()
+    run_list = [int(r) for r in floats(runs, "--runs")]
+    if not run_list or any(r != x for r, x in zip(run_list, floats(runs, "--runs"), strict=True)):
+        raise InfinigenError(f"--runs takes whole numbers of tokens, got {runs!r}")
+    for r in run_list:
+        KVOptions(runs=r).check()
+    if run_list != [1] and task == "perplexity":
+        raise InfinigenError("--runs applies to --task needle and ruler (perplexity scores single tokens)")
     check_outputs(out, plot_path)
     path = resolve_bundle(bundle)
     engine = Engine(read_bundle(path), device=device, dtype=dtype)
     if task == "needle":
         return needle_cmd(engine, path, text, names, budget_list, alpha_list, contexts, depths, needles,
-                          needle_tasks, seed, out, resume, plot_path, json_out, spec)  # fmt: skip
+                          needle_tasks, seed, out, resume, plot_path, json_out, spec, run_list)  # fmt: skip
     if task == "ruler":
         return ruler_cmd(engine, path, text, names, budget_list, alpha_list, contexts, samples, ruler_tasks, seed,
-                         out, resume, plot_path, json_out, spec)  # fmt: skip
+                         out, resume, plot_path, json_out, spec, run_list)  # fmt: skip
     perplexity_cmd(engine, path, text, names, budget_list, alpha_list, seq_len, score_from, out, resume, recall,
                    plot_path, json_out, spec)  # fmt: skip
 
@@ -178,7 +188,7 @@ def _progress_bar(disable: bool):
 
 
 def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depths, per_cell, tasks, seed, out,
-               resume, plot_path, json_out, spec: dict) -> None:  # fmt: skip
+               resume, plot_path, json_out, spec: dict, runs: list[int] | None = None) -> None:  # fmt: skip
     """eval --task needle: build the cases, answer them with every policy, print, save, plot."""
 
     from infinigen_rt.errors import InfinigenError
@@ -214,7 +224,7 @@ def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depth
     hay, sha = read_utf8(text, f"--text {text}")
     cases = needle.build_cases(engine.tokenizer, hay, task_list, context_list, depth_list, per_cell, seed)
     keys = engine.speculation.defaults.spec_keys if engine.speculation else None  # the bundle's default keys
-    todo = needle.configs(names, budgets or [0.1], alpha, spec, keys)
+    todo = needle.configs(names, budgets or [0.1], alpha, spec, keys, runs)
     meta = {"task": "needle", "bundle": str(path), "text": text.name, "text_sha256": sha, "seed": seed,
             "tasks": task_list, "contexts": context_list, "depths": depth_list, "needles": per_cell,
             "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}  # fmt: skip
@@ -253,7 +263,7 @@ def _answer_cases(engine, cases, todo, done, out, json_out, what: str, as_json) 
 
 
 def ruler_cmd(engine, path, text: Path, names, budgets, alphas, contexts, samples, tasks, seed, out, resume,
-              plot_path, json_out, spec: dict) -> None:  # fmt: skip
+              plot_path, json_out, spec: dict, runs: list[int] | None = None) -> None:  # fmt: skip
     """eval --task ruler: build the cases, answer them with every policy (needle.run), print, save, plot."""
 
     from infinigen_rt.errors import InfinigenError
@@ -279,7 +289,7 @@ def ruler_cmd(engine, path, text: Path, names, budgets, alphas, contexts, sample
     hay, sha = read_utf8(text, f"--text {text}")
     cases = ruler.build_cases(engine.tokenizer, hay, task_list, context_list, samples, seed)
     keys = engine.speculation.defaults.spec_keys if engine.speculation else None  # the bundle's default keys
-    todo = needle.configs(names, budgets or [0.1], alphas[0] if alphas else None, spec, keys)
+    todo = needle.configs(names, budgets or [0.1], alphas[0] if alphas else None, spec, keys, runs)
     meta = {"task": "ruler", "bundle": str(path), "text": text.name, "text_sha256": sha, "seed": seed,
             "tasks": task_list, "contexts": context_list, "samples": samples,
             "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}  # fmt: skip
@@ -302,7 +312,7 @@ def ruler_cmd(engine, path, text: Path, names, budgets, alphas, contexts, sample
     from infinigen_rt.measure.perplexity import label
 
     for r in rows:
-        table.add_row(label(r["policy"], r["spec_keys"], r["correct"], short=True),
+        table.add_row(label(r["policy"], r["spec_keys"], r["correct"], short=True, runs=r.get("runs")),
                       "-" if r["budget"] is None else f"{r['budget']:.2f}", str(r["context"]), str(r["cases"]),
                       *(f"{r['tasks'][t]:.0%}" if t in r["tasks"] else "-" for t in task_list), f"{r['score']:.1%}",
                       "-" if r["vs_full"] is None else f"{r['vs_full']:.1%}")  # fmt: skip
@@ -314,7 +324,7 @@ def needle_table(rows: list[dict], title: str) -> Table:
 
     table = results_table(title, ["policy", "budget", "context", "cases", "accuracy", "vs full", "fetched"])
     for r in rows:
-        name = label(r["policy"], r["spec_keys"], r["correct"], short=True)
+        name = label(r["policy"], r["spec_keys"], r["correct"], short=True, runs=r.get("runs"))
         table.add_row(name, "-" if r["budget"] is None else f"{r['budget']:.2f}", str(r["context"]), str(r["cases"]),
                       f"{r['accuracy']:.1%}", "-" if r["vs_full"] is None else f"{r['vs_full']:.1%}",
                       "-" if r["kv_fetched_share"] is None else f"{r['kv_fetched_share']:.1%}")  # fmt: skip

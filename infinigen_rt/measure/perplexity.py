@@ -51,18 +51,19 @@ class Row:
 
 
 def label(policy: str, spec_keys: str | None, correct: float | None, alpha: float | None = None,
-          short: bool = False, shortlist: float | None = None) -> str:  # fmt: skip
+          short: bool = False, shortlist: float | None = None, runs: int | None = None) -> str:  # fmt: skip
     """A policy's name in tables and plots; one that speculates with its keys, its margin when it has one (the
     budget alone decides otherwise) and its correction share when on, with its shortlist where one was recorded.
     `short`: for a table at 80 columns with a margin column, the keys where not int4 (the keys of every bundle
     converted before convert chose them; a Qwen bundle's default rows read "infinigen partial"), the correction
     share and the shortlist where they differ from the defaults ("infinigen partial c0": the paper's keys without a
-    correction; plain "infinigen": the int4 keys with the default correction)."""
+    correction; plain "infinigen": the int4 keys with the default correction); `runs` where a selection in runs
+    was asked for ("r8")."""
     if short:
         keys = [spec_keys] if spec_keys not in (None, FALLBACK_SPEC_KEYS) else []
         corr = [f"c{correct:g}"] if correct is not None and correct != KVOptions.correct else []
         listed = [f"s{shortlist:g}"] if correct and shortlist is not None and shortlist != KVOptions.shortlist else []
-        return " ".join([policy, *keys, *corr, *listed])
+        return " ".join([policy, *keys, *corr, *listed, *([f"r{runs}"] if runs else [])])
     if spec_keys is None:
         return policy
     parts = [f"{spec_keys} keys"]
@@ -72,6 +73,8 @@ def label(policy: str, spec_keys: str | None, correct: float | None, alpha: floa
         parts.append(f"correct {correct:g}")
         if shortlist:
             parts.append(f"shortlist {shortlist:g}")
+    if runs:
+        parts.append(f"runs of {runs}")
     return f"{policy} ({', '.join(parts)})"
 
 

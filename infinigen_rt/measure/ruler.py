@@ -223,9 +223,10 @@ def summary(results: list[Result]) -> list[dict]:
     for r in results:
         groups.setdefault((*r.config(), r.context), {}).setdefault(r.task, []).append(r.score)
     rows = []
-    for (policy, budget, alpha, keys_, correct, context), by_task in groups.items():
+    for (policy, budget, alpha, keys_, correct, runs, context), by_task in groups.items():
         tasks = {t: round(sum(v) / len(v), 4) for t, v in by_task.items()}
         rows.append({"policy": policy, "budget": budget, "alpha": alpha, "spec_keys": keys_, "correct": correct,
+                     "runs": runs,
                      "context": context, "cases": sum(len(v) for v in by_task.values()), "tasks": tasks,
                      "score": round(sum(tasks.values()) / len(tasks), 4)})  # fmt: skip
     full = {r["context"]: r["score"] for r in rows if r["policy"] == BASELINE}
@@ -249,7 +250,7 @@ def plot(rows: list[dict], path, title: str) -> None:
                 ax.axhline(100 * r["score"], ls="--", lw=1, color="gray" if r["policy"] == BASELINE else None,
                            label=label(r["policy"], r["spec_keys"], r["correct"], r["alpha"]))  # fmt: skip
                 continue
-            name = label(r["policy"], r["spec_keys"], r["correct"], r["alpha"])
+            name = label(r["policy"], r["spec_keys"], r["correct"], r["alpha"], runs=r.get("runs"))
             lines.setdefault(name, []).append((r["budget"], r["score"]))
         for name, pts in lines.items():
             pts.sort()

@@ -136,6 +136,12 @@ class KVOptions:
         0.0, "infinigen: the correction scores speculation's next-ranked slots only, this many times its count "
         "(0 = every held slot).", cli=True, request=True, ge=0, why="a multiple of the correction's count")  # fmt: skip
 
+    # selection in runs: speculation takes whole runs of this many consecutive slots, ranked by the attention share
+    # their tokens hold, where 1 takes single tokens; a run is contiguous host rows, which a copy engine moves
+    # without a gather kernel (the correction's share stays single tokens)
+    runs: int = opt(1, "infinigen: speculation fetches runs of this many consecutive tokens (1: single tokens).",
+                    ge=1, le=256, why="tokens a run")  # fmt: skip
+
     def check(self) -> None:
         for f in fields(self):
             check_value(f.name, getattr(self, f.name))

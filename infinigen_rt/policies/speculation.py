@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from infinigen_rt.bundle import partial_idx_name, partial_q_name, skew_name
 from infinigen_rt.config import ModelConfig
@@ -490,8 +491,10 @@ def select(
         per_row = _memo(capped, ("per_row", opts.budget, opts.max_kv), lambda: n.float().mean(-1))
         if width is None:  # the one host sync of a speculation on a CPU: the fetch size
             n_min, n_max = (int(x) for x in torch.stack([n.min(), n.max()]).tolist())
+    order = run_order(agg, opts.runs, opts.group_agg == "sum", held) if opts.runs > 1 else None
     if width is not None:  # sorted: the first n of each row are its best
-        cand = agg.topk(max(width, min(t, shortlist)), dim=-1, sorted=True).indices  # [B, Hkv, width or more]
+        most = max(width, min(t, shortlist))
+        cand = agg.topk(most, dim=-1, sorted=True).indices if order is None else order[..., :most]  # [B, Hkv, most]
         top = cand[..., :width]
         limit = n[..., None] if isinstance(n, torch.Tensor) else n
         key = ("ok", width, opts.budget, opts.max_kv)
@@ -502,8 +505,12 @@ def select(
         return Selection(top, ok, False, per_row, counted, cand=cand if shortlist else None)
     # every row fetching the same count needs no order among the chosen (an unsorted top-k is several times
     # cheaper on a CPU once k is a sizeable share); rows fetching fewer take the first n of a sorted top-k
-    cand = top_k(agg, max(n_max, min(t, shortlist)), True)[1] if shortlist else None  # the first n_max: as below
-    top = top_k(agg, n_max, n_min != n_max)[1] if cand is None else cand[..., :n_max]  # [B, Hkv, n]
+    if order is not None:  # in runs: the first n of each row's order
+        cand = order[..., : max(n_max, min(t, shortlist))] if shortlist else None
+        top = order[..., :n_max]
+    else:
+        cand = top_k(agg, max(n_max, min(t, shortlist)), True)[1] if shortlist else None  # the first n_max: as below
+        top = top_k(agg, n_max, n_min != n_max)[1] if cand is None else cand[..., :n_max]  # [B, Hkv, n]
     if prefix:  # every chosen slot holds a token (rows fetching fewer drop their tail)
         ok = torch.ones(top.shape, dtype=torch.bool, device=top.device)
         if n_min != n_max:
@@ -513,6 +520,26 @@ def select(
         if n_min != n_max:
             ok &= torch.arange(n_max, device=top.device) < n[..., None]
     return Selection(top, ok, prefix and n_min == n_max, per_row, cand=cand)
+
+
+def run_order(agg: torch.Tensor, runs: int, mass: bool, held: torch.Tensor | None = None) -> torch.Tensor:
+    """The slots [B, Hkv, t] in the order a selection in runs takes them: runs of `runs` consecutive slots (the last
+    one shorter where t is not a multiple), ranked by what their tokens hold (`mass`: the sum of agg, each token's
+    share of the group's attention; else their best: agg the group's largest logit), each run's slots in order. A
+    forced token's rank value ranks its run first. With `held` [B, Hkv, t], the free slots go last (a run may hold
+    both), so a row's first n are held ones wherever it holds n, as select's memo has them."""
+    t = agg.shape[-1]
+    pad = -t % runs
+    blocks = F.pad(agg, (0, pad), value=0.0 if mass else float("-inf")).unflatten(-1, (-1, runs))
+    score = blocks.sum(-1) if mass else blocks.amax(-1)  # [B, Hkv, t / runs]
+    order = score.argsort(dim=-1, descending=True, stable=True)
+    slots = (order[..., None] * runs + torch.arange(runs, device=agg.device)).flatten(-2)
+    if pad:  # the short run's missing slots: exactly `pad` in every row
+        slots = slots[slots < t].view(*agg.shape)
+    if held is not None:
+        free = ~torch.gather(held, -1, slots)
+        slots = slots.gather(-1, free.to(torch.uint8).argsort(dim=-1, stable=True))
+    return slots
 
 
 def _memo(memo: dict | None, key, make):
@@ -539,7 +566,8 @@ def selected(keys, j: int, q: torch.Tensor, at, t: int, alpha: float, opts: KVOp
     per-channel keys, every slot held in position order (held None), no margin (alpha inf), the group softmax summed,
     the counts known on the host (width None), one rank (tp None), no shortlist. None elsewhere."""
     if (not isinstance(keys, ChannelKeys) or q.device.type != "cpu" or held is not None or not math.isinf(alpha)
-            or opts.group_agg != "sum" or width is not None or tp is not None or shortlist or not t):  # fmt: skip
+            or opts.group_agg != "sum" or width is not None or tp is not None or shortlist or not t
+            or opts.runs > 1):  # fmt: skip
         return None
     n = fetch_count(t, opts)
     top = cpu.speculate_channel(q, keys.codes[j], keys.meta[j], at, t, CHANNEL_TOKENS, opts.sinks, opts.recent, n)

@@ -112,7 +112,17 @@ def test_ruler_cli_table_json_plot_resume_and_bad_input(bundles, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "niah_multikey" in r.stdout and "average" in r.stdout
     assert json.loads(out.read_text())["results"] == data["results"]
+    r = run_cli(*args, "--out", out, "--resume", "--runs", "1,8", "--contexts", "225", "--ruler-tasks", "niah_single")
+    assert r.returncode == 0, r.stderr
+    assert "infinigen r8" in r.stdout  # infinigen in runs of 8 beside it, at each budget; the oracle single tokens
+    summary = json.loads(out.read_text())["summary"]
+    runs = {(s["policy"], s["budget"], s["runs"]) for s in summary if s["context"] == 225}
+    assert runs == {("full", None, None)} | {(p, x, None) for p in ("infinigen", "oracle") for x in (0.1, 0.3)} | {
+        ("infinigen", x, 8) for x in (0.1, 0.3)}
 
+    one_line_error(run_cli(*args, "--runs", "0"), "runs")
+    one_line_error(run_cli(*args, "--runs", "2.5"), "--runs takes whole numbers")
+    one_line_error(run_cli(*args[:4], "--text", hay, "--runs", "8"), "--runs applies to")
     one_line_error(run_cli(*args, "--ruler-tasks", "passkey"), "--ruler-tasks")
     one_line_error(run_cli(*args, "--samples", "0"), "--samples")
     one_line_error(run_cli(*args, "--contexts", "100000"), "--contexts must be at most")

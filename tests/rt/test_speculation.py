@@ -344,3 +344,46 @@ def test_per_channel_keys_forget_a_page_another_sequence_left_and_keep_freed_slo
     want = torch.arange(16.0) * 10
     want[5] = 0
     assert (got - want).abs().max() <= 150 / 15 / 2 + 0.1
+
+
+@pytest.mark.parametrize("t", [200, 203])
+def test_a_selection_in_runs_takes_whole_aligned_runs_ranked_by_the_attention_they_hold(t):
+    """KVOptions.runs: speculation's rows are whole runs of consecutive slots (the last one short where t is not a
+    multiple), the runs whose tokens hold the most of the group's attention, at the budget's count; sinks' and
+    recent tokens' runs first; the sync-free (GPU) selection's first n are the same slots."""
+    g = torch.Generator().manual_seed(5)
+    b, hkv, gq, runs = 2, 3, 3, 8
+    spec = torch.randn(b, hkv, gq, t, generator=g)
+    opts = KVOptions(alpha=math.inf, budget=0.2, sinks=0, recent=0, runs=runs)
+    sel = select(spec, math.inf, opts)
+    n = sel.slots.shape[-1]
+    assert n == select(spec, math.inf, KVOptions(alpha=math.inf, budget=0.2, sinks=0, recent=0)).slots.shape[-1]
+    mass = torch.nn.functional.pad(spec.softmax(-1).sum(2), (0, -t % runs)).unflatten(-1, (-1, runs)).sum(-1)
+    best = mass.argsort(-1, descending=True)
+    for row, want in zip(sel.slots.flatten(0, 1), best.flatten(0, 1), strict=True):
+        taken = [int(r) for r in want[: -(-n // runs)]]
+        slots = [s for r in taken for s in range(r * runs, min(r * runs + runs, t))][:n]
+        assert row.tolist() == slots  # in rank order, each run's slots in order
+    wide = select(spec, math.inf, opts, width=n + 5)
+    assert torch.equal(wide.slots[..., :n], sel.slots)
+    forced = select(spec, math.inf, KVOptions(alpha=math.inf, budget=0.2, sinks=4, recent=8, runs=runs))
+    held = {0} | {p // runs for p in range(t - 8, t)}  # the runs of the sinks and of the 8 newest tokens
+    want = {s for r in held for s in range(r * runs, min(r * runs + runs, t))}
+    for row in forced.slots.flatten(0, 1):
+        assert set(row[: len(want)].tolist()) == want
+
+
+def test_a_selection_in_runs_fetches_as_many_rows_and_at_a_full_budget_is_exact(bundles):
+    """In the store (the CPU's step, which otherwise selects in one kernel call): runs of 8 fetch the rows single
+    tokens do (equal bytes), and at a budget of 1 give `full`'s tokens."""
+    b = bundles["llama31_gqa"]
+    share = {}
+    for runs in (1, 8):
+        kv = KVOptions(alpha=math.inf, budget=0.3, runs=runs)
+        _, toks, run = greedy_logits(*engines(b, x=("infinigen", kv))["x"], PROMPTS, 8)
+        share[runs] = run.report().kv_fetched_share
+    assert share[8] == share[1]
+    es = engines(b, x=("infinigen", KVOptions(alpha=math.inf, budget=1.0, runs=8)))
+    _, ref_toks, _ = greedy_logits(*es["full"], PROMPTS, 6)
+    _, toks, run = greedy_logits(*es["x"], PROMPTS, 6)
+    assert torch.equal(toks, ref_toks) and run.report().kv_fetched_share == 1.0
