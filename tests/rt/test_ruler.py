@@ -122,7 +122,7 @@ def test_ruler_cli_table_json_plot_resume_and_bad_input(bundles, tmp_path):
 
     one_line_error(run_cli(*args, "--runs", "0"), "runs")
     one_line_error(run_cli(*args, "--runs", "2.5"), "--runs takes whole numbers")
-    one_line_error(run_cli(*args[:4], "--text", hay, "--runs", "8"), "--runs applies to")
+    one_line_error(run_cli(*args[:3], "--text", hay, "--runs", "8"), "--runs applies to")
     one_line_error(run_cli(*args, "--ruler-tasks", "passkey"), "--ruler-tasks")
     one_line_error(run_cli(*args, "--samples", "0"), "--samples")
     one_line_error(run_cli(*args, "--contexts", "100000"), "--contexts must be at most")
