@@ -110,7 +110,7 @@ class Infinigen(Offload):
     sweep = ("budget", "alpha")
     knobs = POOL_KNOBS | {
         "alpha", "budget", "max_kv", "dense_layers", "trace_recall", "sinks", "recent", "renorm", "per_head",
-        "group_agg", "layer_budget", "layer_alpha", "spec_keys", "correct", "shortlist", "reuse",
+        "group_agg", "layer_budget", "layer_alpha", "spec_keys", "correct", "shortlist", "reuse", "runs",
     }  # fmt: skip
 
     @classmethod
