@@ -165,16 +165,26 @@ qwen-eval: (setup "gguf,plot") texts (qwen "0.5b")
       --depths 0.25,0.75 --needles 1 --needle-tasks single --policies full,infinigen,oracle --budgets 0.1 \
       --device cpu --resume --out $r/needle-qwen2.5-coder-0.5b.json
 
-# RULER's tasks (eval --task ruler) on Qwen2.5-Coder (0.5b or 1.5b): the held-out novel (Alice) as haystack, contexts
-# to 32k, the budgets 2, 5 and 10 % at equal bytes; resumable, so a run cut short goes on where it stopped
-ruler size="0.5b" contexts="4096,8192,16384,32000": (setup "gguf,plot") texts (qwen size)
+# (resumable: a run cut short goes on where it stopped; the run length is chosen on `just ruler-tune`'s haystack)
+# RULER's tasks on Qwen2.5-Coder (0.5b or 1.5b): Alice to 32k, budgets 1-10 % at equal bytes, runs of 1/8/16
+ruler size="0.5b" contexts="4096,8192,16384,32000" samples="2": (setup "gguf,plot") texts (qwen size)
     #!/usr/bin/env bash
     set -euo pipefail
     mkdir -p artifacts/results
     r=artifacts/results/ruler-qwen2.5-coder-{{size}}
     infinigen-rt eval artifacts/bundles/qwen2.5-coder-{{size}} --task ruler --text artifacts/cache/texts/alice.txt \
-      --contexts {{contexts}} --samples 4 --policies full,infinigen,oracle,quest --budgets 0.02,0.05,0.1 --device cpu \
-      --resume --out $r.json --plot $r.png
+      --contexts {{contexts}} --samples {{samples}} --policies full,infinigen,oracle,quest \
+      --budgets 0.01,0.02,0.05,0.1 --runs 1,8,16 --device cpu --resume --out $r.json --plot $r.png
+
+# the runs lever on a tuning haystack (Areopagitica): infinigen in runs of 1, 8 and 16 tokens against `full`
+ruler-tune size="0.5b" contexts="4096": (setup "gguf,plot") texts (qwen size)
+    #!/usr/bin/env bash
+    set -euo pipefail
+    mkdir -p artifacts/results
+    infinigen-rt eval artifacts/bundles/qwen2.5-coder-{{size}} --task ruler \
+      --text artifacts/cache/texts/areopagitica.txt --contexts {{contexts}} --samples 1 --policies full,infinigen \
+      --budgets 0.02,0.05 --runs 1,8,16 --device cpu --resume \
+      --out artifacts/results/ruler-tuning-qwen2.5-coder-{{size}}-areopagitica.json
 
 # Qwen2.5-Coder 0.5B held out at 2048 tokens (bundle keys, oracle, int4c) and what each key store keeps of the attention
 qwen-eval-2k: (setup "gguf,plot") texts (qwen "0.5b")
