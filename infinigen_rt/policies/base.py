@@ -32,8 +32,11 @@ class KVPolicy:
 
     @classmethod
     def configure(cls, opts, engine) -> Policy:
-        """This policy with `opts` (KVOptions), checked against `engine` once: the value a request runs with."""
+        """This policy with `opts` (KVOptions), checked against `engine` once: the value a request runs with. A
+        policy that reads the dense layers gets the option, else the bundle's default."""
         opts.check()
+        if "dense_layers" in cls.knobs:
+            opts = replace(opts, dense_layers=opts.dense_layers or engine.dense_layers)
         return Policy(cls, opts)
 
     @classmethod

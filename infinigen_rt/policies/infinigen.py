@@ -118,12 +118,12 @@ class Infinigen(Offload):
         """Needs the bundle's InfiniGen tensors (a one-line error for a bundle converted without them); the dense
         layers and the speculation keys resolved (the option, else the bundle's default), a layer left to speculate."""
         engine.require_speculation()
-        opts = replace(opts, dense_layers=opts.dense_layers or engine.dense_layers,
-                       spec_keys=opts.spec_keys or engine.speculation.defaults.spec_keys)  # fmt: skip
-        if opts.dense_layers >= engine.cfg.num_hidden_layers:
-            raise InfinigenError(f"--dense-layers {opts.dense_layers} leaves no layer to speculate (the model has "
-                                 f"{engine.cfg.num_hidden_layers})")  # fmt: skip
-        return super().configure(opts, engine)
+        policy = super().configure(replace(opts, spec_keys=opts.spec_keys or engine.speculation.defaults.spec_keys),
+                                   engine)  # fmt: skip
+        if policy.opts.dense_layers >= engine.cfg.num_hidden_layers:
+            raise InfinigenError(f"--dense-layers {policy.opts.dense_layers} leaves no layer to speculate (the model "
+                                 f"has {engine.cfg.num_hidden_layers})")  # fmt: skip
+        return policy
 
     @classmethod
     def selector(cls, engine, opts, prefetch=None):

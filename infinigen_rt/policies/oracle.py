@@ -12,7 +12,6 @@ to the true top tokens by the real scores. A mask over dense attention: it measu
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -31,11 +30,6 @@ class Oracle(KVPolicy):
     sweep = ("budget",)
     scores = True
     per_query_head = False
-
-    @classmethod
-    def configure(cls, opts, engine):
-        """The dense layers resolved: the option, else the bundle's default."""
-        return super().configure(replace(opts, dense_layers=opts.dense_layers or engine.dense_layers), engine)
 
     @classmethod
     def selector(cls, engine, opts, prefetch=None):

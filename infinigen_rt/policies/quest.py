@@ -9,8 +9,6 @@ Unlike InfiniGen it needs the layer's own query, so its fetch cannot start a lay
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from infinigen_rt.kv.cache import KVReport
@@ -25,11 +23,6 @@ class Quest(KVPolicy):
     knobs = frozenset({"budget", "max_kv", "dense_layers", "prefill_chunk"})
     runtime = False
     sweep = ("budget",)
-
-    @classmethod
-    def configure(cls, opts, engine):
-        """The dense layers resolved: the option, else the bundle's default (as infinigen's)."""
-        return super().configure(replace(opts, dense_layers=opts.dense_layers or engine.dense_layers), engine)
 
     @classmethod
     def selector(cls, engine, opts, prefetch=None):

@@ -201,6 +201,7 @@ def test_bad_speculation_options(bundles):
     one_line_error(run_cli("rt", "generate", b, "hi", "--policy", "infinigen", "--correct", "1"), "correct")
     one_line_error(run_cli("rt", "generate", b, "hi", "--policy", "infinigen", "--shortlist", "-1"), "shortlist")
     one_line_error(run_cli("rt", "eval", b, "--text", "x.txt", "--spec-keys", "fp8"), "spec-keys")
+    one_line_error(run_cli("rt", "generate", b, "hi", "--policy", "infinigen", "--dense-layers", "99"), "no layer")
 
 
 @pytest.mark.parametrize("bits, d", [(4, 64), (4, 128), (2, 64), (4, 80), (2, 8)])
