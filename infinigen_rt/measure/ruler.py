@@ -4,7 +4,8 @@ the share found; string_match_part for QA: any), a task's mean over its samples,
 
   niah_single, niah_multikey, niah_multivalue, niah_multiquery   needles.py's sentences at seeded random depths:
       one asked; one among 3 with other keys; 4 values of one key, all asked; 4 keys, all asked
-  vt     variable tracking: a chain of 5 assignments (VAR A = 12345, VAR B = VAR A, ...) spread through the text,
+  vt     variable tracking: a chain of 5 assignments (VAR A = 12345, VAR B = VAR A, ...) spread through the text
+         after one solved chain (RULER's one-shot),
          asked which variables hold the value
   cwe    common words: a numbered list of the text's words, 10 of them 30 times each, the rest 3 times; the 10
          asked
@@ -68,18 +69,28 @@ def niah(tok, hay: list[int], task: str, context: int, rng: random.Random) -> tu
     return compose(tok, hay, needle.HEADER, needles, question, context, rng, f"the {task} needles"), asked, answers
 
 
-def variable_tracking(tok, hay: list[int], context: int, rng: random.Random) -> tuple[list[int], str, list[str]]:
-    """A chain VAR A = value, VAR B = VAR A, ... (HOPS + 1 names of five capitals), in order through the text."""
+def chain(rng: random.Random) -> tuple[list[str], str, list[str], str]:
+    """A chain VAR A = value, VAR B = VAR A, ... of HOPS + 1 names of five capitals: (names, value, its sentences,
+    the question that asks for the names)."""
     names = ["".join(rng.choices(string.ascii_uppercase, k=5)) for _ in range(HOPS + 1)]
     while len(set(names)) <= HOPS:
         names = ["".join(rng.choices(string.ascii_uppercase, k=5)) for _ in range(HOPS + 1)]
     value = str(rng.randrange(10_000, 100_000))
     said = [f" VAR {names[0]} = {value}. "] + [f" VAR {b} = VAR {a}. " for a, b in zip(names, names[1:], strict=False)]
-    depths = sorted(rng.random() for _ in said)
     question = (f"\nQuestion: Find all variables that are assigned the value {value} in the text above. Answer: "
                 f"According to the chain(s) of variable assignment in the text above, {len(names)} variables are "
                 f"assigned the value {value}, they are:")  # fmt: skip
-    ids = compose(tok, hay, VT_HEADER, list(zip(depths, said, strict=True)), question, context, rng,
+    return names, value, said, question
+
+
+def variable_tracking(tok, hay: list[int], context: int, rng: random.Random) -> tuple[list[int], str, list[str]]:
+    """A chain through the text in order, after one solved example without a haystack (RULER's one-shot: the
+    answer's form, the names one after another)."""
+    ex_names, _, ex_said, ex_question = chain(rng)
+    example = VT_HEADER + " ".join(s.strip() for s in ex_said) + "\n" + ex_question + " " + " ".join(ex_names) + "\n\n"
+    names, value, said, question = chain(rng)
+    depths = sorted(rng.random() for _ in said)
+    ids = compose(tok, hay, example + VT_HEADER, list(zip(depths, said, strict=True)), question, context, rng,
                   "a chain of variables")  # fmt: skip
     return ids, value, names
 

@@ -52,6 +52,8 @@ def test_cases_are_seeded_fit_their_context_and_hold_their_answers(tok):
             at += [prompt.index(f"VAR {b} = VAR {a}.") for a, b in zip(c.values, rest, strict=False)]
             assert at == sorted(at) and len(c.values) == ruler.HOPS + 1
             assert f"assigned the value {c.key}, they are:" in prompt
+            example = prompt[: prompt.index(f"VAR {first} = {c.key}.")]  # one solved chain first, its names given
+            assert example.count("they are:") == 1 and re.search(r"they are: [A-Z]{5}( [A-Z]{5}){4}\n", example)
         elif c.task == "cwe":
             counts = Counter(re.findall(r"^\d+\. (\S+)$", prompt, re.M))
             top = {w for w, _ in counts.most_common(ruler.COMMON)}
