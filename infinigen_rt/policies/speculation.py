@@ -533,13 +533,15 @@ def run_order(agg: torch.Tensor, runs: int, mass: bool, held: torch.Tensor | Non
     blocks = F.pad(agg, (0, pad), value=0.0 if mass else float("-inf")).unflatten(-1, (-1, runs))
     score = blocks.sum(-1) if mass else blocks.amax(-1)  # [B, Hkv, t / runs]
     order = score.argsort(dim=-1, descending=True, stable=True)
-    slots = (order[..., None] * runs + torch.arange(runs, device=agg.device)).flatten(-2)
-    if pad:  # the short run's missing slots: exactly `pad` in every row
-        slots = slots[slots < t].view(*agg.shape)
+    slots = (order[..., None] * runs + torch.arange(runs, device=agg.device)).flatten(-2)  # [B, Hkv, t + pad]
+    if not pad and held is None:
+        return slots
+    # to the end, in order: the free slots, then the short run's missing ones (exactly `pad` a row), cut; a stable
+    # sort rather than a mask's selection, which would read a count back to the host (a sync on a GPU)
+    last = (slots >= t).to(torch.uint8) * 2
     if held is not None:
-        free = ~torch.gather(held, -1, slots)
-        slots = slots.gather(-1, free.to(torch.uint8).argsort(dim=-1, stable=True))
-    return slots
+        last += ~torch.gather(held, -1, slots.clamp(max=t - 1))
+    return slots.gather(-1, last.argsort(dim=-1, stable=True))[..., :t]
 
 
 def _memo(memo: dict | None, key, make):

@@ -367,6 +367,12 @@ def test_a_selection_in_runs_takes_whole_aligned_runs_ranked_by_the_attention_th
         assert row.tolist() == slots  # in rank order, each run's slots in order
     wide = select(spec, math.inf, opts, width=n + 5)
     assert torch.equal(wide.slots[..., :n], sel.slots)
+    held = torch.ones(b, hkv, t, dtype=torch.bool)
+    held[0, :, t - 21 :] = False  # a shorter sequence: its last run part held, part free
+    pos = torch.arange(t).expand(b, hkv, t).masked_fill(~held, -1)
+    short = select(spec, math.inf, opts, held, pos)
+    assert torch.gather(held, 2, short.slots).all()  # its runs' free slots never among the first n
+    assert (short.ok.sum(-1) == short.per_row[:, None]).all() and short.per_row[0] < short.per_row[1]
     forced = select(spec, math.inf, KVOptions(alpha=math.inf, budget=0.2, sinks=4, recent=8, runs=runs))
     held = {0} | {p // runs for p in range(t - 8, t)}  # the runs of the sinks and of the 8 newest tokens
     want = {s for r in held for s in range(r * runs, min(r * runs + runs, t))}
