@@ -295,9 +295,12 @@ def ruler_cmd(engine, path, text: Path, names, budgets, alphas, contexts, sample
             "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}  # fmt: skip
     done = load_finished(out, meta, "results", lambda r: needle.Result(**r), "a ruler",
                          ("bundle", "text_sha256", "seed")) if resume else []  # fmt: skip
-
     def as_json(results):
-        return {**meta, "summary": ruler.summary(results), "results": [asdict(r) for r in results]}
+        """The results with the meta of what they hold: --out keeps earlier runs' contexts and tasks beside this
+        run's (whatever --contexts and --ruler-tasks it names), and its meta lists them all."""
+        held = {"contexts": sorted({r.context for r in results} | set(context_list)),
+                "tasks": [t for t in ruler.TASKS if t in task_list or any(r.task == t for r in results)]}  # fmt: skip
+        return {**meta, **held, "summary": ruler.summary(results), "results": [asdict(r) for r in results]}
 
     results = _answer_cases(engine, cases, todo, done, out, json_out, "RULER cases", as_json)
     rows = ruler.summary(results)

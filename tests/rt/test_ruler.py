@@ -119,6 +119,7 @@ def test_ruler_cli_table_json_plot_resume_and_bad_input(bundles, tmp_path):
     assert "infinigen r8" in r.stdout  # infinigen in runs of 8 beside it, at each budget; the oracle single tokens
     summary = json.loads(out.read_text())["summary"]
     runs = {(s["policy"], s["budget"], s["runs"]) for s in summary if s["context"] == 225}
+    assert json.loads(out.read_text())["contexts"] == [225, 232]  # (this run named 225 alone)
     assert runs == {("full", None, None)} | {(p, x, None) for p in ("infinigen", "oracle") for x in (0.1, 0.3)} | {
         ("infinigen", x, 8) for x in (0.1, 0.3)}
 
