@@ -104,9 +104,10 @@ def eval_cmd(
     spec = {k: v for k, v in (("spec_keys", spec_keys), ("correct", correct), ("shortlist", shortlist))
             if v is not None}  # fmt: skip
     KVOptions(**spec).check()
-    run_list = [int(r) for r in floats(runs, "--runs")]
-    if not run_list or any(r != x for r, x in zip(run_list, floats(runs, "--runs"), strict=True)):
+    run_list = floats(runs, "--runs")
+    if not run_list or any(r != int(r) for r in run_list):
         raise InfinigenError(f"--runs takes whole numbers of tokens, got {runs!r}")
+    run_list = [int(r) for r in run_list]
     for r in run_list:
         KVOptions(runs=r).check()
     if run_list != [1] and task == "perplexity":
