@@ -12,13 +12,13 @@ from infinigen_rt.kv._triton import interpreter_loop_bounds
 interpreter_loop_bounds()  # the chunk loop's bound is computed from a runtime count, in Triton's interpreter too
 
 
-@triton.jit(do_not_specialize=["n_sel", "n_out", "total"])
+@triton.jit(do_not_specialize=["n_sel", "n_out", "total", "first"])
 def gather_rows_kernel(
-    src_a, src_b, out_a, out_b, rows, ok, n_sel, n_out, total,
+    src_a, src_b, out_a, out_b, rows, ok, n_sel, n_out, total, first,
     W: tl.constexpr, BLOCK_W: tl.constexpr, ROWS: tl.constexpr, HAS_OK: tl.constexpr,
 ):  # fmt: skip
     # chunk c moves ROWS selected rows, program p the chunks p, p + programs, ... (one each, unless the grid is
-    # capped: kernels.gather_grid); selection m (of `total`) lands at row (m // n_sel) * n_out + m % n_sel
+    # capped: kernels.gather_grid); selection m (of `total`) lands at row (m // n_sel) * n_out + first + m % n_sel
     for chunk in range(tl.program_id(0), (total + ROWS - 1) // ROWS, tl.num_programs(0)):
         m = chunk * ROWS + tl.arange(0, ROWS)
         live = m < total
@@ -26,7 +26,7 @@ def gather_rows_kernel(
         use = live
         if HAS_OK:
             use = live & (tl.load(ok + m, mask=live, other=0) != 0)
-        dst = (m // n_sel).to(tl.int64) * n_out + (m % n_sel)
+        dst = (m // n_sel).to(tl.int64) * n_out + first + (m % n_sel)
         cols = tl.arange(0, BLOCK_W)
         inside = cols[None, :] < W
         src_off = r[:, None] * W + cols[None, :]

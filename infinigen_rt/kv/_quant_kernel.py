@@ -24,10 +24,10 @@ def score_codes_kernel(
     GROUP: tl.constexpr, BITS: tl.constexpr, TOKENS: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr,
     PAIR_SLOTS: tl.constexpr = False, CHANNEL: tl.constexpr = False, RUN: tl.constexpr = 16,
 ):  # fmt: skip
-    # q [B, HKV, G, D] float32; codes [*, HKV, n_slots, D * BITS / 8] uint8; meta [*, HKV, n_slots, 2, D / GROUP]
-    # fp16 (scale, minimum); slots [B, n_tok] (HAS_SLOTS; [B, HKV, n_tok] where PAIR_SLOTS: each pair its own; else
-    # the slots start..start + n_tok); out [B, HKV, G, n_tok]
-    # float32. BATCH_ROWS: codes has a leading row per sequence (a cache of its own), else one shared (the store).
+    # q [B, HKV, G, D] (float32, float16 or bfloat16); codes [*, HKV, n_slots, D * BITS / 8] uint8; meta [*, HKV,
+    # n_slots, 2, D / GROUP] fp16 (scale, minimum); slots [B, n_tok] (HAS_SLOTS; [B, HKV, n_tok] where PAIR_SLOTS:
+    # each pair its own; else the slots start..start + n_tok); out [B, HKV, G, n_tok] float32. BATCH_ROWS: codes has
+    # a leading row per sequence (a cache of its own), else one shared (the store).
     # On the matrix units: a tile of TOKENS rows of codes is read whole (each row's bytes adjacent), unpacked to
     # [TOKENS, D] in registers and multiplied by a [D, G_ROWS * GROUPS] matrix holding query head n // GROUPS's
     # columns of group n % GROUPS (zeros elsewhere): the dot products of each (head, group), which the group's scale
@@ -47,6 +47,7 @@ def score_codes_kernel(
     head, part = n // GROUPS, n % GROUPS
     mine = (head[None, :] < G) & (c[:, None] // GROUP == part[None, :])
     qm = tl.load(q + ((b * HKV + h) * G + head[None, :]).to(tl.int64) * D + c[:, None], mask=mine, other=0)
+    qm = qm.to(tl.float32)  # (a query in the model's dtype: exact in float32)
     qsum = tl.sum(qm, 0)  # [N]: each (head, group)'s sum of its query columns, times the group's minimum
     base = h.to(tl.int64) * n_slots
     if BATCH_ROWS:

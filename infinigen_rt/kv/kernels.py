@@ -97,19 +97,21 @@ def gather_grid(total: int) -> int:
     return min(chunks, cap) if cap else chunks
 
 
-@gpu_op("gather_rows(Tensor src_a, Tensor src_b, Tensor rows, Tensor? ok, Tensor(a!) out_a, Tensor(b!) out_b) -> ()")
-def gather_rows(src_a, src_b, rows, ok, out_a, out_b) -> None:
-    """out_x[g, i] = src_x[rows[g, i]] where ok[g, i] (else zeros), for the pair x = a, b (keys and values).
+@gpu_op("gather_rows(Tensor src_a, Tensor src_b, Tensor rows, Tensor? ok, Tensor(a!) out_a, Tensor(b!) out_b, "
+        "int first=0) -> ()")
+def gather_rows(src_a, src_b, rows, ok, out_a, out_b, first: int = 0) -> None:
+    """out_x[g, first + i] = src_x[rows[g, i]] where ok[g, i] (else zeros), for the pair x = a, b (keys and values).
 
     src_a, src_b: [N, X] (host pinned memory, or device memory); rows: [G, n] int64 and ok: [G, n] bool (or None:
-    all count), on the compute device; out_a, out_b: [G, n_out, X] with n_out >= n, contiguous, on the device
-    (rows n..n_out-1 of each group are left as they are: room for the new tokens)."""
+    all count), on the compute device; out_a, out_b: [G, n_out, X] with n_out >= first + n, contiguous, on the
+    device (the other rows of each group are left as they are: room for the new tokens, or rows already there)."""
     check(rows.dim() == 2 and rows.dtype == torch.int64, "gather_rows: rows [G, n] int64")
     check(ok is None or (ok.shape == rows.shape and ok.dtype == torch.bool), "gather_rows: ok [G, n] bool, as rows")
     check(src_a.shape == src_b.shape and src_a.dtype == src_b.dtype, "gather_rows: src_a and src_b alike")
     check(out_a.shape == out_b.shape and out_a.dim() == 3 and out_a.shape[0] == rows.shape[0]
-          and out_a.shape[1] >= rows.shape[1] and out_a.shape[2] == src_a.shape[-1] and out_a.dtype == src_a.dtype,
-          "gather_rows: out_a, out_b [G, n_out >= n, X] in the sources' dtype")  # fmt: skip
+          and out_a.shape[1] >= first + rows.shape[1] and first >= 0 and out_a.shape[2] == src_a.shape[-1]
+          and out_a.dtype == src_a.dtype, "gather_rows: out_a, out_b [G, n_out >= first + n, X] in the sources' "
+          "dtype")  # fmt: skip
     g, n = rows.shape
     n_out = out_a.shape[1]
     sa, sb, oa, ob = words(src_a), words(src_b), words(out_a), words(out_b)
@@ -124,7 +126,7 @@ def gather_rows(src_a, src_b, rows, ok, out_a, out_b) -> None:
     rows = rows.reshape(-1).contiguous()
     launch(
         gather_rows_kernel, (gather_grid(total),),
-        sa, sb, oa, ob, rows, ok.reshape(-1).contiguous() if ok is not None else rows, n, n_out, total,
+        sa, sb, oa, ob, rows, ok.reshape(-1).contiguous() if ok is not None else rows, n, n_out, total, first,
         W=w, BLOCK_W=triton.next_power_of_2(w), ROWS=ROWS_PER_PROGRAM, HAS_OK=ok is not None,
     )  # fmt: skip
 
@@ -192,11 +194,87 @@ def scatter_rows_reference(dst: torch.Tensor, rows: torch.Tensor, src: torch.Ten
     dst.index_copy_(0, rows.reshape(-1).to(dst.device), src.reshape(-1, dst.shape[-1]).to(dst.device, dst.dtype))
 
 
-def gather_rows_reference(src_a, src_b, rows, ok, out_a, out_b) -> None:
+def gather_rows_reference(src_a, src_b, rows, ok, out_a, out_b, first: int = 0) -> None:
     """The definition of `gather_rows` in torch ops (index_select on the rows, zeros where they do not count)."""
     g, n = rows.shape
     for src, out in ((src_a, out_a), (src_b, out_b)):
         taken = src.index_select(0, rows.reshape(-1).to(src.device)).to(out.device).view(g, n, -1)
         if ok is not None:
             taken = taken.masked_fill(~ok[..., None], 0)
-        out[:, :n] = taken
+        out[:, first : first + n] = taken
+
+
+AGG_SPLIT = 1024  # the slots one program of the group softmax takes (a query head's row of them; fewer for more heads)
+AGG_SPLITS = 64  # the splits of a row the combining pass reads at once
+CUT_BLOCK = 256  # the slots a program of the cut takes
+
+
+def _strided_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """x [B, Hkv, n] (its last dimension dense), perhaps expanded over B or Hkv (the same row for every head): (the
+    tensor holding its distinct rows, contiguous; the stride of a sequence and of a KV head in it, 0 where
+    expanded). No copy where the distinct rows are contiguous already (an expanded mask, a whole top-k)."""
+    keep = tuple(slice(0, 1) if x.stride(i) == 0 and x.shape[i] > 1 else slice(None) for i in range(2))
+    base = x[keep]
+    if not base.is_contiguous():
+        base = base.contiguous()
+    return base, *(base.stride(i) if base.shape[i] == x.shape[i] else 0 for i in range(2))
+
+
+@gpu_op("group_agg(Tensor s, Tensor? held, Tensor? forced, Tensor? value, Tensor? cut, Tensor? cut_ok, "
+        "bool free_inf) -> Tensor")
+def group_agg(s, held, forced, value, cut, cut_ok, free_inf: bool) -> torch.Tensor:
+    """Each slot's share of its group's attention: s [B, Hkv, G, t] float32 (scores) -> [B, Hkv, t] float32, the
+    softmax over t of each query head summed over G (`group_agg_reference` in torch ops), in at most three launches.
+    `held` [B, Hkv, t] bool: the slots that hold a token (the others masked before the softmax, their share 0, or
+    -inf with `free_inf`); `forced` [B, Hkv, t] bool and `value` [B, Hkv, t] float32: value where forced;
+    `cut` [B, Hkv, n] int64 (slots) and `cut_ok` [B, Hkv, n] bool (or None: all): -inf at those slots afterwards
+    (they count in the softmax). cut and cut_ok may be expanded over B or Hkv."""
+    check(s.dim() == 4 and s.dtype == torch.float32 and s.is_contiguous(), "group_agg: s [B, Hkv, G, t] float32")
+    b, hkv, g, t = s.shape
+    for name, x, dtype in (("held", held, torch.bool), ("forced", forced, torch.bool), ("value", value, s.dtype)):
+        check(x is None or (x.shape == (b, hkv, t) and x.dtype == dtype),
+              f"group_agg: {name} [B, Hkv, t] {dtype}")  # fmt: skip
+    check((forced is None) == (value is None), "group_agg: forced and value together")
+    check(cut is None or (cut.dim() == 3 and cut.shape[:2] == (b, hkv) and cut.dtype == torch.int64
+                          and (cut_ok is None or (cut_ok.shape == cut.shape and cut_ok.dtype == torch.bool))),
+          "group_agg: cut [B, Hkv, n] int64, cut_ok as cut, bool")  # fmt: skip
+    out = torch.empty(b, hkv, t, dtype=torch.float32, device=s.device)
+    if out.numel() == 0:
+        return out
+    import triton
+
+    from infinigen_rt.kv._agg_kernel import cut_kernel, group_agg_kernel, group_stats_kernel
+
+    gp = triton.next_power_of_2(g)
+    split = max(64, AGG_SPLIT // gp)
+    n_split = triton.cdiv(t, split)
+    stats = torch.empty(b * hkv, n_split, 2, gp, dtype=torch.float32, device=s.device)
+    # (each mask's distinct rows and their strides; a placeholder pointer where there is none)
+    mask, forced, value = (_strided_rows(x) if x is not None else (out, 0, 0) for x in (held, forced, value))
+    shape = dict(HKV=hkv, G=g, GP=gp, SPLIT=split, HAS_HELD=held is not None)
+    launch(group_stats_kernel, (b * hkv, n_split), s, mask[0], stats, t, n_split, *mask[1:], **shape)
+    launch(group_agg_kernel, (b * hkv, n_split), s, mask[0], forced[0], value[0], stats, out, t, n_split, *mask[1:],
+           *forced[1:], *value[1:], **shape, NS=AGG_SPLITS, HAS_FORCED=forced[0] is not out, FREE_INF=free_inf)
+    if cut is not None and cut.shape[-1]:
+        n = cut.shape[-1]
+        slots, sb, sh = _strided_rows(cut)
+        ok, ob, oh = _strided_rows(cut_ok) if cut_ok is not None else (slots, 0, 0)
+        launch(cut_kernel, (b * hkv, triton.cdiv(n, CUT_BLOCK)), out, slots, ok, t, n, sb, sh, ob, oh, HKV=hkv,
+               BLOCK=CUT_BLOCK, HAS_OK=cut_ok is not None)  # fmt: skip
+    return out
+
+
+def group_agg_reference(s, held, forced, value, cut, cut_ok, free_inf: bool) -> torch.Tensor:
+    """The definition of `group_agg` in torch ops (select's and correction_rows' chain)."""
+    if held is not None:
+        s = s.masked_fill(~held[:, :, None], float("-inf"))
+    agg = s.softmax(-1).sum(2)
+    if held is not None and free_inf:
+        agg = agg.masked_fill(~held, float("-inf"))
+    if forced is not None:
+        agg = torch.where(forced, value, agg)
+    if cut is not None:
+        taken = torch.zeros(agg.shape, dtype=torch.bool, device=agg.device)
+        taken.scatter_(2, cut, cut_ok if cut_ok is not None else torch.ones(cut.shape, dtype=torch.bool))
+        agg = agg.masked_fill(taken, float("-inf"))
+    return agg

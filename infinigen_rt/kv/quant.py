@@ -149,23 +149,23 @@ def _scores_kernel(q, codes, meta, at, t: int, group: int, bits: int, run: int =
     """The kernel's scores (see `scores`); `run` > 0: a scale per channel over each `run` slots (meta [R, Hkv,
     S / run, 2, D]; policies/speculation.py's ChannelKeys)."""
     slots = at.contiguous() if isinstance(at, torch.Tensor) else None
-    return score_codes(q.float().contiguous(), codes, meta, slots, at.start if isinstance(at, slice) else 0, t, group,
+    return score_codes(q.contiguous(), codes, meta, slots, at.start if isinstance(at, slice) else 0, t, group,
                        bits, run)  # fmt: skip
 
 
 @gpu_op("score_codes(Tensor q, Tensor codes, Tensor meta, Tensor? slots, int start, int t, int group, int bits, "
         "int run) -> Tensor")
 def score_codes(q, codes, meta, slots, start: int, t: int, group: int, bits: int, run: int) -> torch.Tensor:
-    """q [B, Hkv, G, D] float32 against the codes and meta at `slots` ([B, t] or [B, Hkv, t]; None: `t` slots from
-    `start`): [B, Hkv, G, t] float32 (the scoring kernel's)."""
+    """q [B, Hkv, G, D] (float32, or the model's 16-bit dtype: read as float32) against the codes and meta at `slots`
+    ([B, t] or [B, Hkv, t]; None: `t` slots from `start`): [B, Hkv, G, t] float32 (the scoring kernel's)."""
     import triton
 
     from infinigen_rt.kv._quant_kernel import score_codes_kernel
 
     b, hkv, g, d = q.shape
-    check(q.dtype == torch.float32 and codes.dtype == torch.uint8 and codes.dim() == 4 and codes.shape[1] == hkv
-          and (slots is None or slots.shape[-1] == t), "score_codes: q [B, Hkv, G, D] float32, codes [R, Hkv, S, "
-          "bytes] uint8, slots [.., t]")  # fmt: skip
+    check(q.dtype in (torch.float32, torch.float16, torch.bfloat16) and codes.dtype == torch.uint8
+          and codes.dim() == 4 and codes.shape[1] == hkv and (slots is None or slots.shape[-1] == t),
+          "score_codes: q [B, Hkv, G, D] float32 or 16-bit, codes [R, Hkv, S, bytes] uint8, slots [.., t]")  # fmt: skip
     out = torch.empty(b, hkv, g, t, dtype=torch.float32, device=q.device)
     if t == 0:
         return out

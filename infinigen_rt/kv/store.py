@@ -238,7 +238,7 @@ class KVStore:
         return blocks * BLOCK + slots % BLOCK
 
     def gather(self, layer: int, batch: Batch, slots: torch.Tensor, ok: torch.Tensor | None, extra: int = 1,
-               out=None, rows: torch.Tensor | None = None, into=None):  # fmt: skip
+               out=None, rows: torch.Tensor | None = None, into=None, first: int = 0):  # fmt: skip
         """The K and V rows of every row's `slots` [B, Hkv, n] from pooled layer `layer` as stored, in one copy per
         part for the batch: (keys' parts, values' parts), each [B, Hkv, n + extra, X] on the device (the `extra` last
         rows: room for the new tokens), to decode (the layout's). On a GPU the row kernel reads them from pinned
@@ -246,7 +246,8 @@ class KVStore:
         values) pair per part, to fill instead of new tensors (the kernel only). `rows`: the slots' pool rows [B, Hkv,
         n] where the caller has them (StoreStep.pool_rows: flat slot x Hkv + KV head). `into` (a CPU): the
         (keys, values) tensors [B, Hkv, n + extra, X] of each part to write, windows of larger ones (the room a
-        speculated gather left for the correction), returned as they are."""
+        speculated gather left for the correction), returned as they are; with the kernel, whole (keys, values)
+        tensors [B, Hkv, m, X] whose rows `first`.. the rows fill (the room left in them)."""
         b, h, n = slots.shape
         keys, values = self.k[layer], self.v[layer]
         if into is not None:
@@ -268,7 +269,7 @@ class KVStore:
         if ok is None or self.kernel:  # the kernel writes zeros where ok is False
             rows = self.physical(batch, slots) * h + head if rows is None else rows
             for src_k, src_v, (out_k, out_v) in zip(keys, values, out, strict=True):
-                copy_rows(src_k, src_v, rows, ok, out_k, out_v, self.kernel)
+                copy_rows(src_k, src_v, rows, ok, out_k, out_v, self.kernel, first)
             return got
         # a CPU, where rows do not all count: only those that do are copied (and, as index_select does, a row for
         # each new token), the others are zeros (never unwritten memory: NaN bits would poison attention's sum)

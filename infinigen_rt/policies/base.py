@@ -165,14 +165,14 @@ class Selector:
         return k, v, ok
 
     def gather(self, step: StoreStep, j: int, slots, ok, extra: int, turn: int | None = None, counted=None,
-               rows=None, room: int = 0, into=None):  # fmt: skip
+               rows=None, room: int = 0, into=None, first: int = 0):  # fmt: skip
         """Rows `slots` [B, Hkv, n] of pooled layer j for every request as stored (store.gather), counted per request:
         on a GPU the rows that count (`counted` per request, a tensor [B] or a CPU's list, where `ok` skips some; else
         all), into device buffers `turn` (two sets, used in turn by consecutive layers: a new tensor per layer, made on
         the side stream and freed on the compute stream while the host runs ahead of the copies, could not be reused
         before they caught up); on a CPU the rows it copies: those that count and one for each new token (the `extra`
         rows). `room`: rows left before the extra ones for the caller to fill (not counted: nothing of the pool's).
-        `into`: where to write them (store.gather's, a CPU)."""
+        `into`, `first`: where to write them (store.gather's)."""
         store, (b, h, n) = self.store, slots.shape
         out = None
         if store.kernel and turn is not None:
@@ -182,7 +182,7 @@ class Selector:
                 self.buffers[turn] = [tuple(torch.empty(m + m // 8, dtype=t, device=store.device) for _ in "kv")
                                       for m, (_, _, t) in zip(need, store.layout.parts, strict=True)]  # fmt: skip
             out = self.buffers[turn]
-        k, v = store.gather(j, step.batch, slots, ok, room + extra, out, rows, into)
+        k, v = store.gather(j, step.batch, slots, ok, room + extra, out, rows, into, first)
         if ok is None:
             copied = n * h + (0 if store.kernel else extra * h)
         else:  # what counts (the kernel and a CPU copy only that), and on a CPU the new tokens' rows

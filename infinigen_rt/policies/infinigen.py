@@ -467,16 +467,15 @@ class InfinigenSelector(Selector):
         counted = ok.sum((1, 2))
         c = slots.shape[-1]
         assert room >= c, "the correction's rows exceed the room left for them"
-        # a CPU gathers straight into the room; a GPU's kernel into its own buffers
-        into = [(k[:, :, n : n + c], v[:, :, n : n + c])] if not self.store.kernel else None
+        # straight into the room: a CPU's copy into its window, a GPU's kernel into the rows from n on
+        into = [(k, v)] if self.store.kernel else [(k[:, :, n : n + c], v[:, :, n : n + c])]
         every = ok
         if not self.store.kernel:  # a CPU reads the counts for free: once, for the ledger and whether all count
             counted = counted.tolist()
             every = None if sum(counted) == ok.numel() else ok
-        (kc,), (vc,) = self.gather(step, layer, slots, every, 0, counted=counted, rows=step.pool_rows(slots), into=into)
+        self.gather(step, layer, slots, every, 0, counted=counted, rows=step.pool_rows(slots), into=into,
+                    first=n if self.store.kernel else 0)  # fmt: skip
         self.count_corrected(step, layer, counted)
-        if into is None:
-            k[:, :, n : n + c], v[:, :, n : n + c] = kc, vc
         if room > c:  # never attended (and never NaN bits); (an empty fill is still a launch on a GPU)
             k[:, :, n + c : n + room], v[:, :, n + c : n + room] = 0, 0
         return self.padded(sel, slots, ok, room, counted), (k,), (v,)

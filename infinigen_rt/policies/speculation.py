@@ -451,13 +451,21 @@ def select(
     inf = float("inf")
     t = s.shape[-1]
     prefix = held is None
+    # a GPU's masked group softmax and forced values in one op (kernels.group_agg), not torch's four kernels
+    fuse = not prefix and opts.group_agg == "sum" and math.isinf(alpha) and agg_kernel(s)
     if prefix:
         cap = fetch_count(t, opts)
     else:
-        s = s.masked_fill(_memo(memo, "free", lambda: ~held[:, :, None, :]), -inf)
+        if not fuse:
+            s = s.masked_fill(_memo(memo, "free", lambda: ~held[:, :, None, :]), -inf)
         cap = _memo(memo, ("cap", opts.budget, opts.max_kv),
                     lambda: device_counts(held.sum(-1).amax(-1), opts)[:, None])  # fmt: skip
-    agg, within = group_softmax(s, alpha) if opts.group_agg == "sum" else (s.amax(2), None)
+    if fuse:
+        forced = (_memo(memo, ("forced", opts.sinks, opts.recent), lambda: _forced(held, pos, opts, s.dtype))
+                  if opts.sinks or opts.recent else (None, None))  # fmt: skip
+        agg, within = torch.ops.infinigen_gpu.group_agg(s, held, *forced, None, None, False), None
+    else:
+        agg, within = group_softmax(s, alpha) if opts.group_agg == "sum" else (s.amax(2), None)
     if math.isinf(alpha):  # no margin: the budget decides
         n = cap
     else:
@@ -479,7 +487,7 @@ def select(
             r = min(opts.recent, t)
             agg[..., t - r :] = FORCED - opts.sinks - torch.arange(r - 1, -1, -1, device=agg.device)
         agg[..., : opts.sinks] = FORCED - torch.arange(min(opts.sinks, t), device=agg.device)
-    elif opts.sinks or opts.recent:
+    elif (opts.sinks or opts.recent) and not fuse:
         forced, value = _memo(memo, ("forced", opts.sinks, opts.recent), lambda: _forced(held, pos, opts, agg.dtype))
         agg = torch.where(forced, value, agg)
     b = s.shape[0]
@@ -542,6 +550,13 @@ def run_order(agg: torch.Tensor, runs: int, mass: bool, held: torch.Tensor | Non
     if held is not None:
         last += ~torch.gather(held, -1, slots.clamp(max=t - 1))
     return slots.gather(-1, last.argsort(dim=-1, stable=True))[..., :t]
+
+
+def agg_kernel(s: torch.Tensor) -> bool:
+    """Whether a selection's group softmax over the scores s goes through kernels.group_agg: on a GPU with Triton."""
+    from infinigen_rt.kv.kernels import available
+
+    return s.device.type == "cuda" and available()
 
 
 def _memo(memo: dict | None, key, make):
@@ -658,6 +673,11 @@ def correction_rows(s: torch.Tensor, sel: Selection, held: torch.Tensor | None, 
                                None if sel.every else sel.ok, min(n, t), min(per_row) < n, cut)  # fmt: skip
         if got is not None:
             return _counted(*got, cand, per_row)
+    uneven = room is not None or min(per_row) < n  # (sorted only then: an unsorted top-k is cheaper on a CPU)
+    if cand is None and group_agg == "sum" and agg_kernel(s):  # one op on a GPU (kernels.group_agg): not seven
+        ok = None if sel.every else sel.ok.expand(sel.slots.shape)
+        agg = torch.ops.infinigen_gpu.group_agg(s, held, None, None, sel.slots, ok, True)
+        return _counted(*top_k(agg, min(n, t), uneven), cand, per_row, memo)
     if cand is None:
         taken = torch.zeros(b, hkv, t, dtype=torch.bool, device=s.device)
         taken.scatter_(2, sel.slots, sel.ok)  # what speculation fetched (its slots distinct within a row: top-k's)
@@ -669,8 +689,6 @@ def correction_rows(s: torch.Tensor, sel: Selection, held: torch.Tensor | None, 
         s = s.masked_fill(free, float("-inf"))
         taken |= free[:, :, 0]
     agg = group_softmax(s, math.inf)[0] if group_agg == "sum" else s.amax(2)
-    # in order only where sequences take different counts (an unsorted top-k is several times cheaper on a CPU)
-    uneven = room is not None or min(per_row) < n
     return _counted(*top_k(agg.masked_fill(taken, float("-inf")), min(n, t), uneven), cand, per_row, memo)
 
 

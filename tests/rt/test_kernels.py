@@ -56,6 +56,19 @@ def test_gather_equals_its_definition(dtype, groups, n, extra, width):
         if mask is not None:
             assert bool((ka[:, :n][~mask] == 0).all())  # a row that does not count is zeros, not pool bytes
         assert torch.equal(ka[0, :n], src_a[rows[0].cpu()].to(DEVICE))
+    # after rows already there (the correction's, into the room speculation's gather left): those are kept
+    outs = []
+    for fn in (gather_rows, gather_rows_reference):
+        out_a = torch.full((groups, 3 + n + extra, width), 7, dtype=dtype, device=DEVICE)
+        out_b = torch.full_like(out_a, 7)
+        fn(src_a, src_b, rows, ok, out_a, out_b, 3)
+        outs.append((out_a, out_b))
+    (ka, kb), (ra, rb) = outs
+    assert torch.equal(ka, ra) and torch.equal(kb, rb)
+    assert bool((ka[:, :3] == 7).all()) and bool((ka[:, 3 + n :] == 7).all())
+    assert torch.equal(ka[0, 3 : 3 + n], src_a[rows[0].cpu()].to(DEVICE))
+    with pytest.raises(RuntimeError, match="n_out >= first"):
+        gather_rows(src_a, src_b, rows, ok, out_a, out_b, 4 + extra)
 
 
 @pytest.mark.parametrize("cap", ["1", "3"])
@@ -152,7 +165,8 @@ def test_the_gpu_kernels_are_typed_operators_that_check_their_tensors():
     ops = torch.ops.infinigen_gpu
     assert {op.default for op in (ops.gather_rows, ops.gather_reused, ops.scatter_rows, ops.paged_decode,
                                   ops.score_codes, ops.quantize_rows, ops.quantize_channel, ops.rms_norm,
-                                  ops.add_rms_norm, ops.rope, ops.silu_mul)} == set(kernels.BODIES)  # fmt: skip
+                                  ops.add_rms_norm, ops.rope, ops.silu_mul, ops.group_agg)
+            } == set(kernels.BODIES)  # fmt: skip
     assert fused.rope is ops.rope and fused.silu_mul is ops.silu_mul
     assert gather_rows is ops.gather_rows and attention.paged_decode is ops.paged_decode
     assert quant.score_codes is ops.score_codes
@@ -166,8 +180,50 @@ def test_the_gpu_kernels_are_typed_operators_that_check_their_tensors():
         gather_rows(src, src, torch.zeros(2, 3, dtype=torch.long), None, out.half(), out.half())
     with pytest.raises(RuntimeError):  # not a tensor where the schema wants one
         gather_rows(src, src, [0, 1], None, out, out.clone())
+    with pytest.raises(RuntimeError, match="group_agg: s"):  # scores in half precision
+        ops.group_agg(torch.zeros(1, 2, 3, 4, dtype=torch.half), None, None, None, None, None, False)
+    with pytest.raises(RuntimeError, match="group_agg: held"):  # a mask of another length
+        ops.group_agg(torch.zeros(1, 2, 3, 4), torch.ones(1, 2, 5, dtype=torch.bool), None, None, None, None, False)
     with pytest.raises(RuntimeError, match="scatter_rows"):
         scatter_rows(src, torch.zeros(3, dtype=torch.long), torch.zeros(2, 8))
     rows = torch.tensor([[1, 2, 3], [4, 5, 6]])
     gather_rows(src + torch.arange(10.0)[:, None], src, rows, None, out, out.clone())
     assert torch.equal(out[:, :3, 0], rows.float())
+
+
+@pytest.mark.parametrize("g, t, held_kind", [(4, 70, "expanded"), (7, 300, "own"), (1, 5, None), (3, 700, "own")])
+def test_the_group_softmax_op_equals_select_and_the_corrections_torch_chain(g, t, held_kind, monkeypatch):
+    """kernels.group_agg (two passes over the scores, a cut after) against its definition in torch ops, in each form
+    select and correction_rows call it: held slots shared by every KV head (an expanded mask) or each its own, the
+    sinks' and recent tokens' values forced, a cut list of slots with a mask that counts fewer of them per sequence
+    (expanded over the heads), or a slice of one; t over many splits, combined a few at a time."""
+    from infinigen_rt.kv import kernels
+
+    monkeypatch.setattr(kernels, "AGG_SPLIT", 64)  # many splits at a test's sizes,
+    monkeypatch.setattr(kernels, "AGG_SPLITS", 4)  # combined over several rounds
+    gen = torch.Generator().manual_seed(g * t)
+    b, hkv = 2, 3
+    s = torch.randn(b, hkv, g, t, generator=gen) * 4
+    if held_kind == "expanded":
+        held = (torch.rand(b, 1, t, generator=gen) > 0.2).expand(b, hkv, t)
+    else:
+        held = torch.rand(b, hkv, t, generator=gen) > 0.3 if held_kind else None
+    forced = (torch.rand(b, hkv, t, generator=gen) > 0.9) & (held if held is not None else True)
+    value = 10 + torch.rand(b, hkv, t, generator=gen)
+    n = min(t, 40)
+    cut = torch.stack([torch.randperm(t, generator=gen)[:n] for _ in range(b * hkv)]).view(b, hkv, n)
+    ok = (torch.arange(n) < torch.tensor([[[n // 3]], [[n]]])).expand(b, hkv, n)
+    forms = [(held, None, None, None, None, False), (held, forced, value, None, None, False),
+             (held, None, None, cut, ok, True), (held, None, None, cut, None, True),
+             (held, None, None, cut[..., : n // 2], ok[..., : n // 2], True)]  # fmt: skip
+
+    def on(x):
+        return x.to(DEVICE) if isinstance(x, torch.Tensor) else x
+
+    for form in forms:
+        want = kernels.group_agg_reference(s, *form)
+        got = torch.ops.infinigen_gpu.group_agg(on(s), *(on(x) for x in form)).cpu()
+        assert torch.equal(got.isinf(), want.isinf())
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="group_agg: forced and value together"):
+        torch.ops.infinigen_gpu.group_agg(on(s), None, on(forced), None, None, None, False)

@@ -89,8 +89,8 @@ def test_the_recorder_sees_kernels_copies_events_and_syncs_with_their_bytes():
 STEP_LIMITS = {
     ("full", None, None): (450, 1.08, 2.30, 4.25),  # 439 at batch 1, 471 at 8; 2.21x and 4.14x
     ("offload", None, None): (560, 1.12, 2.00, 1.27),  # 546 and 610; 1.92x and 1.22x
-    ("infinigen", "partial", 0.0): (1_105, 1.06, 5.40, 1.52),  # 1,090 and 1,152; 5.22x and 1.46x
-    ("infinigen", "int4", 0.25): (1_690, 1.06, 9.10, 2.05),  # the defaults: 1,675 and 1,767; 8.91x and 1.99x
+    ("infinigen", "partial", 0.0): (1_045, 1.07, 4.95, 1.47),  # 1,029 and 1,091; 4.83x and 1.44x
+    ("infinigen", "int4", 0.25): (1_390, 1.07, 7.15, 1.98),  # the defaults: 1,374 and 1,466; 7.00x and 1.94x
     ("h2o", None, None): (1_040, 1.0, 6.85, 4.75),  # 1,027 and 1,027; 6.67x and 4.62x
     ("int4", None, None): (2_545, 1.0, 7.90, 2.58),  # 2,530 and 2,530; 7.71x and 2.52x
 }

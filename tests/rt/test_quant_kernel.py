@@ -62,6 +62,10 @@ def test_scoring_from_the_codes_equals_the_dequantized_keys_scores(bits, d, g):
     want = quant.scores(q, own, own_meta, t, group, bits)
     got = quant._scores_kernel(on(q), on(own), on(own_meta), t, t, group, bits).cpu()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * d)
+    for dtype in (torch.float16, torch.bfloat16):  # a query in the model's dtype, read as float32 (no cast op)
+        half = q.to(dtype)
+        got = quant._scores_kernel(on(half), on(own), on(own_meta), t, t, group, bits).cpu()
+        assert torch.equal(got, quant._scores_kernel(on(half.float()), on(own), on(own_meta), t, t, group, bits).cpu())
 
 
 @pytest.mark.parametrize("d, g", [(64, 7), (128, 6), (16, 1)])
