@@ -1,7 +1,10 @@
-"""The Triton row gather against its pure-torch definition: under TRITON_INTERPRET=1 on CPU tensors here (set by
-conftest), compiled on a GPU where one is present (then the source is pinned host memory, as in the pool)."""
+"""The Triton row gather and the selection's group softmax against their pure-torch definitions: under
+TRITON_INTERPRET=1 on CPU tensors here (set by conftest), compiled on a GPU where one is present (then the source is
+pinned host memory, as in the pool); the group softmax's kernels compiled ahead of time for sm_80 and sm_90."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -227,3 +230,56 @@ def test_the_group_softmax_op_equals_select_and_the_corrections_torch_chain(g, t
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     with pytest.raises(RuntimeError, match="group_agg: forced and value together"):
         torch.ops.infinigen_gpu.group_agg(on(s), None, on(forced), None, None, None, False)
+
+
+AGG_COMPILE = """
+import json, sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from infinigen_rt.kv._agg_kernel import cut_kernel, group_agg_kernel, group_stats_kernel
+from tests.rt.test_kernels_aot import signature_of
+
+cc, g = int(sys.argv[1]), int(sys.argv[2])
+gp = triton.next_power_of_2(g)
+t, rows, split = 32768, 32, max(64, 1024 // gp)
+s = torch.empty(rows, g, t)
+held = torch.empty(rows, t, dtype=torch.bool)
+value = torch.empty(rows, t)
+stats = torch.empty(rows, t // split, 2, gp)
+slots = torch.empty(rows, 2458, dtype=torch.int64)
+shape = dict(HKV=8, G=g, GP=gp, SPLIT=split, HAS_HELD=True)
+launches = [
+    (group_stats_kernel, (s, held, stats, t, t // split, t, 0), shape),
+    (group_agg_kernel, (s, held, held, value, stats, value, t, t // split, t, 0, t, 0, t, 0),
+     dict(shape, NS=64, HAS_FORCED=True, FREE_INF=False)),
+    (group_agg_kernel, (s, held, held, value, stats, value, t, t // split, t, 0, t, 0, t, 0),
+     dict(shape, NS=64, HAS_FORCED=False, FREE_INF=True)),
+    (cut_kernel, (value, slots, held, t, 2458, 2458 * 8, 2458, t, 0), dict(HKV=8, BLOCK=256, HAS_OK=True)),
+]
+target, local = GPUTarget("cuda", cc, 32), False
+for kernel, args, meta in launches:
+    jit, signature, constexprs, attrs, options = signature_of(kernel, args, meta, target)
+    k = triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__)
+    assert k.asm["cubin"]
+    local |= ".local" in k.asm["ptx"]
+print(json.dumps({"local": local, "kernels": len(launches)}))
+"""
+
+
+@pytest.mark.parametrize("cc", [80, 90])
+@pytest.mark.parametrize("g", [4, 7])
+def test_the_group_softmax_kernels_compile_for_sm80_and_sm90(cc, g):
+    """group_agg's kernels at Llama-3.1-8B's shapes (4 query heads a KV head, 32k slots, 8 KV heads) and Qwen2.5's 7,
+    compiled to cubin in a process of its own (no interpreter), with no local memory (spills)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    r = subprocess.run([sys.executable, "-c", AGG_COMPILE, str(cc), str(g)], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"local": False, "kernels": 4}
