@@ -83,20 +83,23 @@ def score_codes_kernel(
         tl.store(out + dst, sc, mask=live[:, None] & (g[None, :] < G))
 
 
-@triton.jit(do_not_specialize=["total", "n_new", "n_slots"])
+@triton.jit(do_not_specialize=["total", "n_new", "n_slots", "slot_b", "slot_h"])
 def quantize_rows_kernel(
-    x, slots, codes, meta, total, n_new, n_slots,
-    D: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr,
+    x, slots, codes, meta, total, n_new, n_slots, slot_b, slot_h,
+    D: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr, HKV: tl.constexpr,
 ):  # fmt: skip
     # x [R, n_new, D] (R = sequences x HKV, any float dtype): row i of sequence-and-head r = i // n_new goes to slot
-    # slots[i] of r's rows in codes [R, n_slots, D * BITS / 8] and meta [R, n_slots, 2, D / GROUP]; `total` = R x n_new
+    # slots[i] of r's rows in codes [R, n_slots, D * BITS / 8] and meta [R, n_slots, 2, D / GROUP]; `total` = R x n_new;
+    # r's slots at (r // HKV) * slot_b + (r % HKV) * slot_h (a stride 0 where every head takes the same)
     PER: tl.constexpr = 8 // BITS
     BYTES: tl.constexpr = D // PER
     GROUPS: tl.constexpr = D // GROUP
     TOP: tl.constexpr = (1 << BITS) - 1
     i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = i < total
-    row = (i // n_new).to(tl.int64) * n_slots + tl.load(slots + i, mask=live, other=0).to(tl.int64)
+    r_of = (i // n_new).to(tl.int64)
+    at = (r_of // HKV) * slot_b + (r_of % HKV) * slot_h + i % n_new
+    row = r_of * n_slots + tl.load(slots + at, mask=live, other=0).to(tl.int64)
     p = tl.arange(0, BYTES)
     # the codes of a byte: columns PER * p + k, k = 0..PER-1, each a [ROWS, BYTES] load; a group's bytes are adjacent
     lo = tl.full([ROWS, GROUPS], float("inf"), tl.float32)

@@ -98,15 +98,24 @@ def gather_grid(total: int) -> int:
 
 
 @gpu_op("gather_rows(Tensor src_a, Tensor src_b, Tensor rows, Tensor? ok, Tensor(a!) out_a, Tensor(b!) out_b, "
-        "int first=0) -> ()")
-def gather_rows(src_a, src_b, rows, ok, out_a, out_b, first: int = 0) -> None:
-    """out_x[g, first + i] = src_x[rows[g, i]] where ok[g, i] (else zeros), for the pair x = a, b (keys and values).
+        "int first=0, Tensor? table=None) -> ()")
+def gather_rows(src_a, src_b, rows, ok, out_a, out_b, first: int = 0, table=None) -> None:
+    """out_x[g, first + i] = src_x[rows[g, i]] where ok[g, i] (else zeros), for the pair x = a, b (keys and values);
+    with `table` [G, T] int64, rows are slots of each group's row of it: src_x[table[g, rows[g, i]]].
 
     src_a, src_b: [N, X] (host pinned memory, or device memory); rows: [G, n] int64 and ok: [G, n] bool (or None:
-    all count), on the compute device; out_a, out_b: [G, n_out, X] with n_out >= first + n, contiguous, on the
-    device (the other rows of each group are left as they are: room for the new tokens, or rows already there)."""
+    all count), on the compute device, or both [B, Hkv, n] (G = B x Hkv; ok perhaps expanded over B or Hkv, as a
+    selection's count mask is: read in place); out_a, out_b: [G, n_out, X] with n_out >= first + n, contiguous, on
+    the device (the other rows of each group are left as they are: room for the new tokens, or rows already
+    there)."""
+    heads = rows.shape[1] if rows.dim() == 3 else 1
+    if rows.dim() == 3:
+        rows = rows.reshape(-1, rows.shape[-1])
     check(rows.dim() == 2 and rows.dtype == torch.int64, "gather_rows: rows [G, n] int64")
-    check(ok is None or (ok.shape == rows.shape and ok.dtype == torch.bool), "gather_rows: ok [G, n] bool, as rows")
+    check(ok is None or (ok.shape in (rows.shape, (rows.shape[0] // heads, heads, rows.shape[1]))
+                         and ok.dtype == torch.bool), "gather_rows: ok [G, n] bool, as rows")  # fmt: skip
+    check(table is None or (table.dtype == torch.int64 and table.numel() % rows.shape[0] == 0),
+          "gather_rows: table [G, T] int64")  # fmt: skip
     check(src_a.shape == src_b.shape and src_a.dtype == src_b.dtype, "gather_rows: src_a and src_b alike")
     check(out_a.shape == out_b.shape and out_a.dim() == 3 and out_a.shape[0] == rows.shape[0]
           and out_a.shape[1] >= first + rows.shape[1] and first >= 0 and out_a.shape[2] == src_a.shape[-1]
@@ -124,10 +133,18 @@ def gather_rows(src_a, src_b, rows, ok, out_a, out_b, first: int = 0) -> None:
     from infinigen_rt.kv._gather_kernel import gather_rows_kernel
 
     rows = rows.reshape(-1).contiguous()
+    if ok is None:
+        ok_rows, ok_b, ok_h = rows, 0, 0  # (a placeholder)
+    elif ok.dim() == 3:  # [B, Hkv, n]: its distinct rows in place
+        ok_rows, ok_b, ok_h = strided_rows(ok)
+    else:
+        ok_rows, ok_b, ok_h, heads = ok.contiguous(), n, 0, 1
+    tbl = table.reshape(g, -1).contiguous() if table is not None else rows
     launch(
         gather_rows_kernel, (gather_grid(total),),
-        sa, sb, oa, ob, rows, ok.reshape(-1).contiguous() if ok is not None else rows, n, n_out, total, first,
-        W=w, BLOCK_W=triton.next_power_of_2(w), ROWS=ROWS_PER_PROGRAM, HAS_OK=ok is not None,
+        sa, sb, oa, ob, rows, ok_rows, tbl, n, n_out, total, first, ok_b, ok_h, tbl.shape[-1] if table is not None
+        else 0, W=w, BLOCK_W=triton.next_power_of_2(w), ROWS=ROWS_PER_PROGRAM, HAS_OK=ok is not None,
+        HAS_TABLE=table is not None, HKV=heads,
     )  # fmt: skip
 
 
@@ -169,13 +186,25 @@ def gather_reused_reference(src_a, src_b, prev_a, prev_b, rows, ok, pos, out_a, 
         out[:, :n] = torch.where(held, kept.to(out.dtype), out[:, :n])
 
 
-@gpu_op("scatter_rows(Tensor(a!) dst, Tensor rows, Tensor src) -> ()")
-def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+@gpu_op("scatter_rows(Tensor(a!) dst, Tensor rows, Tensor src, Tensor(b!)? dst_b=None, Tensor? src_b=None, "
+        "Tensor(c!)? last_a=None, Tensor(d!)? last_b=None) -> ()")
+def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, dst_b=None, src_b=None, last_a=None,
+                 last_b=None) -> None:  # fmt: skip
     """dst[rows[i]] = src[i]: dst [N, X] (host pinned memory, or device memory), rows [n] int64 and src [n, X]
     on the compute device (the new tokens of a step written into freed slots of the pool, each (sequence, KV head)
-    into its own)."""
+    into its own); with dst_b and src_b (alike), dst_b[rows[i]] = src_b[i] in the same launch (values beside
+    keys); with last_a and last_b too ([n, m, X] on the device, contiguous), last_a[i, m - 1] = src[i] and
+    last_b[i, m - 1] = src_b[i] (a decode step's new token where attention reads it, after the gathered rows)."""
     check(rows.dtype == torch.int64 and src.numel() == rows.numel() * dst.shape[-1] and src.dtype == dst.dtype,
           "scatter_rows: rows [n] int64, src [n, X] in dst's dtype")  # fmt: skip
+    check((dst_b is None) == (src_b is None) and (dst_b is None or (dst_b.shape == dst.shape and dst_b.dtype ==
+          dst.dtype and src_b.shape == src.shape and src_b.dtype == src.dtype)),
+          "scatter_rows: dst_b and src_b together, as dst and src")  # fmt: skip
+    check((last_a is None) == (last_b is None) and (last_a is None or (
+          dst_b is not None and last_a.shape == last_b.shape and last_a.dim() == 3 and last_a.shape[0] == rows.numel()
+          and last_a.shape[-1] == dst.shape[-1] and last_a.dtype == last_b.dtype == dst.dtype
+          and last_a.is_contiguous() and last_b.is_contiguous())),
+          "scatter_rows: last_a and last_b together, with a pair, [n, m, X] contiguous in dst's dtype")  # fmt: skip
     n = rows.numel()
     if n == 0:
         return
@@ -184,9 +213,14 @@ def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> No
     from infinigen_rt.kv._gather_kernel import scatter_rows_kernel
 
     d, s = words(dst), words(src.contiguous())
+    pair = dst_b is not None
+    db, sb = (words(dst_b), words(src_b.contiguous())) if pair else (d, s)
+    last = last_a is not None
+    la, lb = (words(last_a), words(last_b)) if last else (d, d)
     w = d.shape[-1]
-    launch(scatter_rows_kernel, (triton.cdiv(n, ROWS_PER_PROGRAM),), d, s, rows.reshape(-1).contiguous(), n,
-           W=w, BLOCK_W=triton.next_power_of_2(w), ROWS=ROWS_PER_PROGRAM)  # fmt: skip
+    launch(scatter_rows_kernel, (triton.cdiv(n, ROWS_PER_PROGRAM),), d, s, db, sb, la, lb,
+           rows.reshape(-1).contiguous(), n, last_a.shape[1] if last else 0, W=w, BLOCK_W=triton.next_power_of_2(w),
+           ROWS=ROWS_PER_PROGRAM, PAIR=pair, LAST=last)  # fmt: skip
 
 
 def scatter_rows_reference(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
@@ -194,8 +228,13 @@ def scatter_rows_reference(dst: torch.Tensor, rows: torch.Tensor, src: torch.Ten
     dst.index_copy_(0, rows.reshape(-1).to(dst.device), src.reshape(-1, dst.shape[-1]).to(dst.device, dst.dtype))
 
 
-def gather_rows_reference(src_a, src_b, rows, ok, out_a, out_b, first: int = 0) -> None:
+def gather_rows_reference(src_a, src_b, rows, ok, out_a, out_b, first: int = 0, table=None) -> None:
     """The definition of `gather_rows` in torch ops (index_select on the rows, zeros where they do not count)."""
+    if table is not None:
+        rows = torch.gather(table.reshape(rows.shape[0] * (rows.shape[1] if rows.dim() == 3 else 1), -1), 1,
+                            rows.reshape(-1, rows.shape[-1]))  # fmt: skip
+    rows = rows.reshape(-1, rows.shape[-1])
+    ok = None if ok is None else ok.reshape(rows.shape)
     g, n = rows.shape
     for src, out in ((src_a, out_a), (src_b, out_b)):
         taken = src.index_select(0, rows.reshape(-1).to(src.device)).to(out.device).view(g, n, -1)
@@ -209,7 +248,7 @@ AGG_SPLITS = 64  # the splits of a row the combining pass reads at once
 CUT_BLOCK = 256  # the slots a program of the cut takes
 
 
-def _strided_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+def strided_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """x [B, Hkv, n] (its last dimension dense), perhaps expanded over B or Hkv (the same row for every head): (the
     tensor holding its distinct rows, contiguous; the stride of a sequence and of a KV head in it, 0 where
     expanded). No copy where the distinct rows are contiguous already (an expanded mask, a whole top-k)."""
@@ -250,15 +289,15 @@ def group_agg(s, held, forced, value, cut, cut_ok, free_inf: bool) -> torch.Tens
     n_split = triton.cdiv(t, split)
     stats = torch.empty(b * hkv, n_split, 2, gp, dtype=torch.float32, device=s.device)
     # (each mask's distinct rows and their strides; a placeholder pointer where there is none)
-    mask, forced, value = (_strided_rows(x) if x is not None else (out, 0, 0) for x in (held, forced, value))
+    mask, forced, value = (strided_rows(x) if x is not None else (out, 0, 0) for x in (held, forced, value))
     shape = dict(HKV=hkv, G=g, GP=gp, SPLIT=split, HAS_HELD=held is not None)
     launch(group_stats_kernel, (b * hkv, n_split), s, mask[0], stats, t, n_split, *mask[1:], **shape)
     launch(group_agg_kernel, (b * hkv, n_split), s, mask[0], forced[0], value[0], stats, out, t, n_split, *mask[1:],
            *forced[1:], *value[1:], **shape, NS=AGG_SPLITS, HAS_FORCED=forced[0] is not out, FREE_INF=free_inf)
     if cut is not None and cut.shape[-1]:
         n = cut.shape[-1]
-        slots, sb, sh = _strided_rows(cut)
-        ok, ob, oh = _strided_rows(cut_ok) if cut_ok is not None else (slots, 0, 0)
+        slots, sb, sh = strided_rows(cut)
+        ok, ob, oh = strided_rows(cut_ok) if cut_ok is not None else (slots, 0, 0)
         launch(cut_kernel, (b * hkv, triton.cdiv(n, CUT_BLOCK)), out, slots, ok, t, n, sb, sh, ob, oh, HKV=hkv,
                BLOCK=CUT_BLOCK, HAS_OK=cut_ok is not None)  # fmt: skip
     return out

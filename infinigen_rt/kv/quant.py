@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from infinigen_rt.kv import cpu
-from infinigen_rt.kv.kernels import check, gpu_op, launch
+from infinigen_rt.kv.kernels import check, gpu_op, launch, strided_rows
 
 
 def quantize(x: torch.Tensor, group: int, bits: int = 4):
@@ -191,9 +191,10 @@ def quantize_rows(x, at, codes, meta, group: int, bits: int) -> None:
     r, hkv, s, d = x.shape
     check(at.shape == (r, hkv, s) and codes.dtype == torch.uint8, "quantize_rows: at [R, Hkv, s], codes uint8")
     total = r * hkv * s
-    if total:
-        launch(quantize_rows_kernel, (triton.cdiv(total, QUANT_ROWS),), x.contiguous(), at.contiguous(), codes,
-               meta, total, s, codes.shape[2], D=d, GROUP=group, BITS=bits, ROWS=QUANT_ROWS)  # fmt: skip
+    if total:  # (slots the same for every head, an expanded view, read in place)
+        slots, slot_b, slot_h = strided_rows(at)
+        launch(quantize_rows_kernel, (triton.cdiv(total, QUANT_ROWS),), x.contiguous(), slots, codes, meta, total, s,
+               codes.shape[2], slot_b, slot_h, D=d, GROUP=group, BITS=bits, ROWS=QUANT_ROWS, HKV=hkv)  # fmt: skip
 
 
 @gpu_op("quantize_channel(Tensor k, Tensor slots, Tensor? appends, Tensor(a!) codes, Tensor(b!) meta, "

@@ -202,13 +202,15 @@ class KVStore:
                                                                                   staged)  # fmt: skip
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              rows: torch.Tensor | None = None):  # fmt: skip
+              rows: torch.Tensor | None = None, last=None) -> tuple | None:  # fmt: skip
         """k, v [B, Hkv, n, D] into `slots` [B * n] (from `append`), or for a pooled layer each head's own flat
         slots [B, Hkv, n] (a capacity's reused ones: Evicting.place): one copy per tensor (a pooled layer: per part)
         for the whole batch. A pooled layer's rows go to host memory as its layout encodes them: on a GPU the scatter
         kernel writes them into the pinned pages, on a CPU index_copy; it returns them, (keys' parts, values' parts)
         [B, Hkv, n, X] each on the device, for attention to read the new tokens as stored. `rows`: a pooled layer's
-        rows for `slots` [B * n] where the caller has them (StoreStep.new_rows)."""
+        rows for `slots` [B * n] where the caller has them (StoreStep.new_rows). `last` (the kernel, a decode step's
+        one token): the (keys' parts, values' parts) [B, Hkv, m, X] rows gathered for attention, whose last row each
+        new token's parts also go to, in the same launch; returns True then."""
         if layer in self.pooled:
             h = self.n_kv
             head = self.heads[h].view(h)
@@ -217,14 +219,19 @@ class KVStore:
             elif rows is None:
                 rows = (slots * h + head[:, None]).transpose(1, 2).reshape(-1)
             stored = self.layout.encode(k), self.layout.encode(v)
+            rowed = lambda x: x.transpose(1, 2).reshape(-1, x.shape[-1])  # noqa: E731  [B * n * Hkv, X] in order
+            if self.kernel:  # each part's keys and values in one launch (and into `last`'s last rows)
+                near = zip(*last, strict=True) if last is not None else [(None, None)] * len(stored[0])
+                assert last is None or k.shape[2] == 1, "a decode step's one token a row"
+                for kb, vb, kx, vx, (kl, vl) in zip(self.k[layer], self.v[layer], *stored, near, strict=True):
+                    flat = (None, None) if kl is None else (kl.view(-1, *kl.shape[2:]), vl.view(-1, *vl.shape[2:]))
+                    scatter_rows(kb.view(-1, kb.shape[-1]), rows, rowed(kx), vb.view(-1, vb.shape[-1]), rowed(vx),
+                                 *flat)  # fmt: skip
+                return True if last is not None else stored
             for bufs, parts in zip((self.k[layer], self.v[layer]), stored, strict=True):
                 for buf, x in zip(bufs, parts, strict=True):
-                    src = x.transpose(1, 2).reshape(-1, x.shape[-1])  # [B * n * Hkv, X], rows in the same order
                     flat = buf.view(-1, buf.shape[-1])
-                    if self.kernel:
-                        scatter_rows(flat, rows, src)
-                    else:
-                        flat.index_copy_(0, rows.to(flat.device), src.to(flat.device, flat.dtype))
+                    flat.index_copy_(0, rows.to(flat.device), rowed(x).to(flat.device, flat.dtype))
             return stored
         heads = lambda x: x.transpose(0, 1).reshape(x.shape[1], -1, x.shape[-1])  # noqa: E731  [Hkv, B * n, D]
         self.k[layer].index_copy_(1, slots, heads(k).to(self.k[layer].dtype))
@@ -238,13 +245,14 @@ class KVStore:
         return blocks * BLOCK + slots % BLOCK
 
     def gather(self, layer: int, batch: Batch, slots: torch.Tensor, ok: torch.Tensor | None, extra: int = 1,
-               out=None, rows: torch.Tensor | None = None, into=None, first: int = 0):  # fmt: skip
+               out=None, rows: torch.Tensor | None = None, into=None, first: int = 0, table=None):  # fmt: skip
         """The K and V rows of every row's `slots` [B, Hkv, n] from pooled layer `layer` as stored, in one copy per
         part for the batch: (keys' parts, values' parts), each [B, Hkv, n + extra, X] on the device (the `extra` last
         rows: room for the new tokens), to decode (the layout's). On a GPU the row kernel reads them from pinned
         memory, skipping those where `ok` is False; on a CPU, index_select. `out`: flat device buffers, a (keys,
         values) pair per part, to fill instead of new tensors (the kernel only). `rows`: the slots' pool rows [B, Hkv,
-        n] where the caller has them (StoreStep.pool_rows: flat slot x Hkv + KV head). `into` (a CPU): the
+        n] where the caller has them (StoreStep.pool_rows: flat slot x Hkv + KV head), or `table`, the step's
+        pool row of every slot [B, Hkv, T] (StoreStep.row_table: the kernel looks them up). `into` (a CPU): the
         (keys, values) tensors [B, Hkv, n + extra, X] of each part to write, windows of larger ones (the room a
         speculated gather left for the correction), returned as they are; with the kernel, whole (keys, values)
         tensors [B, Hkv, m, X] whose rows `first`.. the rows fill (the room left in them)."""
@@ -266,10 +274,15 @@ class KVStore:
                 self.heads[h] = head
         if ok is not None and not self.kernel and bool(ok.all()):  # a CPU reads ok for free: every row counts
             ok = None
+        if table is not None and not self.kernel:
+            rows, table = torch.gather(table, 2, slots), None
         if ok is None or self.kernel:  # the kernel writes zeros where ok is False
-            rows = self.physical(batch, slots) * h + head if rows is None else rows
+            if table is not None:  # (the kernel finds each slot's row in the table)
+                rows = slots
+            elif rows is None:
+                rows = self.physical(batch, slots) * h + head
             for src_k, src_v, (out_k, out_v) in zip(keys, values, out, strict=True):
-                copy_rows(src_k, src_v, rows, ok, out_k, out_v, self.kernel, first)
+                copy_rows(src_k, src_v, rows, ok, out_k, out_v, self.kernel, first, table)
             return got
         # a CPU, where rows do not all count: only those that do are copied (and, as index_select does, a row for
         # each new token), the others are zeros (never unwritten memory: NaN bits would poison attention's sum)

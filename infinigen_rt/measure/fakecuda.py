@@ -206,7 +206,8 @@ def span(t: torch.Tensor) -> tuple[int, int]:
 
 
 # the row kernels' pointer arguments that are indexed by a row-number argument: with values, only those rows count
-INDEXED = {"gather_rows_kernel": {"src_a": "rows", "src_b": "rows"}, "scatter_rows_kernel": {"dst": "rows"},
+INDEXED = {"gather_rows_kernel": {"src_a": "rows", "src_b": "rows"},
+           "scatter_rows_kernel": {"dst": "rows", "dst_b": "rows"},
            "gather_reused_kernel": {"src_a": "rows", "src_b": "rows"}}  # fmt: skip
 
 
@@ -219,6 +220,10 @@ def _indexed_ranges(kernel: str, param: str, t: torch.Tensor, params: list, args
     x = inner_of(t)
     if rows.device.type != "cpu":  # shapes only: which rows is unknown, so no race on them can be told
         return []
+    if "table" in params and args[params.index("table")] is not args[params.index(by)]:  # slots of a table's rows
+        table = inner_of(args[params.index("table")])
+        with _paused():
+            rows = torch.gather(table.view(-1, table.shape[-1]), 1, rows.view(table.shape[0], -1).long())
     if x.dim() != 2:
         return None
     row = x.stride(0) * x.element_size()
@@ -1490,6 +1495,9 @@ def _row_kernel_op(name: str, stream: str, named: list, written: set, grid=None,
             continue
         if pname in ("rows", "ok", "pos"):
             hbm += _nbytes(a)
+            continue
+        if pname == "table":  # (a selection's slots looked up in the step's table: a row number each)
+            hbm += 0 if a is args["rows"] else rows.numel() * a.element_size()
             continue
         moved = rows.numel() * a.shape[-1] * a.element_size()
         if held is not None and pname.startswith("prev"):

@@ -165,14 +165,14 @@ class Selector:
         return k, v, ok
 
     def gather(self, step: StoreStep, j: int, slots, ok, extra: int, turn: int | None = None, counted=None,
-               rows=None, room: int = 0, into=None, first: int = 0):  # fmt: skip
+               rows=None, room: int = 0, into=None, first: int = 0, table=None):  # fmt: skip
         """Rows `slots` [B, Hkv, n] of pooled layer j for every request as stored (store.gather), counted per request:
         on a GPU the rows that count (`counted` per request, a tensor [B] or a CPU's list, where `ok` skips some; else
         all), into device buffers `turn` (two sets, used in turn by consecutive layers: a new tensor per layer, made on
         the side stream and freed on the compute stream while the host runs ahead of the copies, could not be reused
         before they caught up); on a CPU the rows it copies: those that count and one for each new token (the `extra`
         rows). `room`: rows left before the extra ones for the caller to fill (not counted: nothing of the pool's).
-        `into`, `first`: where to write them (store.gather's)."""
+        `into`, `first`: where to write them; `table`: where the rows are (store.gather's)."""
         store, (b, h, n) = self.store, slots.shape
         out = None
         if store.kernel and turn is not None:
@@ -182,7 +182,7 @@ class Selector:
                 self.buffers[turn] = [tuple(torch.empty(m + m // 8, dtype=t, device=store.device) for _ in "kv")
                                       for m, (_, _, t) in zip(need, store.layout.parts, strict=True)]  # fmt: skip
             out = self.buffers[turn]
-        k, v = store.gather(j, step.batch, slots, ok, room + extra, out, rows, into, first)
+        k, v = store.gather(j, step.batch, slots, ok, room + extra, out, rows, into, first, table)
         if ok is None:
             copied = n * h + (0 if store.kernel else extra * h)
         else:  # what counts (the kernel and a CPU copy only that), and on a CPU the new tokens' rows
@@ -218,8 +218,8 @@ class Selector:
         slots = step.slots if self.evicting is None else self.evicting.place(step, layer)  # (after the reads)
         store.ledger.add("d2h", step.rids, k.shape[1] * store.row_bytes)
 
-        def put():  # the new rows into the pool, and the policy's record of them
-            out = store.write(layer, slots, k, v, step.new_rows if self.evicting is None else None)
+        def put(last=None):  # the new rows into the pool (and into `last`: store.write), the policy's record of them
+            out = store.write(layer, slots, k, v, step.new_rows if self.evicting is None else None, last)
             self.written(step.batch, layer, k, slots, None if self.evicting is None else step.reusing)
             return out
 
@@ -233,10 +233,11 @@ class Selector:
             if after:
                 put()
             return out
-        new = put()
-        for held, parts in zip((keys, values), new, strict=True):
-            for x, y in zip(held, parts, strict=True):
-                x[:, :, -1:] = y
+        new = put((keys, values) if store.kernel else None)  # the kernel writes the new rows after the held ones
+        if new is not True:
+            for held, parts in zip((keys, values), new, strict=True):
+                for x, y in zip(held, parts, strict=True):
+                    x[:, :, -1:] = y
         keys, values = store.layout.decode(keys), store.layout.decode(values)
         mask = None
         if q.device.type == "cpu":  # a KV head's query heads as query positions (decode_sdpa)

@@ -317,7 +317,7 @@ class InfinigenSelector(Selector):
         if self.last_rows is not None:
             return sel, *self.last_rows.gather(step, j, sel, self.room(step, j))
         return sel, *self.gather(step, j, sel.slots, None if sel.every else sel.ok, 1, j % 2, sel.counted,
-                                 step.pool_rows(sel.slots), room=self.room(step, j))  # fmt: skip
+                                 table=step.row_table, room=self.room(step, j))  # fmt: skip
 
     def pool_rows(self, step, j: int, slots: torch.Tensor, ok: torch.Tensor | None, counted,
                   extra: int = 0) -> torch.Tensor:  # fmt: skip
@@ -473,7 +473,7 @@ class InfinigenSelector(Selector):
         if not self.store.kernel:  # a CPU reads the counts for free: once, for the ledger and whether all count
             counted = counted.tolist()
             every = None if sum(counted) == ok.numel() else ok
-        self.gather(step, layer, slots, every, 0, counted=counted, rows=step.pool_rows(slots), into=into,
+        self.gather(step, layer, slots, every, 0, counted=counted, table=step.row_table, into=into,
                     first=n if self.store.kernel else 0)  # fmt: skip
         self.count_corrected(step, layer, counted)
         if room > c:  # never attended (and never NaN bits); (an empty fill is still a launch on a GPU)

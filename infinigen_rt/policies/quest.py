@@ -91,7 +91,7 @@ class QuestSelector(Selector):
                                                 < want[:, None, None])  # fmt: skip
         slots = slots.clamp(max=t - 1)
         counted = ok.sum((1, 2))
-        keys, values = self.gather(step, layer, slots, ok, 1, layer % 2, counted.tolist(), step.pool_rows(slots))
+        keys, values = self.gather(step, layer, slots, ok, 1, layer % 2, counted.tolist(), table=step.row_table)
         store.ledger.add("fetched", step.rids, counted)
         store.ledger.add("possible", step.rids, n_held * hkv)
         return keys, values, ok

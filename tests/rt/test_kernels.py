@@ -72,6 +72,23 @@ def test_gather_equals_its_definition(dtype, groups, n, extra, width):
     assert torch.equal(ka[0, 3 : 3 + n], src_a[rows[0].cpu()].to(DEVICE))
     with pytest.raises(RuntimeError, match="n_out >= first"):
         gather_rows(src_a, src_b, rows, ok, out_a, out_b, 4 + extra)
+    # a selection's slots [B, Hkv, n] looked up in the step's table of pool rows, its count mask expanded over the
+    # KV heads (one row a sequence, read in place)
+    heads = 2 if groups % 2 == 0 else 1
+    b = groups // heads
+    table = torch.randint(0, n_rows, (b, heads, 40), generator=gen).to(DEVICE)
+    slots = torch.randint(0, 40, (b, heads, n), generator=gen).to(DEVICE)
+    counted = (torch.arange(n) < torch.randint(1, n + 1, (b, 1, 1), generator=gen)).to(DEVICE).expand(b, heads, n)
+    outs = []
+    for fn in (gather_rows, gather_rows_reference):
+        out_a = torch.full((groups, n + extra, width), 7, dtype=dtype, device=DEVICE)
+        out_b = torch.full_like(out_a, 7)
+        fn(src_a, src_b, slots, counted, out_a, out_b, 0, table)
+        outs.append((out_a, out_b))
+    (ka, kb), (ra, rb) = outs
+    assert torch.equal(ka, ra) and torch.equal(kb, rb)
+    first = torch.gather(table, 2, slots)[0, 0, 0].item()
+    assert torch.equal(ka[0, 0], src_a[first].to(DEVICE))
 
 
 @pytest.mark.parametrize("cap", ["1", "3"])
@@ -129,6 +146,25 @@ def test_scatter_equals_its_definition(dtype, n, width):
     untouched = torch.ones(n_rows, dtype=torch.bool)
     untouched[rows.cpu()] = False
     assert torch.equal(got.cpu()[untouched], base.cpu()[untouched]) and torch.equal(got.cpu()[rows.cpu()], src.cpu())
+    # a pair in one launch (a layer's new keys and values): each into its own pool at the same rows
+    other, src_b = base.clone() + 1, pool_tensor((n, width), dtype, gen).to(DEVICE)
+    got_a, got_b = base.clone(), other.clone()
+    if DEVICE.type == "cuda":
+        got_a, got_b = got_a.pin_memory(), got_b.pin_memory()
+    scatter_rows(got_a, rows, src, got_b, src_b)
+    assert torch.equal(got_a.cpu(), want.cpu())
+    scatter_rows_reference(other, rows, src_b)
+    assert torch.equal(got_b.cpu(), other.cpu())
+    with pytest.raises(RuntimeError, match="dst_b and src_b together"):
+        scatter_rows(got_a, rows, src, got_b, None)
+    # and each new row after the rows gathered for attention (the last of each group's m rows), the rest untouched
+    last_a = torch.full((n, 3, width), 5, dtype=dtype, device=DEVICE)
+    last_b = last_a.clone()
+    scatter_rows(got_a, rows, src, got_b, src_b, last_a, last_b)
+    assert torch.equal(got_a.cpu(), want.cpu()) and torch.equal(got_b.cpu(), other.cpu())
+    assert torch.equal(last_a[:, 2], src) and torch.equal(last_b[:, 2], src_b) and bool((last_a[:, :2] == 5).all())
+    with pytest.raises(RuntimeError, match="last_a and last_b together"):
+        scatter_rows(got_a, rows, src, None, None, last_a, last_b)
 
 
 @pytest.mark.parametrize("dtype, width", [(torch.float16, 64), (torch.bfloat16, 128), (torch.float32, 24)])

@@ -156,7 +156,13 @@ def test_quantizing_into_slots_writes_the_codes_torch_writes_bit_for_bit(bits, d
     quant.store(x, want_c, want_m, at, group, bits)  # the torch path
     total = r * hkv * s
     quantize_rows_kernel[(triton.cdiv(total, quant.QUANT_ROWS),)](
-        on(x), on(at), got_c, got_m, total, s, slots, D=d, GROUP=group, BITS=bits, ROWS=quant.QUANT_ROWS)  # fmt: skip
+        on(x), on(at), got_c, got_m, total, s, slots, hkv * s, s, D=d, GROUP=group, BITS=bits, ROWS=quant.QUANT_ROWS,
+        HKV=hkv)  # fmt: skip
+    assert torch.equal(got_c.cpu(), want_c) and torch.equal(got_m.cpu(), want_m)
+    # every KV head's row into the same slots (a store's new tokens: an expanded view, read in place by the op)
+    same = at[:, :1].expand(r, hkv, s)
+    quant.store(x, want_c, want_m, same.contiguous(), group, bits)
+    quant.quantize_rows(on(x), on(same), got_c, got_m, group, bits)
     assert torch.equal(got_c.cpu(), want_c) and torch.equal(got_m.cpu(), want_m)
 
 
@@ -182,8 +188,8 @@ for kernel, args, meta_ in [
     (score_codes_kernel, (q, codes, meta, idx, out, t, slots, 0),
      dict(BATCH_ROWS=False, HKV=hkv, G=g, G_ROWS=quant.score_rows(g, d // group), D=d, GROUP=group, BITS=bits,
           TOKENS=quant.TOKENS, SPLIT=quant.SPLIT, HAS_SLOTS=True, num_warps=8 if d >= 256 else 4)),
-    (quantize_rows_kernel, (torch.empty(1, hkv, b, d, dtype=torch.bfloat16), idx, codes, meta, hkv * b, b, slots),
-     dict(D=d, GROUP=group, BITS=bits, ROWS=quant.QUANT_ROWS)),
+    (quantize_rows_kernel, (torch.empty(1, hkv, b, d, dtype=torch.bfloat16), idx, codes, meta, hkv * b, b, slots, b,
+                            0), dict(D=d, GROUP=group, BITS=bits, ROWS=quant.QUANT_ROWS, HKV=hkv)),
     # each (sequence, KV head) its own slots [B, Hkv, t]: the correction's shortlist, a capacity's evicted slots
     (score_codes_kernel, (q, codes, meta, torch.empty(b, hkv, t, dtype=torch.int64), out, t, slots, 0),
      dict(BATCH_ROWS=False, HKV=hkv, G=g, G_ROWS=quant.score_rows(g, d // group), D=d, GROUP=group, BITS=bits,
