@@ -93,8 +93,8 @@ def test_the_fake_refuses_what_cuda_refuses():
             gather_rows(host, host, rows, None, out, out.clone())
         on1 = torch.ones(4, 8, device="cuda:1")
         with pytest.raises(RuntimeError, match="illegal memory access"):
-            gpu.launch(gather_rows_kernel, (1,), on1, on1, out, out, rows, rows, 2, 3, 2, W=8, BLOCK_W=8, ROWS=16,
-                       HAS_OK=False)  # fmt: skip
+            gpu.launch(gather_rows_kernel, (1,), on1, on1, out, out, rows, rows, rows, 2, 3, 2, 0, 0, 0, 0, W=8,
+                       BLOCK_W=8, ROWS=16, HAS_OK=False, HAS_TABLE=False, HKV=1)  # fmt: skip
         with pytest.raises(torch.OutOfMemoryError):
             torch.empty(1 << 20, device="cuda")
         assert gpu.races == []
