@@ -1,5 +1,8 @@
-"""One `infinigen-rt bench` point in two source trees, run in turn (A B A B ...), so that a shared machine's drift
-falls on both alike: each tree's median ms a step per policy, and the ratio of A's to B's pair by pair.
+"""One `infinigen-rt bench` point in two source trees, run in turn (A B, B A, A B ...), so that a shared machine's
+drift falls on both alike: each tree's median ms a step per policy, and the ratio of A's to B's pair by pair. The order
+turns each round: on this repo's VM the run that came first in a round showed the defaults 4-17 % slower against
+`full` than the second, whichever tree it was (ab-cpu-smollm2-8k-b1-fused-selection*.json); `--order ab` keeps A
+first every round (how the files before that were measured).
 
     python benchmarks/ab_trees.py --a . --b ../base --rounds 3 --out artifacts/results/ab.json -- \\
         artifacts/bundles/smollm2-135m --device cpu --batch 8 --context 8192 --gen 16 --interleave \\
@@ -52,6 +55,7 @@ def main() -> None:
     ap.add_argument("--a", required=True, help="the tree under test")
     ap.add_argument("--b", required=True, help="the baseline tree")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--order", choices=("turn", "ab"), default="turn", help="turn: B first every other round")
     ap.add_argument("--out")
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     o = ap.parse_args()
@@ -61,7 +65,7 @@ def main() -> None:
     trees = {"a": Path(o.a).resolve(), "b": Path(o.b).resolve()}
     runs: dict[str, list[dict[str, float]]] = {"a": [], "b": []}
     for r in range(o.rounds):
-        for side in ("a", "b"):
+        for side in ("b", "a") if o.order == "turn" and r % 2 else ("a", "b"):
             t0 = time.time()
             runs[side].append(bench(trees[side], args))
             print(f"round {r + 1} {side}: {runs[side][-1]} ({time.time() - t0:.0f} s)", file=sys.stderr)
@@ -76,6 +80,7 @@ def main() -> None:
     if o.out:
         Path(o.out).write_text(json.dumps({"a": str(trees["a"]), "b": str(trees["b"]), "a_commit": commit(trees["a"]),
                                            "b_commit": commit(trees["b"]), "bench": args, "rounds": o.rounds,
+                                           "order": o.order,
                                            "points": table}, indent=1) + "\n")  # fmt: skip
 
 
