@@ -267,7 +267,8 @@ def group_agg(s, held, forced, value, cut, cut_ok, free_inf: bool) -> torch.Tens
     `held` [B, Hkv, t] bool: the slots that hold a token (the others masked before the softmax, their share 0, or
     -inf with `free_inf`); `forced` [B, Hkv, t] bool and `value` [B, Hkv, t] float32: value where forced;
     `cut` [B, Hkv, n] int64 (slots) and `cut_ok` [B, Hkv, n] bool (or None: all): -inf at those slots afterwards
-    (they count in the softmax). cut and cut_ok may be expanded over B or Hkv."""
+    (they count in the softmax). cut and cut_ok may be expanded over B or Hkv. A query head none of whose slots is
+    held adds 0 (torch's softmax over no slot: NaN); a step never selects for a row that holds nothing."""
     check(s.dim() == 4 and s.dtype == torch.float32 and s.is_contiguous(), "group_agg: s [B, Hkv, G, t] float32")
     b, hkv, g, t = s.shape
     for name, x, dtype in (("held", held, torch.bool), ("forced", forced, torch.bool), ("value", value, s.dtype)):
