@@ -95,11 +95,9 @@ def test_a_llama_decode_step_on_the_gpu_path_issues_the_fused_kernels():
 
 
 COMPILE = """
-import json, sys, torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, sys, torch
 from infinigen_rt.models._fused_kernel import rms_norm_kernel, rope_kernel, silu_mul_kernel
-from tests.rt.test_kernels_aot import signature_of
+from tests.rt.test_kernels_aot import compiled
 
 cc, dtype = int(sys.argv[1]), getattr(torch, sys.argv[2])
 x = torch.empty(4, 4096, dtype=dtype)
@@ -113,13 +111,7 @@ launches = [
     (rope_kernel, (heads, cs, cs, heads), dict(H_IN=48, H_OUT=40, D=128, BLOCK=128)),
     (silu_mul_kernel, (gu, gu), dict(N=14336, BLOCK=1024)),
 ]
-target, local = GPUTarget("cuda", cc, 32), False
-for kernel, args, meta in launches:
-    jit, signature, constexprs, attrs, options = signature_of(kernel, args, meta, target)
-    k = triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__)
-    assert k.asm["cubin"]
-    local |= ".local" in k.asm["ptx"]
-print(json.dumps({"local": local, "kernels": len(launches)}))
+print(json.dumps(compiled(launches, cc)))
 """
 
 

@@ -270,10 +270,8 @@ def test_the_group_softmax_op_equals_select_and_the_corrections_torch_chain(g, t
 
 AGG_COMPILE = """
 import json, sys, torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from infinigen_rt.kv._agg_kernel import cut_kernel, group_agg_kernel, group_stats_kernel
-from tests.rt.test_kernels_aot import signature_of
+from tests.rt.test_kernels_aot import compiled
 
 cc, g = int(sys.argv[1]), int(sys.argv[2])
 gp = triton.next_power_of_2(g)
@@ -292,13 +290,7 @@ launches = [
      dict(shape, NS=64, HAS_FORCED=False, FREE_INF=True)),
     (cut_kernel, (value, slots, held, t, 2458, 2458 * 8, 2458, t, 0), dict(HKV=8, BLOCK=256, HAS_OK=True)),
 ]
-target, local = GPUTarget("cuda", cc, 32), False
-for kernel, args, meta in launches:
-    jit, signature, constexprs, attrs, options = signature_of(kernel, args, meta, target)
-    k = triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__)
-    assert k.asm["cubin"]
-    local |= ".local" in k.asm["ptx"]
-print(json.dumps({"local": local, "kernels": len(launches)}))
+print(json.dumps(compiled(launches, cc)))
 """
 
 

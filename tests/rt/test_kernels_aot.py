@@ -97,6 +97,22 @@ def signature_of(kernel, args, meta, target):
     return jit, signature, constexprs, attrs, options
 
 
+def compiled(launches, cc: int) -> dict:
+    """Each launch (kernel, args, meta) compiled to cubin for sm_`cc` as its launcher would call it: {"local": whether
+    any uses local memory (spills), "kernels": how many compiled}."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target, local = GPUTarget("cuda", cc, 32), False
+    for kernel, args, meta in launches:
+        jit, signature, constexprs, attrs, options = signature_of(kernel, args, meta, target)
+        k = triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__)
+        assert k.asm["cubin"]
+        local |= ".local" in k.asm["ptx"]
+    return {"local": local, "kernels": len(launches)}
+
+
 def resource_usage(cubin: bytes, tmp_path: Path) -> dict:
     """REG, STACK, SHARED, LOCAL of the cubin's kernel (cuobjdump, shipped with Triton), or {} without it."""
     import triton
