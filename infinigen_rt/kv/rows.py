@@ -18,8 +18,8 @@ def copy_rows(src_k, src_v, rows, ok, out_k, out_v, kernel: bool, first: int = 0
 
     `kernel` (a GPU computes, from pinned pages): the gather kernel reads the rows from the device, skipping those
     where `ok` is False, into out_x[b, h, first : first + n] (the other rows of each (b, h) are left as they are).
-    With `table` [B, Hkv, T], `rows` are slots of it (table[b, h, rows[b, h, i]] the pool rows: the kernel looks
-    them up itself). Else (`first` 0) index_select copies every row, in one
+    With `table` [B, Hkv, T] (the kernel only), `rows` are slots of it (table[b, h, rows[b, h, i]] the pool rows:
+    the kernel looks them up itself). Else (`first` 0, no table) index_select copies every row, in one
     copy (a CPU's kernel where it runs: kv/cpu.py)."""
     b, h, n = rows.shape
     x = src_k.shape[-1]
@@ -28,9 +28,7 @@ def copy_rows(src_k, src_v, rows, ok, out_k, out_v, kernel: bool, first: int = 0
         # (a selection's `ok` may be an expanded view, one count per sequence: the kernel reads it in place)
         gather_rows(src_k, src_v, rows, ok, out_k.view(b * h, -1, x), out_v.view(b * h, -1, x), first, table)
         return
-    assert not first, "rows land after others only through the kernel"
-    if table is not None:
-        rows = torch.gather(table, 2, rows)
+    assert not first and table is None, "rows land after others, or through a table, only through the kernel"
     if src_k.device.type == "cpu" and cpu.gather_rows(src_k, src_v, rows, out_k, out_v):  # the extra rows: zeros
         return
     extra = out_k.shape[2] - n

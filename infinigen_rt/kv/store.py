@@ -210,7 +210,7 @@ class KVStore:
         [B, Hkv, n, X] each on the device, for attention to read the new tokens as stored. `rows`: a pooled layer's
         rows for `slots` [B * n] where the caller has them (StoreStep.new_rows). `last` (the kernel, a decode step's
         one token): the (keys' parts, values' parts) [B, Hkv, m, X] rows gathered for attention, whose last row each
-        new token's parts also go to, in the same launch; returns True then."""
+        new token's parts also go to, in the same launch."""
         if layer in self.pooled:
             h = self.n_kv
             head = self.heads[h].view(h)
@@ -227,7 +227,7 @@ class KVStore:
                     flat = (None, None) if kl is None else (kl.view(-1, *kl.shape[2:]), vl.view(-1, *vl.shape[2:]))
                     scatter_rows(kb.view(-1, kb.shape[-1]), rows, rowed(kx), vb.view(-1, vb.shape[-1]), rowed(vx),
                                  *flat)  # fmt: skip
-                return True if last is not None else stored
+                return stored
             for bufs, parts in zip((self.k[layer], self.v[layer]), stored, strict=True):
                 for buf, x in zip(bufs, parts, strict=True):
                     flat = buf.view(-1, buf.shape[-1])

@@ -234,7 +234,7 @@ class Selector:
                 put()
             return out
         new = put((keys, values) if store.kernel else None)  # the kernel writes the new rows after the held ones
-        if new is not True:
+        if not store.kernel:
             for held, parts in zip((keys, values), new, strict=True):
                 for x, y in zip(held, parts, strict=True):
                     x[:, :, -1:] = y
