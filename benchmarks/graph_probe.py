@@ -1,7 +1,10 @@
 """What a CUDA graph costs on this GPU, for measure/projection.py's graph mode (H100.graph_launch_s, graph_gap_s,
 kernel_s): a chain of N tiny kernels (a one-element add) issued one by one, and the same chain captured in a graph
 and replayed. Prints and writes (--out) per N: the eager time a kernel (the host's launch), a replayed graph's time a
-kernel (the kernel and the device's gap after it) and the host's time to issue one replay.
+kernel (the kernel and the device's gap after it) and the host's time to issue one replay. Then the selection's
+top-k at Llama-3.1-8B's shapes (8 KV heads a sequence, 32k slots, a tenth taken), torch's sorted top-k against
+kernels.top_rows (projection.TOPK prices ours as torch's until this measures it): each one's time a call, replayed
+from a graph, and the kernels a call launches, as the profiler counts them.
 
     python benchmarks/graph_probe.py --out graph-probe.json
 """
@@ -56,6 +59,35 @@ def probe(n: int) -> dict:
             "replay_host_s": issue}  # fmt: skip
 
 
+def top_k(batch: int, t: int = 32768, heads: int = 8, share: float = 0.1) -> dict:
+    """torch.topk(sorted) and kernels.top_rows over [batch, heads, t] float32 scores, k = share of t: time a call
+    (a graph of 10 calls replayed) and kernels a call (the profiler's CUDA kernels)."""
+    from infinigen_rt.kv.kernels import top_rows  # (registers the op)
+
+    x = torch.rand(batch, heads, t, device="cuda")
+    k = int(t * share)
+    count = torch.full((batch, 1), k, device="cuda")
+    calls = {"torch": lambda: x.topk(k, -1, sorted=True), "top_rows": lambda: top_rows(x, k, count)}
+    same = torch.equal(calls["torch"]()[1].sort(-1).values, calls["top_rows"]()[1].sort(-1).values)
+    point = {"batch": batch, "rows": batch * heads, "t": t, "k": k, "same_set": same}
+    for name, fn in calls.items():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(10):
+                fn()
+        point[f"{name}_s"] = seconds(graph.replay, 5) / 10
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        point[f"{name}_kernels"] = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return point
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kernels", default="100,1000,4000", help="chain lengths, comma-separated")
@@ -66,6 +98,10 @@ def main() -> None:
     else:
         result = {"status": "ok", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                   "points": [probe(int(n)) for n in a.kernels.split(",")]}  # fmt: skip
+        try:  # (apart: a failure here keeps the graph points)
+            result["top_k"] = [top_k(b) for b in (1, 4, 8)]
+        except Exception as e:  # noqa: BLE001 - reported in the file, for the session that reads it
+            result["top_k"] = {"error": f"{type(e).__name__}: {e}"}
     text = json.dumps(result, indent=1)
     print(text)
     if a.out:

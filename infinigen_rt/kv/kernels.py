@@ -318,3 +318,60 @@ def group_agg_reference(s, held, forced, value, cut, cut_ok, free_inf: bool) -> 
         taken.scatter_(2, cut, cut_ok if cut_ok is not None else torch.ones(cut.shape, dtype=torch.bool))
         agg = agg.masked_fill(taken, float("-inf"))
     return agg
+
+
+TOPK_BLOCK = 4096  # the slots a top-k pass takes at once (one program a row: its warps share them)
+
+
+@gpu_op("top_rows(Tensor x, int k, Tensor? count=None, int n=-1) -> (Tensor, Tensor)")
+def top_rows(x: torch.Tensor, k: int, count=None, n: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's best, in one launch: x [B, Hkv, t] float32 -> (values [B, Hkv, k] float32, slots [B, Hkv, k] int64).
+    Row (b, h) takes its c largest, c = count[b, h] (count [B, Hkv], or [B, 1] or [B] for one a sequence; integers
+    on the device, read there: no host sync), or n where count is None (-1: k), within 0 .. k. Its first c entries
+    are those, in slot order (of equal values at the edge the lower slots, as the CPU's top-k); the rest are its
+    other slots in slot order (distinct slots a row, all within t). So a row's first c are its c best, which is what
+    a sorted torch.topk gives a selection whose rows fetch different counts, without the sort
+    (`top_rows_reference` in torch ops)."""
+    check(x.dim() == 3 and x.dtype == torch.float32, "top_rows: x [B, Hkv, t] float32")
+    x = x.contiguous()  # (a row's slots in a run: a copy only where a selection's scores came permuted)
+    b, hkv, t = x.shape
+    check(0 <= k <= t, f"top_rows: k {k} within 0 .. t ({t})")
+    check(count is None or (count.shape in ((b,), (b, 1), (b, hkv)) and not count.is_floating_point()
+                            and count.dtype != torch.bool),
+          "top_rows: count [B], [B, 1] or [B, Hkv] integers")  # fmt: skip
+    val = torch.empty(b, hkv, k, dtype=torch.float32, device=x.device)
+    slot = torch.empty(b, hkv, k, dtype=torch.int64, device=x.device)
+    if val.numel() == 0:
+        return val, slot
+    from infinigen_rt.kv._topk_kernel import top_rows_kernel
+
+    if count is None:
+        per, count_b, count_h = x, 0, 0  # (a placeholder)
+    else:
+        per = count.reshape(b, -1)
+        if per.shape[1] > 1 and per.stride(1) == 0:  # one a sequence, expanded over the heads: read in place
+            per = per[:, :1]
+        per = per.contiguous()
+        count_b, count_h = per.stride(0), per.stride(1) if per.shape[1] > 1 else 0
+    launch(top_rows_kernel, (b * hkv,), x, per, val, slot, t, k, k if n < 0 else n, count_b, count_h, HKV=hkv,
+           BLOCK=TOPK_BLOCK, HAS_COUNT=count is not None, num_warps=16)  # fmt: skip
+    return val, slot
+
+
+def top_rows_reference(x: torch.Tensor, k: int, count=None, n: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition of `top_rows` in torch ops: a stable sort by the floats' order keys (as the kernels make them;
+    equal keys keep slot order), each row's first c of it sorted back into slot order, then its others."""
+    b, hkv, t = x.shape
+    bits = x.contiguous().view(torch.int32).long()
+    key = torch.where(bits < 0, ~bits & 0xFFFFFFFF, bits | 0x80000000)  # (as _topk_kernel._key)
+    order = key.argsort(dim=-1, descending=True, stable=True)
+    if count is None:
+        c = torch.full((b, hkv), k if n < 0 else n, dtype=torch.int64, device=x.device)
+    else:
+        c = count.reshape(b, -1).long().expand(b, hkv)
+    c = c.clamp(0, k)[..., None]
+    chosen = torch.arange(t, device=x.device) < c  # [B, Hkv, t] in sorted order: the first c
+    # slot order within each part: the chosen first (part 0), then the others (part 1)
+    part = torch.zeros_like(order).scatter_(-1, order, (~chosen).long())
+    slots = (part * t + torch.arange(t, device=x.device)).argsort(dim=-1)[..., :k]
+    return torch.gather(x, -1, slots), slots

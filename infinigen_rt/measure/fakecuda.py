@@ -1076,13 +1076,15 @@ def _patch_torch(h: FakeCuda) -> list:
     import infinigen_rt.kv._attention_kernel
     import infinigen_rt.kv._gather_kernel
     import infinigen_rt.kv._quant_kernel
+    import infinigen_rt.kv._topk_kernel
     import infinigen_rt.kv.kernels
     import infinigen_rt.models._fused_kernel
     import infinigen_rt.system
 
     h.kernel_runs = {}
     for kernels in (infinigen_rt.kv._gather_kernel, infinigen_rt.kv._attention_kernel, infinigen_rt.kv._quant_kernel,
-                    infinigen_rt.kv._agg_kernel, infinigen_rt.models._fused_kernel):  # fmt: skip
+                    infinigen_rt.kv._agg_kernel, infinigen_rt.kv._topk_kernel,
+                    infinigen_rt.models._fused_kernel):  # fmt: skip
         for name, k in vars(kernels).items():  # kernel[grid](...) calls kernel.run(..., grid=grid, warmup=False)
             if hasattr(k, "run") and hasattr(k, "arg_names"):
                 h.kernel_runs[name] = k.run

@@ -14,9 +14,10 @@ beside the fetched rows at the DMA engine's, overlapped.
 
 Each kernel's device time is its family's rate as the H100 reached it inside the measured step (H100 below, each
 constant with the file and figure it comes from), never a datasheet's peak: the matrix multiplies, the paged
-attention, the int4 scoring and the row gather each have their own; a top-k its time a call; the rest HBM's copy
-rate, and no kernel less than `kernel_s`. A kernel that reads pinned host memory holds the SMs for as long as its
-rows cross PCIe (the H100's profile: the gather overlapped the compute stream's kernels 7-15 % of the time).
+attention, the int4 scoring and the row gather each have their own; a top-k (torch's or ours) its time a call; the
+rest HBM's copy rate, and no kernel less than `kernel_s`. A kernel that reads pinned host memory holds the SMs for as
+long as its rows cross PCIe (the H100's profile: the gather overlapped the compute stream's kernels 7-15 % of the
+time).
 
 What it cannot see (docs/performance.md): two kernels sharing the SMs (the device runs one op's device part at a
 time); the L2 cache; kernels that cuBLAS or a sort add to an op (the profile counted 1.25 kernels an op for `full`,
@@ -33,6 +34,9 @@ H200_RUN = "artifacts/results/gpu-h200-2026-11-26"
 MATMUL = ("linear", "mm", "addmm", "bmm", "matmul")
 ATTENTION = ("paged_decode_kernel", "merge_splits_kernel")
 SCORING = ("score_codes_kernel", "score_codes_dot_kernel")
+# a top-k: torch's, and the selection's own kernel (kv/_topk_kernel.py: one launch, no sort), priced as torch's
+# until a GPU profiles it
+TOPK = ("topk", "top_rows_kernel")
 
 
 @dataclass(frozen=True)
@@ -130,7 +134,7 @@ def op_seconds(op: Op, hw: Hardware, graphs: bool = False) -> tuple[float, float
                           (SCORING, hw.scoring_bytes_per_s)):  # fmt: skip
         if op.name in names and family:
             rate = family
-    dev = max(hw.kernel_s, op.hbm_bytes / rate, op.flops / hw.flops_per_s, hw.topk_s if op.name == "topk" else 0)
+    dev = max(hw.kernel_s, op.hbm_bytes / rate, op.flops / hw.flops_per_s, hw.topk_s if op.name in TOPK else 0)
     h2d = op.pcie_bytes / (hw.gather_bytes_per_s or hw.pcie_bytes_per_s)
     return max(dev, h2d) + (hw.graph_gap_s if graphs else 0.0), h2d, op.d2h_bytes / hw.pcie_bytes_per_s
 

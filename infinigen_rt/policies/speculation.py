@@ -502,8 +502,12 @@ def select(
     order = run_order(agg, opts.runs, opts.group_agg == "sum", held) if opts.runs > 1 else None
     if width is not None:  # sorted: the first n of each row are its best
         most = max(width, min(t, shortlist))
-        cand = agg.topk(most, dim=-1, sorted=True).indices if order is None else order[..., :most]  # [B, Hkv, most]
-        top = cand[..., :width]
+        if order is None and not shortlist and agg_kernel(agg):  # a GPU: each row's own n first, with no sort
+            cand = top = torch.ops.infinigen_gpu.top_rows(agg, width, *((n, -1) if isinstance(n, torch.Tensor)
+                                                                       else (None, n)))[1]  # fmt: skip
+        else:
+            cand = agg.topk(most, dim=-1, sorted=True).indices if order is None else order[..., :most]  # [B, Hkv, most]
+            top = cand[..., :width]
         limit = n[..., None] if isinstance(n, torch.Tensor) else n
         key = ("ok", width, opts.budget, opts.max_kv)
         ok = _memo(capped, key, lambda: (torch.arange(width, device=top.device) < limit).expand(top.shape))
@@ -553,7 +557,8 @@ def run_order(agg: torch.Tensor, runs: int, mass: bool, held: torch.Tensor | Non
 
 
 def agg_kernel(s: torch.Tensor) -> bool:
-    """Whether a selection's group softmax over the scores s goes through kernels.group_agg: on a GPU with Triton."""
+    """Whether a selection over the scores s goes through the kernels (kernels.group_agg for its group softmax,
+    kernels.top_rows for its top-k): on a GPU with Triton."""
     from infinigen_rt.kv.kernels import available
 
     return s.device.type == "cuda" and available()
@@ -677,6 +682,9 @@ def correction_rows(s: torch.Tensor, sel: Selection, held: torch.Tensor | None, 
     if cand is None and group_agg == "sum" and agg_kernel(s):  # one op on a GPU (kernels.group_agg): not seven
         ok = None if sel.every else sel.ok.expand(sel.slots.shape)
         agg = torch.ops.infinigen_gpu.group_agg(s, held, None, None, sel.slots, ok, True)
+        if isinstance(per_row, torch.Tensor) or not uneven:  # each row's own count first (kernels.top_rows)
+            count = per_row if isinstance(per_row, torch.Tensor) else None
+            return _counted(*torch.ops.infinigen_gpu.top_rows(agg, min(n, t), count), cand, per_row, memo)
         return _counted(*top_k(agg, min(n, t), uneven), cand, per_row, memo)
     if cand is None:
         taken = torch.zeros(b, hkv, t, dtype=torch.bool, device=s.device)

@@ -1,6 +1,6 @@
-"""The Triton row gather and the selection's group softmax against their pure-torch definitions: under
+"""The Triton row gather and the selection's group softmax and top-k against their pure-torch definitions: under
 TRITON_INTERPRET=1 on CPU tensors here (set by conftest), compiled on a GPU where one is present (then the source is
-pinned host memory, as in the pool); the group softmax's kernels compiled ahead of time for sm_80 and sm_90."""
+pinned host memory, as in the pool); the selection's kernels compiled ahead of time for sm_80 and sm_90."""
 
 from __future__ import annotations
 
@@ -204,7 +204,8 @@ def test_the_gpu_kernels_are_typed_operators_that_check_their_tensors():
     ops = torch.ops.infinigen_gpu
     assert {op.default for op in (ops.gather_rows, ops.gather_reused, ops.scatter_rows, ops.paged_decode,
                                   ops.score_codes, ops.quantize_rows, ops.quantize_channel, ops.rms_norm,
-                                  ops.add_rms_norm, ops.rope, ops.silu_mul, ops.group_agg)
+                                  ops.add_rms_norm, ops.rope, ops.silu_mul, ops.group_agg,
+                                  ops.top_rows)
             } == set(kernels.BODIES)  # fmt: skip
     assert fused.rope is ops.rope and fused.silu_mul is ops.silu_mul
     assert gather_rows is ops.gather_rows and attention.paged_decode is ops.paged_decode
@@ -221,6 +222,10 @@ def test_the_gpu_kernels_are_typed_operators_that_check_their_tensors():
         gather_rows(src, src, [0, 1], None, out, out.clone())
     with pytest.raises(RuntimeError, match="group_agg: s"):  # scores in half precision
         ops.group_agg(torch.zeros(1, 2, 3, 4, dtype=torch.half), None, None, None, None, None, False)
+    with pytest.raises(RuntimeError, match="top_rows: k 5 within"):  # more than a row holds
+        ops.top_rows(torch.zeros(1, 2, 4), 5)
+    with pytest.raises(RuntimeError, match="top_rows: count"):  # counts as floats
+        ops.top_rows(torch.zeros(1, 2, 4), 2, torch.ones(1, 2))
     with pytest.raises(RuntimeError, match="group_agg: held"):  # a mask of another length
         ops.group_agg(torch.zeros(1, 2, 3, 4), torch.ones(1, 2, 5, dtype=torch.bool), None, None, None, None, False)
     with pytest.raises(RuntimeError, match="scatter_rows"):
@@ -299,6 +304,11 @@ print(json.dumps(compiled(launches, cc)))
 def test_the_group_softmax_kernels_compile_for_sm80_and_sm90(cc, g):
     """group_agg's kernels at Llama-3.1-8B's shapes (4 query heads a KV head, 32k slots, 8 KV heads) and Qwen2.5's 7,
     compiled to cubin in a process of its own (no interpreter), with no local memory (spills)."""
+    assert compile_in_a_process(AGG_COMPILE, cc, g) == {"local": False, "kernels": 4}
+
+
+def compile_in_a_process(code: str, *argv) -> dict:
+    """Run a compile script (its last line of output JSON) in a Python of its own, without the interpreter."""
     import os
     import subprocess
     import sys
@@ -307,7 +317,71 @@ def test_the_group_softmax_kernels_compile_for_sm80_and_sm90(cc, g):
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
-    r = subprocess.run([sys.executable, "-c", AGG_COMPILE, str(cc), str(g)], capture_output=True, text=True, env=env,
+    r = subprocess.run([sys.executable, "-c", code, *map(str, argv)], capture_output=True, text=True, env=env,
                        cwd=ROOT, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"local": False, "kernels": 4}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("t, k", [(70, 9), (5000, 700), (64, 64), (9000, 1), (4200, 4200)])
+def test_the_top_k_op_takes_each_rows_best_first_in_slot_order_as_the_cpus_kernel(t, k):
+    """kernels.top_rows (radix select, one program a row) against its definition in torch ops, exactly, in every form
+    select and correction_rows call it (one count for every row, a count a sequence, read from the device, a count a
+    (sequence, KV head), none: k), over rows with ties at the edge, infinities, both zeros and more than one pass's
+    slots; with a row's every slot taken it is the CPU's unsorted top-k (slot order, of equal values the lower slots),
+    and each row's first c are the same set as torch.topk's where the values are distinct."""
+    from infinigen_rt.kv import cpu, kernels
+
+    gen = torch.Generator().manual_seed(t + k)
+    b, hkv = 2, 3
+    x = torch.randn(b, hkv, t, generator=gen)
+    x[0, 0, :5] = float("inf")
+    x[..., 7:30] = 0.5  # ties, perhaps at the edge
+    x[..., 40:45] = float("-inf")
+    x[..., 50], x[..., 51] = -0.0, 0.0
+    per_seq = torch.randint(0, k + 1, (b, 1), generator=gen)
+    forms = [(None, -1), (None, k // 2), (per_seq, -1), (per_seq.view(b), -1),
+             (torch.randint(0, k + 1, (b, hkv), generator=gen), -1), (per_seq.expand(b, hkv), -1)]  # fmt: skip
+
+    def on(c):
+        return c.to(DEVICE) if c is not None else None
+
+    for count, n in forms:
+        want = kernels.top_rows_reference(x, k, count, n)
+        got = torch.ops.infinigen_gpu.top_rows(x.to(DEVICE), k, on(count), n)
+        assert torch.equal(got[1].cpu(), want[1]) and torch.equal(got[0].cpu(), want[0])
+        c = (torch.full((b, hkv), k if n < 0 else n) if count is None else count.reshape(b, -1).expand(b, hkv))
+        for r in range(b * hkv):  # distinct slots a row, the first c its c largest
+            slots = want[1].view(-1, k)[r]
+            assert len(set(slots.tolist())) == k
+            first, rest = x.view(-1, t)[r][slots[: c.reshape(-1)[r]]], x.view(-1, t)[r][slots[c.reshape(-1)[r] :]]
+            if len(first) and len(rest):
+                assert first.min() >= rest.max()
+    every = cpu.topk(x, k, False)
+    if every is not None:  # the CPU's kernels are built here
+        assert torch.equal(torch.ops.infinigen_gpu.top_rows(x.to(DEVICE), k)[1].cpu(), every[1])
+    y = torch.randn(b, hkv, t, generator=gen)  # distinct values: the same set as torch.topk's
+    got = torch.ops.infinigen_gpu.top_rows(y.to(DEVICE), k)[1].cpu()
+    assert torch.equal(got.sort(-1).values, y.topk(k, -1).indices.sort(-1).values)
+
+
+TOPK_COMPILE = """
+import json, sys, torch
+from infinigen_rt.kv._topk_kernel import top_rows_kernel
+from tests.rt.test_kernels_aot import compiled
+
+cc, t, k = int(sys.argv[1]), 32768, 3277
+x, count = torch.empty(32, t), torch.empty(4, 1, dtype=torch.int64)
+val, slot = torch.empty(32, k), torch.empty(32, k, dtype=torch.int64)
+meta = dict(HKV=8, BLOCK=4096, num_warps=16)
+launches = [(top_rows_kernel, (x, count, val, slot, t, k, k, 1, 0), dict(meta, HAS_COUNT=True)),
+            (top_rows_kernel, (x, count, val, slot, t, k, k, 0, 0), dict(meta, HAS_COUNT=False))]
+print(json.dumps(compiled(launches, cc)))
+"""
+
+
+@pytest.mark.parametrize("cc", [80, 90])
+def test_the_top_k_kernel_compiles_for_sm80_and_sm90(cc):
+    """top_rows' kernel at Llama-3.1-8B's batch-4 shapes (32 rows of 32k slots, a tenth taken), with a count a
+    sequence and with none, compiled to cubin in a process of its own, with no local memory (spills)."""
+    assert compile_in_a_process(TOPK_COMPILE, cc) == {"local": False, "kernels": 2}
