@@ -46,11 +46,12 @@ def _digit(row, t, edge, ties, SHIFT: tl.constexpr, FIRST: tl.constexpr, BLOCK: 
 
 @triton.jit(do_not_specialize=["t", "k", "n", "count_b", "count_h"])
 def top_rows_kernel(
-    x, count, val, slot, t, k, n, count_b, count_h,
+    x, count, val, slot, ok, t, k, n, count_b, count_h,
     HKV: tl.constexpr, BLOCK: tl.constexpr, HAS_COUNT: tl.constexpr,
 ):  # fmt: skip
-    # program r: row r of x [R, t] (sequence r // HKV, KV head r % HKV) -> val, slot [R, k]: its c largest first
-    # (c = count at the row's sequence and head, else n; within 0 .. k), then its other slots, each in slot order
+    # program r: row r of x [R, t] (sequence r // HKV, KV head r % HKV) -> val, slot, ok [R, k]: its c largest first
+    # (c = count at the row's sequence and head, else n; within 0 .. k), then its other slots, each in slot order;
+    # ok: the first c where their value is above -inf
     r = tl.program_id(0)
     row = x + r.to(tl.int64) * t
     if HAS_COUNT:
@@ -79,11 +80,13 @@ def top_rows_kernel(
         at = taken + tl.cumsum(take, 0) - take
         tl.store(slot + out + at, i.to(tl.int64), mask=take != 0)
         tl.store(val + out + at, v, mask=take != 0)
+        tl.store(ok + out + at, (v > float("-inf")).to(tl.int8), mask=take != 0)
         other = (live & (take == 0)).to(tl.int32)
         at = c + rest + tl.cumsum(other, 0) - other
         keep = (other != 0) & (at < k)
         tl.store(slot + out + at, i.to(tl.int64), mask=keep)
         tl.store(val + out + at, v, mask=keep)
+        tl.store(ok + out + at, tl.zeros([BLOCK], tl.int8), mask=keep)
         taken += tl.sum(take, 0)
         equal += tl.sum(eq, 0)
         rest += tl.sum(other, 0)

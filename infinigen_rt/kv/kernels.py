@@ -323,9 +323,10 @@ def group_agg_reference(s, held, forced, value, cut, cut_ok, free_inf: bool) -> 
 TOPK_BLOCK = 4096  # the slots a top-k pass takes at once (one program a row: its warps share them)
 
 
-@gpu_op("top_rows(Tensor x, int k, Tensor? count=None, int n=-1) -> (Tensor, Tensor)")
-def top_rows(x: torch.Tensor, k: int, count=None, n: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's best, in one launch: x [B, Hkv, t] float32 -> (values [B, Hkv, k] float32, slots [B, Hkv, k] int64).
+@gpu_op("top_rows(Tensor x, int k, Tensor? count=None, int n=-1) -> (Tensor, Tensor, Tensor)")
+def top_rows(x: torch.Tensor, k: int, count=None, n: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's best, in one launch: x [B, Hkv, t] float32 -> (values [B, Hkv, k] float32, slots [B, Hkv, k] int64,
+    ok [B, Hkv, k] bool: the first c entries where their value is above -inf, as a selection counts its rows).
     Row (b, h) takes its c largest, c = count[b, h] (count [B, Hkv], or [B, 1] or [B] for one a sequence; integers
     on the device, read there: no host sync), or n where count is None (-1: k), within 0 .. k. Its first c entries
     are those, in slot order (of equal values at the edge the lower slots, as the CPU's top-k); the rest are its
@@ -341,8 +342,9 @@ def top_rows(x: torch.Tensor, k: int, count=None, n: int = -1) -> tuple[torch.Te
           "top_rows: count [B], [B, 1] or [B, Hkv] integers")  # fmt: skip
     val = torch.empty(b, hkv, k, dtype=torch.float32, device=x.device)
     slot = torch.empty(b, hkv, k, dtype=torch.int64, device=x.device)
+    ok = torch.empty(b, hkv, k, dtype=torch.bool, device=x.device)
     if val.numel() == 0:
-        return val, slot
+        return val, slot, ok
     from infinigen_rt.kv._topk_kernel import top_rows_kernel
 
     if count is None:
@@ -353,12 +355,13 @@ def top_rows(x: torch.Tensor, k: int, count=None, n: int = -1) -> tuple[torch.Te
             per = per[:, :1]
         per = per.contiguous()
         count_b, count_h = per.stride(0), per.stride(1) if per.shape[1] > 1 else 0
-    launch(top_rows_kernel, (b * hkv,), x, per, val, slot, t, k, k if n < 0 else n, count_b, count_h, HKV=hkv,
-           BLOCK=TOPK_BLOCK, HAS_COUNT=count is not None, num_warps=16)  # fmt: skip
-    return val, slot
+    launch(top_rows_kernel, (b * hkv,), x, per, val, slot, ok.view(torch.int8), t, k, k if n < 0 else n, count_b,
+           count_h, HKV=hkv, BLOCK=TOPK_BLOCK, HAS_COUNT=count is not None, num_warps=16)  # fmt: skip
+    return val, slot, ok
 
 
-def top_rows_reference(x: torch.Tensor, k: int, count=None, n: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+def top_rows_reference(x: torch.Tensor, k: int, count=None,
+                       n: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The definition of `top_rows` in torch ops: a stable sort by the floats' order keys (as the kernels make them;
     equal keys keep slot order), each row's first c of it sorted back into slot order, then its others."""
     b, hkv, t = x.shape
@@ -374,4 +377,5 @@ def top_rows_reference(x: torch.Tensor, k: int, count=None, n: int = -1) -> tupl
     # slot order within each part: the chosen first (part 0), then the others (part 1)
     part = torch.zeros_like(order).scatter_(-1, order, (~chosen).long())
     slots = (part * t + torch.arange(t, device=x.device)).argsort(dim=-1)[..., :k]
-    return torch.gather(x, -1, slots), slots
+    values = torch.gather(x, -1, slots)
+    return values, slots, (torch.arange(k, device=x.device) < c) & (values > float("-inf"))

@@ -682,9 +682,9 @@ def correction_rows(s: torch.Tensor, sel: Selection, held: torch.Tensor | None, 
     if cand is None and group_agg == "sum" and agg_kernel(s):  # one op on a GPU (kernels.group_agg): not seven
         ok = None if sel.every else sel.ok.expand(sel.slots.shape)
         agg = torch.ops.infinigen_gpu.group_agg(s, held, None, None, sel.slots, ok, True)
-        if isinstance(per_row, torch.Tensor) or not uneven:  # each row's own count first (kernels.top_rows)
-            count = per_row if isinstance(per_row, torch.Tensor) else None
-            return _counted(*torch.ops.infinigen_gpu.top_rows(agg, min(n, t), count), cand, per_row, memo)
+        if isinstance(per_row, torch.Tensor) or not uneven:  # each row's own count first, and which count
+            count = per_row if isinstance(per_row, torch.Tensor) else None  # (kernels.top_rows: as _counted's)
+            return torch.ops.infinigen_gpu.top_rows(agg, min(n, t), count)[1:]
         return _counted(*top_k(agg, min(n, t), uneven), cand, per_row, memo)
     if cand is None:
         taken = torch.zeros(b, hkv, t, dtype=torch.bool, device=s.device)

@@ -329,7 +329,8 @@ def test_the_top_k_op_takes_each_rows_best_first_in_slot_order_as_the_cpus_kerne
     select and correction_rows call it (one count for every row, a count a sequence, read from the device, a count a
     (sequence, KV head), none: k), over rows with ties at the edge, infinities, both zeros and more than one pass's
     slots; with a row's every slot taken it is the CPU's unsorted top-k (slot order, of equal values the lower slots),
-    and each row's first c are the same set as torch.topk's where the values are distinct."""
+    and each row's first c are the same set as torch.topk's where the values are distinct; `ok` the first c of
+    those above -inf."""
     from infinigen_rt.kv import cpu, kernels
 
     gen = torch.Generator().manual_seed(t + k)
@@ -349,12 +350,13 @@ def test_the_top_k_op_takes_each_rows_best_first_in_slot_order_as_the_cpus_kerne
     for count, n in forms:
         want = kernels.top_rows_reference(x, k, count, n)
         got = torch.ops.infinigen_gpu.top_rows(x.to(DEVICE), k, on(count), n)
-        assert torch.equal(got[1].cpu(), want[1]) and torch.equal(got[0].cpu(), want[0])
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want, strict=True))
         c = (torch.full((b, hkv), k if n < 0 else n) if count is None else count.reshape(b, -1).expand(b, hkv))
         for r in range(b * hkv):  # distinct slots a row, the first c its c largest
             slots = want[1].view(-1, k)[r]
             assert len(set(slots.tolist())) == k
             first, rest = x.view(-1, t)[r][slots[: c.reshape(-1)[r]]], x.view(-1, t)[r][slots[c.reshape(-1)[r] :]]
+            assert torch.equal(want[2].view(-1, k)[r], torch.cat([first > float("-inf"), rest < float("-inf")]))
             if len(first) and len(rest):
                 assert first.min() >= rest.max()
     every = cpu.topk(x, k, False)
@@ -372,10 +374,10 @@ from tests.rt.test_kernels_aot import compiled
 
 cc, t, k = int(sys.argv[1]), 32768, 3277
 x, count = torch.empty(32, t), torch.empty(4, 1, dtype=torch.int64)
-val, slot = torch.empty(32, k), torch.empty(32, k, dtype=torch.int64)
+val, slot, ok = torch.empty(32, k), torch.empty(32, k, dtype=torch.int64), torch.empty(32, k, dtype=torch.int8)
 meta = dict(HKV=8, BLOCK=4096, num_warps=16)
-launches = [(top_rows_kernel, (x, count, val, slot, t, k, k, 1, 0), dict(meta, HAS_COUNT=True)),
-            (top_rows_kernel, (x, count, val, slot, t, k, k, 0, 0), dict(meta, HAS_COUNT=False))]
+launches = [(top_rows_kernel, (x, count, val, slot, ok, t, k, k, 1, 0), dict(meta, HAS_COUNT=True)),
+            (top_rows_kernel, (x, count, val, slot, ok, t, k, k, 0, 0), dict(meta, HAS_COUNT=False))]
 print(json.dumps(compiled(launches, cc)))
 """
 
