@@ -376,7 +376,7 @@ class InfinigenSelector(Selector):
             if not self.in_place:  # (in place: after attention's share, PoolRows)
                 self.prefetch.flush()  # the next layer's copy, after this correction's
         if self.evicting is not None:
-            self.evicting.mark(step, layer, sel.slots, None if sel.every else sel.ok)
+            self.evicting.mark(step, layer, sel.all_slots(), None if sel.every else sel.ok)
         if self.opts.trace_recall:
             led.add("recall", rids, self.recall(step, layer, q, sel))
             led.add("recalls", rids, 1)
@@ -402,8 +402,8 @@ class InfinigenSelector(Selector):
         """Diagnosis only (`trace_recall`: it reads every held row of the layer, moving the whole context on a GPU):
         the true attention mass over each row's held tokens that its selection `sel` holds, q [B, H, 1, D] the
         layer's true query; [B], the mean over the query heads."""
-        store, (b, h, _) = self.store, sel.slots.shape
-        t, held = step.held[0], self.held(step, layer)[0]
+        store, slots = self.store, sel.all_slots()
+        (b, h, _), t, held = slots.shape, step.held[0], self.held(step, layer)[0]
         every = torch.arange(t, device=store.device).expand(b, h, t)
         keys, _ = store.gather(layer, step.batch, every, held, extra=0)  # (not counted: nothing a step moves)
         keys = store.layout.decode(keys).to(q.dtype).repeat_interleave(q.shape[1] // h, 1)  # [B, H, T, D]
@@ -411,8 +411,8 @@ class InfinigenSelector(Selector):
         if held is not None:
             p = p.masked_fill(~held.repeat_interleave(q.shape[1] // h, 1)[:, :, None], float("-inf"))
         chosen = torch.zeros(b, h, t, dtype=torch.int32, device=store.device)
-        ok = sel.ok.expand(sel.slots.shape)
-        chosen.scatter_add_(2, sel.slots.clamp(max=max(t - 1, 0)), (ok & (sel.slots < t)).int())  # (slots past T: none)
+        ok = sel.ok.expand(slots.shape)
+        chosen.scatter_add_(2, slots.clamp(max=max(t - 1, 0)), (ok & (slots < t)).int())  # (slots past T: none)
         inside = (chosen > 0).repeat_interleave(q.shape[1] // h, 1)  # [B, H, T]
         return (p.softmax(-1)[:, :, 0] * inside).sum(-1).mean(1)
 
@@ -487,18 +487,15 @@ class InfinigenSelector(Selector):
 
     @staticmethod
     def padded(sel: Selection, slots: torch.Tensor, ok: torch.Tensor, room: int, counted) -> Selection:
-        """Speculation's selection with the correction's slots and ok [B, Hkv, c] after it, and the rest of the
-        room (rows no sequence took) as slots that do not count. Every row counts (attention takes no mask) where
-        every speculated one did and `counted` (a CPU's list per request; on a GPU a tensor, unread) fills the room."""
+        """Speculation's selection with the correction's slots (`more`, joined only where read: Selection.all_slots)
+        and ok [B, Hkv, c] after it, and the rest of the room (rows no sequence took) as rows that do not count.
+        Every row counts (attention takes no mask) where every speculated one did and `counted` (a CPU's list per
+        request; on a GPU a tensor, unread) fills the room."""
         b, hkv, n = sel.slots.shape
         every = sel.every and isinstance(counted, list) and sum(counted) == b * hkv * room
-        more_slots, more_ok = [slots], [ok]
-        if room > slots.shape[-1]:
-            pad = room - slots.shape[-1]
-            more_slots.append(slots.new_zeros(b, hkv, pad))
-            more_ok.append(ok.new_zeros(b, hkv, pad))
-        return Selection(torch.cat([sel.slots, *more_slots], -1), torch.cat([sel.ok.expand(b, hkv, n), *more_ok], -1),
-                         every, sel.per_row)  # fmt: skip
+        pad = [ok.new_zeros(b, hkv, room - slots.shape[-1])] if room > slots.shape[-1] else []
+        return Selection(sel.slots, torch.cat([sel.ok.expand(b, hkv, n), ok, *pad], -1), every, sel.per_row,
+                         more=slots)  # fmt: skip
 
     def report(self, rid: int, r: KVReport) -> None:
         led = self.store.ledger

@@ -400,7 +400,9 @@ class Selection:
     pads n out for rows fetching fewer, or marks a free slot), both on the compute device. `every`: all of them
     count (known on the host); `per_row`: each sequence's mean fetch count per KV head ([B], for the statistics).
     `cand` [B, Hkv, n + m]: where the correction scores a shortlist, speculation's best slots in order, its own n
-    first (those of them `ok` are the ones it fetched), then the m it ranked next."""
+    first (those of them `ok` are the ones it fetched), then the m it ranked next. `more` [B, Hkv, c]: a correction's
+    slots, after speculation's (`ok` then covers both and the rest of the room after them: [B, Hkv, n + room]);
+    `all_slots` joins them where something reads them (a capacity's marks, the recall trace), not every layer."""
 
     slots: torch.Tensor
     ok: torch.Tensor
@@ -408,6 +410,16 @@ class Selection:
     per_row: torch.Tensor
     counted: torch.Tensor | None = None  # ok's count per sequence, where a step counted it (the batch's store)
     cand: torch.Tensor | None = None
+    more: torch.Tensor | None = None
+
+    def all_slots(self) -> torch.Tensor:
+        """The slots `ok` covers: speculation's, and a correction's after them (`more`) with slot 0 for the room
+        that no row took (never counted) [B, Hkv, ok's width]."""
+        if self.more is None:
+            return self.slots
+        b, hkv, n = self.slots.shape
+        pad = self.ok.shape[-1] - n - self.more.shape[-1]
+        return torch.cat([self.slots, self.more, *([self.more.new_zeros(b, hkv, pad)] if pad else [])], -1)
 
 
 BUCKET = 64  # the fetch size of a sync-free step is a multiple of this (fewer distinct shapes)

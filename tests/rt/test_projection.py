@@ -90,7 +90,7 @@ STEP_LIMITS = {
     ("full", None, None): (450, 1.08, 2.30, 4.25),  # 439 at batch 1, 471 at 8; 2.21x and 4.14x
     ("offload", None, None): (460, 1.15, 2.00, 1.27),  # 450 and 514; 1.92x and 1.22x
     ("infinigen", "partial", 0.0): (895, 1.08, 3.95, 1.47),  # 879 and 941; 3.87x and 1.44x
-    ("infinigen", "int4", 0.25): (1_120, 1.09, 5.40, 1.97),  # the defaults: 1,102 and 1,194; 5.28x and 1.93x
+    ("infinigen", "int4", 0.25): (1_090, 1.09, 5.20, 1.97),  # the defaults: 1,072 and 1,164; 5.09x and 1.93x
     ("h2o", None, None): (1_040, 1.0, 6.85, 4.75),  # 1,027 and 1,027; 6.67x and 4.62x
     ("int4", None, None): (2_260, 1.0, 7.25, 2.58),  # 2,242 and 2,242; 7.08x and 2.52x
 }

@@ -60,7 +60,8 @@ def fetched_rows(run: Stored) -> list[list[int]]:
             rows = out[1] if out[2] is None else torch.cat(out[1:], -1)
             seen.extend(r[r >= 0].tolist() for r in rows.flatten(0, 1))
         else:
-            slots, ok = out[0].slots, out[0].ok.expand(out[0].slots.shape)
+            slots = out[0].all_slots()  # speculation's and the correction's
+            ok = out[0].ok.expand(slots.shape)
             seen.extend(r[o].tolist() for r, o in zip(slots.flatten(0, 1), ok.flatten(0, 1), strict=True))
         return out
 
