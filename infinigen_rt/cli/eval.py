@@ -307,7 +307,7 @@ def ruler_cmd(engine, path, text: Path, names, budgets, alphas, contexts, sample
     rows = ruler.summary(results)
     if plot_path:
         ruler.plot(rows, plot_path, f"{Path(str(path)).name}: RULER over {text.name} ({len(task_list)} tasks, "
-                   f"{samples} samples a task and context)")  # fmt: skip
+                   f"{samples} sample{'' if samples == 1 else 's'} a task and context)")  # fmt: skip
     if json_out:
         print_json(as_json(results))
         return
