@@ -9,8 +9,9 @@
 #   bash benchmarks/gpu.sh llama2-32k   batch 4 x 32k, where only the pool policies fit; the peer   (~6 min)
 #   bash benchmarks/gpu.sh llama31-32k  Llama-3.1-8B shapes (GQA), batch 1 and 4 x 32k              (~5 min)
 #   bash benchmarks/gpu.sh llama31-128k Llama-3.1-8B shapes, batch 1 x 128k                         (~5 min)
-#   bash benchmarks/gpu.sh gather-grid  the defaults at Llama-2-7B b8 x 8k with the row gather's grid capped
-#                                       (INFINIGEN_GATHER_PROGRAMS 0: uncapped, 32, 132): does it overlap more (~6 min)
+#   bash benchmarks/gpu.sh gather-grid  the defaults at Llama-2-7B b8 x 8k with the row gather from host memory on
+#                                       8 programs (the default), a program per 16 rows (INFINIGEN_GATHER_PROGRAMS=0,
+#                                       the kernel the H100 measured) and 32: the link's rate, the overlap (~6 min)
 #   bash benchmarks/gpu.sh graphs       what a CUDA graph costs here (benchmarks/graph_probe.py): a kernel's eager
 #                                       launch, its time replayed from a graph, a replay's host time; the selection's
 #                                       top-k, torch's against ours (time and kernels a call); graphed tokens
@@ -90,12 +91,13 @@ case "$PART" in
     bench 540 llama-3.1-8b-128k --synthetic llama-3.1-8b --batch 1 --context 131072 --policies offload,infinigen,full
     ;;
   gather-grid)
+    unset INFINIGEN_GATHER_PROGRAMS
+    bench 150 llama-2-7b-b8-8k-grid8 --synthetic llama-2-7b --batch 8 --context 8192 --policies infinigen
     export INFINIGEN_GATHER_PROGRAMS=0
     bench 150 llama-2-7b-b8-8k-grid0 --synthetic llama-2-7b --batch 8 --context 8192 --policies infinigen
     export INFINIGEN_GATHER_PROGRAMS=32
     bench 150 llama-2-7b-b8-8k-grid32 --synthetic llama-2-7b --batch 8 --context 8192 --policies infinigen
-    export INFINIGEN_GATHER_PROGRAMS=132
-    bench 150 llama-2-7b-b8-8k-grid132 --synthetic llama-2-7b --batch 8 --context 8192 --policies infinigen
+    unset INFINIGEN_GATHER_PROGRAMS
     ;;
   graphs)
     timeout 120 $PYTHON benchmarks/graph_probe.py --out "$OUT/graph-probe.json" 2>>"$OUT/log-$PART.txt" | tail -30

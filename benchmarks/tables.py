@@ -73,14 +73,15 @@ def held(replayed: dict, measured: list[dict], held_out: str) -> str:
 
 def graphed(*files: dict) -> str:
     """bench --rehearse's points, eager and from a CUDA graph: launches, the projected ms of each, the floor and each
-    one's ratio to it."""
+    one's ratio to it, and the graphed step's share of its host-to-device transfer under compute."""
     out = ["| model | policy | batch x context | launches | eager ms | graphed ms | floor ms | eager x floor "
-           "| graphed x floor |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+           "| graphed x floor | overlap (graphed) |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for (model, policy, spec, correct, b, c), pts in _pair([p for d in files for p in d["points"]]).items():
         e, g = pts[False], pts[True]
+        overlap = "-" if g.get("overlap") is None else f"{g['overlap']:.2f}"
         out.append(f"| {model.removeprefix('synthetic:')} | {label(policy, spec, correct, short=True)} | {b} x {c} "
                    f"| {e['launches']:,} | {e['projected_ms']:.1f} | {g['projected_ms']:.1f} | {e['floor_ms']:.1f} "
-                   f"| {e['over_floor']:.2f} | {g['over_floor']:.2f} |")  # fmt: skip
+                   f"| {e['over_floor']:.2f} | {g['over_floor']:.2f} | {overlap} |")  # fmt: skip
     return "\n".join(out)
 
 

@@ -291,18 +291,19 @@ def _replay(paths: list[Path], out, json_out: bool) -> None:
 
 
 def rehearse_table(points: list[dict]):
-    """The projected points: launches a step, the projected step, the host's share of it, the floor and the ratio."""
+    """The projected points: launches a step, the projected step, the host's share of it, the floor and the ratio,
+    the bytes across PCIe and the share of their transfer under compute."""
     table = results_table("projected decode step (H100, from the ops issued)",
                           ["policy", "batch", "context", "graphs", "launches", "ms", "issue ms", "floor ms",
-                           "x floor", "PCIe"])  # fmt: skip
+                           "x floor", "PCIe", "overlap"])  # fmt: skip
     for p in points:
         if p["status"] != "ok":
             table.add_row(point_label(p), str(p["batch"]), str(p["context"]), "", f"[yellow]{p['status']}[/]")
             continue
         table.add_row(point_label(p), str(p["batch"]), str(p["context"]), "yes" if p.get("graphs") else "no",
-                      f"{p['launches']:,}",
-                      f"{p['projected_ms']:.1f}", f"{p['issue_ms']:.1f}", f"{p['floor_ms']:.1f}",
-                      f"{p['over_floor']:.2f}", human_bytes(p["pcie_bytes"]))  # fmt: skip
+                      f"{p['launches']:,}", f"{p['projected_ms']:.1f}", f"{p['issue_ms']:.1f}",
+                      f"{p['floor_ms']:.1f}", f"{p['over_floor']:.2f}", human_bytes(p["pcie_bytes"]),
+                      _fmt(p.get("overlap"), ".0%"))  # fmt: skip
     return table
 
 

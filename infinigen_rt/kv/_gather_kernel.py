@@ -19,9 +19,10 @@ def gather_rows_kernel(
     HKV: tl.constexpr,
 ):  # fmt: skip
     # chunk c moves ROWS selected rows, program p the chunks p, p + programs, ... (one each, unless the grid is
-    # capped: kernels.gather_grid); selection m (of `total`) of group g = m // n_sel lands at row g * n_out + first +
-    # m % n_sel. HAS_TABLE: rows holds slots, each group's row of `table` [G, t_len] their pool rows. ok: group g's
-    # row at (g // HKV) * ok_b + (g % HKV) * ok_h (a stride 0 where one row serves every KV head)
+    # capped, as it is by default from host memory: kernels.gather_grid); selection m (of `total`) of group
+    # g = m // n_sel lands at row g * n_out + first + m % n_sel. HAS_TABLE: rows holds slots, each group's row of
+    # `table` [G, t_len] their pool rows. ok: group g's row at (g // HKV) * ok_b + (g % HKV) * ok_h (a stride 0 where
+    # one row serves every KV head)
     for chunk in range(tl.program_id(0), (total + ROWS - 1) // ROWS, tl.num_programs(0)):
         m = chunk * ROWS + tl.arange(0, ROWS)
         live = m < total
@@ -38,10 +39,11 @@ def gather_rows_kernel(
         inside = cols[None, :] < W
         src_off = r[:, None] * W + cols[None, :]
         dst_off = dst[:, None] * W + cols[None, :]
-        # a row that does not count is written as zeros (never read from the pool: its bytes do not move)
+        # a row that does not count is written as zeros (never read from the pool: its bytes do not move); both
+        # loads before either store, so that a program keeps the chunk's keys and values in flight across PCIe at once
         a = tl.load(src_a + src_off, mask=use[:, None] & inside, other=0)
-        tl.store(out_a + dst_off, a, mask=live[:, None] & inside)
         b = tl.load(src_b + src_off, mask=use[:, None] & inside, other=0)
+        tl.store(out_a + dst_off, a, mask=live[:, None] & inside)
         tl.store(out_b + dst_off, b, mask=live[:, None] & inside)
 
 
@@ -89,8 +91,8 @@ def gather_reused_kernel(
         prev_off = p[:, None] * W + cols[None, :]
         dst_off = dst[:, None] * W + cols[None, :]
         a = tl.load(src_a + src_off, mask=fresh[:, None] & inside, other=0)
-        a = tl.where(held[:, None], tl.load(prev_a + prev_off, mask=held[:, None] & inside, other=0), a)
-        tl.store(out_a + dst_off, a, mask=live[:, None] & inside)
         b = tl.load(src_b + src_off, mask=fresh[:, None] & inside, other=0)
+        a = tl.where(held[:, None], tl.load(prev_a + prev_off, mask=held[:, None] & inside, other=0), a)
         b = tl.where(held[:, None], tl.load(prev_b + prev_off, mask=held[:, None] & inside, other=0), b)
+        tl.store(out_a + dst_off, a, mask=live[:, None] & inside)
         tl.store(out_b + dst_off, b, mask=live[:, None] & inside)

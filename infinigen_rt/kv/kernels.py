@@ -16,10 +16,16 @@ import torch
 from infinigen_rt.errors import InfinigenError
 
 ROWS_PER_PROGRAM = 16
-# the gather's programs at most (`INFINIGEN_GATHER_PROGRAMS`; unset or 0: a program per ROWS_PER_PROGRAM rows, the
-# default). A capped grid loops over the chunks: the H100's profile (artifacts/results/gpu-h100-2026-11-26) showed
-# the gather, whose programs wait on PCIe, overlapping the compute stream's kernels 7-15 % of the time; fewer
-# programs may leave SMs to them. Not yet measured on a GPU: `benchmarks/gpu.sh gather-grid` compares.
+# The gather from host memory runs on few programs, each looping over chunks of rows, so that it leaves the SMs to the
+# compute stream's kernels: the H100's profile (artifacts/results/gpu-h100-2026-11-26) showed the gather with a program
+# per 16 rows, every SM holding programs that wait on PCIe, overlapping the compute stream 7-15 % of the time. Its
+# programs at most: `INFINIGEN_GATHER_PROGRAMS` (0: a program per ROWS_PER_PROGRAM rows, the measured gather), unset:
+# GATHER_PROGRAMS. A capped program moves a chunk of about CAPPED_CHUNK_BYTES of keys and as much of values at once
+# (both loaded before either is stored): 8 programs keep 512 KiB in flight, which keeps the link full at the gather's
+# measured 42.9 GB/s for any PCIe round trip under 12 us. Not yet measured on a GPU: `benchmarks/gpu.sh gather-grid`.
+GATHER_PROGRAMS = 8
+CAPPED_CHUNK_BYTES = 32768
+CAPPED_WARPS = 16
 GATHER_PROGRAMS_ENV = "INFINIGEN_GATHER_PROGRAMS"
 # the kernels' names, as a CUDA profiler shows them (bench counts the gather as host-to-device copying)
 GATHER_KERNEL, SCATTER_KERNEL = "gather_rows_kernel", "scatter_rows_kernel"
@@ -84,17 +90,22 @@ def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
         kernel[grid](*args, **meta)
 
 
-def gather_grid(total: int) -> int:
-    """The gather's programs for `total` rows: one a chunk of ROWS_PER_PROGRAM, at most GATHER_PROGRAMS_ENV's."""
-    chunks = -(-total // ROWS_PER_PROGRAM)
+def gather_grid(total: int, row_bytes: int, from_host: bool = True) -> tuple[int, int, int]:
+    """The gather's launch for `total` rows of `row_bytes` each (of keys, and as many of values): (programs, rows a
+    chunk, warps a program). Uncapped (from device memory, or `INFINIGEN_GATHER_PROGRAMS=0`): a program per
+    ROWS_PER_PROGRAM rows, 4 warps; from host memory, at most GATHER_PROGRAMS (or the variable's) programs, each
+    looping over chunks of about CAPPED_CHUNK_BYTES."""
     raw = os.environ.get(GATHER_PROGRAMS_ENV, "").strip()
     try:
-        cap = int(raw or 0)
+        cap = int(raw) if raw else GATHER_PROGRAMS if from_host else 0
     except ValueError:
         raise InfinigenError(f"{GATHER_PROGRAMS_ENV}={raw!r}: expected a whole number (0: no cap)") from None
     if cap < 0:
         raise InfinigenError(f"{GATHER_PROGRAMS_ENV}={raw!r}: expected 0 (no cap) or more")
-    return min(chunks, cap) if cap else chunks
+    if not cap:
+        return -(-total // ROWS_PER_PROGRAM), ROWS_PER_PROGRAM, 4
+    rows = 1 << max(4, min(8, (CAPPED_CHUNK_BYTES // max(row_bytes, 1)).bit_length() - 1))  # 16 to 256, a power of 2
+    return min(-(-total // rows), cap), rows, CAPPED_WARPS
 
 
 @gpu_op("gather_rows(Tensor src_a, Tensor src_b, Tensor rows, Tensor? ok, Tensor(a!) out_a, Tensor(b!) out_b, "
@@ -140,11 +151,12 @@ def gather_rows(src_a, src_b, rows, ok, out_a, out_b, first: int = 0, table=None
     else:
         ok_rows, ok_b, ok_h, heads = ok.contiguous(), n, 0, 1
     tbl = table.reshape(g, -1).contiguous() if table is not None else rows
+    programs, chunk, warps = gather_grid(total, w * sa.element_size(), src_a.device.type == "cpu")
     launch(
-        gather_rows_kernel, (gather_grid(total),),
+        gather_rows_kernel, (programs,),
         sa, sb, oa, ob, rows, ok_rows, tbl, n, n_out, total, first, ok_b, ok_h, tbl.shape[-1] if table is not None
-        else 0, W=w, BLOCK_W=triton.next_power_of_2(w), ROWS=ROWS_PER_PROGRAM, HAS_OK=ok is not None,
-        HAS_TABLE=table is not None, HKV=heads,
+        else 0, W=w, BLOCK_W=triton.next_power_of_2(w), ROWS=chunk, HAS_OK=ok is not None,
+        HAS_TABLE=table is not None, HKV=heads, num_warps=warps,
     )  # fmt: skip
 
 
@@ -169,10 +181,11 @@ def gather_reused(src_a, src_b, prev_a, prev_b, rows, ok, pos, out_a, out_b) -> 
 
     sa, sb, pa, pb, oa, ob = (words(x) for x in (src_a, src_b, prev_a, prev_b, out_a, out_b))
     w = sa.shape[-1]
+    programs, chunk, warps = gather_grid(total, w * sa.element_size(), src_a.device.type == "cpu")
     launch(
-        gather_reused_kernel, (gather_grid(total),),
+        gather_reused_kernel, (programs,),
         sa, sb, pa, pb, oa, ob, *(x.reshape(-1).contiguous() for x in (rows, ok, pos)), n, out_a.shape[1], total,
-        W=w, BLOCK_W=triton.next_power_of_2(w), ROWS=ROWS_PER_PROGRAM,
+        W=w, BLOCK_W=triton.next_power_of_2(w), ROWS=chunk, num_warps=warps,
     )  # fmt: skip
 
 

@@ -14,16 +14,16 @@ it. Three ways, one interface:
 A runner makes one and gives each request's cache a `Lane` of it: one side stream or worker thread for the batch,
 and runs each decode step inside its `sharing()` (a worker thread's core is then not the step's).
 
-`start(..., defer=True)` holds the copy stage back until `flush()` (or the layer's result): on a side stream,
-layer j+1's copy then queues on the link behind layer j's correction (issued just before the flush), instead of
-ahead of it, where the correction, and with it layer j and the next selection, waited for the whole of j+1's rows
-while the link then idled through layer j's compute (the defaults projected at Llama-3.1-8B 32k: 1.35x the floor
-at batch 1 so, 1.10x deferred). A worker thread holds both stages back: `beside(fn)` hands it a share of
-layer j's correction first, and where attention reads the rows in the pool (a CPU: store.PoolRows) a share of
-layer j's attention (the two threads take the pairs from one counter), then the held stages start; the worker,
-idle while the compute thread did those alone, now shares them; and the other way round, a compute thread that
-asks for a layer's result before the worker is done takes pairs of the kernel call the worker offers (a CPU's
-speculation: cpu.take_offered) rather than wait idle. An inline prefetcher runs every stage at once.
+`start(..., defer=True)` holds both stages back until `flush()` (or the layer's result). On a side stream: layer j's
+correction issues the gather of its rows there (`side(key, fn)`), then the flush runs layer j+1's selection on the
+compute stream while those rows cross, and queues j+1's copy behind them on the link; the compute stream waits for
+the correction's rows (`result(key)`) only when layer j attends. The link so carries layer j's correction first (the
+rows layer j waits for) and the compute stream does not stand still while they cross. On a worker thread:
+`beside(fn)` hands it a share of layer j's correction first, and where attention reads the rows in the pool (a CPU:
+store.PoolRows) a share of layer j's attention (the two threads take the pairs from one counter), then the held
+stages start; the worker, idle while the compute thread did those alone, now shares them; and the other way round,
+a compute thread that asks for a layer's result before the worker is done takes pairs of the kernel call the worker
+offers (a CPU's speculation: cpu.take_offered) rather than wait idle. An inline prefetcher runs every stage at once.
 """
 
 from __future__ import annotations
@@ -170,21 +170,31 @@ class SideStream(Prefetch):
 
     def __init__(self, device: torch.device):
         super().__init__()
-        self.device, self.stream = device, torch.cuda.Stream(device)
+        # above the compute stream's priority: the block scheduler starts the copy's few programs (kernels.gather_grid)
+        # as soon as an SM frees, rather than behind every block of the compute kernels queued before them
+        self.device, self.stream = device, torch.cuda.Stream(device, priority=-1)
         self.held: dict[Any, tuple] = {}  # the copies deferred: layer -> (copy, its argument)
 
     def start(self, layer: int, fn, *args, copy=None, defer: bool = False) -> None:
-        if copy is not None:  # the first stage on the compute stream, the copy on the side stream
-            args, fn = (fn(*args),), copy
-            if defer:
-                self.held[layer] = (fn, args)
-                return
-        self._side(layer, fn, args)
+        if defer:  # both stages wait for `flush`: the caller's copy (`side`) first on the link, these kernels beside it
+            self.held[layer] = (fn, args, copy)
+            return
+        self._staged(layer, fn, args, copy)
 
     def flush(self) -> None:
-        for layer, (fn, args) in list(self.held.items()):
-            self._side(layer, fn, args)
+        for layer, (fn, args, copy) in list(self.held.items()):
+            self._staged(layer, fn, args, copy)
         self.held.clear()
+
+    def side(self, key, fn, *args) -> None:
+        """fn(*args) on the side stream now, after what the compute stream has issued; `result(key)` makes the compute
+        stream wait for it."""
+        self._side(key, fn, args)
+
+    def _staged(self, layer, fn, args, copy) -> None:
+        if copy is not None:  # the first stage on the compute stream, the copy on the side stream
+            args, fn = (fn(*args),), copy
+        self._side(layer, fn, args)
 
     def _side(self, layer, fn, args) -> None:
         compute = torch.cuda.current_stream(self.device)
@@ -211,11 +221,18 @@ class SideStream(Prefetch):
         super().close()
 
     def result(self, layer: int):
+        out = self.peek(layer)
+        _, done = self.pending.pop(layer)
+        torch.cuda.current_stream(self.device).wait_event(done)
+        return out
+
+    def peek(self, layer):
+        """What `result(layer)` returns, without the compute stream waiting for it: tensors the side stream has yet to
+        write, to hand back to it (`side`) before the compute stream reads them (`result`)."""
         if layer in self.held:
             self.flush()
-        out, done = self.pending.pop(layer)
+        out, _ = self.pending[layer]
         compute = torch.cuda.current_stream(self.device)
-        compute.wait_event(done)
         for t in _tensors(out):  # made on the side stream, used on the compute stream
             if t.is_cuda:
                 t.record_stream(compute)
@@ -242,6 +259,13 @@ class Lane:
 
     def beside(self, fn, then: bool = True) -> Future | None:
         return self.base.beside(fn, then)
+
+    def side(self, key, fn, *args) -> None:
+        self.keys.add((self, key))
+        self.base.side((self, key), fn, *args)
+
+    def peek(self, layer: int):
+        return self.base.peek((self, layer))
 
     def result(self, layer: int):
         self.keys.discard((self, layer))

@@ -24,6 +24,7 @@ from infinigen_rt.files import pyplot, save_figure
 from infinigen_rt.kv.kernels import GATHER_KERNEL
 from infinigen_rt.measure.floor import floor_seconds, memory_needs
 from infinigen_rt.measure.perplexity import label
+from infinigen_rt.measure.projection import interval_overlap, merged
 from infinigen_rt.policies import KVOptions, Policy, configure
 from infinigen_rt.runner import BLOCK_TOKENS, Request, Runner, blocks_for, reserved
 from infinigen_rt.system import host_available, host_rss
@@ -115,30 +116,6 @@ def count_syncs(fn, sites: list | None = None) -> int:
     if sites is not None:
         sites += [f"{w.filename}:{w.lineno}" for w in syncs]
     return len(syncs)
-
-
-def merged(spans: list[tuple[float, float]]) -> list[list[float]]:
-    """Intervals (start, end) merged where they overlap, in order."""
-    out: list[list[float]] = []
-    for s, e in sorted(spans):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return out
-
-
-def interval_overlap(copies: list[tuple[float, float]], kernels: list[tuple[float, float]]) -> float:
-    """Share of the copies' total time during which some kernel runs (intervals as (start, end))."""
-    merged_kernels = merged(kernels)
-    total = sum(e - s for s, e in copies)
-    if total <= 0:
-        return 0.0
-    covered = 0.0
-    for s, e in copies:
-        for ms, me in merged_kernels:
-            covered += max(0.0, min(e, me) - max(s, ms))
-    return covered / total
 
 
 def profile_spans(events) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:

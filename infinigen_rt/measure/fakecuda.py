@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import re
 import subprocess
@@ -915,8 +916,8 @@ class FakeCuda:
         self.launches.append((name, f"cuda:{idx}", stream.name))
         if self.ops is not None or self.capture is not None:
             op = _row_kernel_op if "rows" in params else OPS.get(name, _span_op)
-            self.note(replace(op(name, stream.name, named, written, grid, meta), detail=self.described(args, meta,
-                                                                                                       grid)))
+            self.note(replace(op(name, stream.name, named, written, grid, meta), programs=math.prod(grid),
+                              detail=self.described(args, meta, grid)))  # fmt: skip
         for r in self.regions:
             r.launches.append(name)
         self.profile_event(stream.name, name)

@@ -16,8 +16,11 @@ Each kernel's device time is its family's rate as the H100 reached it inside the
 constant with the file and figure it comes from), never a datasheet's peak: the matrix multiplies, the paged
 attention, the int4 scoring and the row gather each have their own; a top-k (torch's or ours) its time a call; the
 rest HBM's copy rate, and no kernel less than `kernel_s`. A kernel that reads pinned host memory holds the SMs for as
-long as its rows cross PCIe (the H100's profile: the gather overlapped the compute stream's kernels 7-15 % of the
-time).
+long as its rows cross PCIe (the H100's profile: the gather, a program per 16 rows, overlapped the compute stream's
+kernels 7-15 % of the time), or, where its programs are fewer than the SMs, their share of that time (a program
+taken as a whole SM that no other kernel's block shares); the rest of the SMs run the other streams' kernels. The
+overlap a projection reports is bench's: the share of the host-to-device link's busy time during which a kernel that
+reads no host memory runs.
 
 What it cannot see (docs/performance.md): two kernels sharing the SMs (the device runs one op's device part at a
 time); the L2 cache; kernels that cuBLAS or a sort add to an op (the profile counted 1.25 kernels an op for `full`,
@@ -56,6 +59,7 @@ class Hardware:
     plan_s: float = 0.0  # host time of a cuDNN attention over shapes no step before ran (Op.new_shape)
     graph_launch_s: float = 0.0  # a captured step: host time of its replay
     graph_gap_s: float = 0.0  # a captured step: the device's time between two of its kernels
+    sms: int = 0  # streaming multiprocessors (0: a kernel reading pinned host memory holds them all)
 
 
 # The H100 of 2026-11-26 (H100_RUN; tree 5a5a7e7, fp16, whose recorded steps are H100_RUN/traces): the rates from
@@ -84,6 +88,7 @@ H100 = Hardware(
     # measures both (benchmarks/graph_probe.py)
     graph_launch_s=10e-6,
     graph_gap_s=0.5e-6,
+    sms=132,  # H100 SXM5 (the "H100 80GB HBM3" of H100_RUN): NVIDIA H100 Tensor Core GPU Architecture, table 3
 )
 
 
@@ -105,6 +110,7 @@ class Op:
     site: str = ""  # the code that issued it: "model" (the layers, the runner) or "kv" (kv/ and policies/)
     new_shape: bool = False  # a fused attention over shapes no step before it ran (cuDNN then builds a plan)
     detail: tuple = ()  # with `recording(detail=True)`: its arguments as a CUDA graph would hold them (capture.py)
+    programs: int = 0  # a Triton launch's programs (0: not recorded)
 
     @property
     def launch(self) -> bool:
@@ -121,6 +127,7 @@ class Projection:
     flops: int
     syncs: int
     streams: int  # streams that ran work
+    overlap: float | None = None  # the share of host-to-device transfer time under a kernel reading no host memory
 
 
 def op_seconds(op: Op, hw: Hardware, graphs: bool = False) -> tuple[float, float, float]:
@@ -136,7 +143,14 @@ def op_seconds(op: Op, hw: Hardware, graphs: bool = False) -> tuple[float, float
             rate = family
     dev = max(hw.kernel_s, op.hbm_bytes / rate, op.flops / hw.flops_per_s, hw.topk_s if op.name in TOPK else 0)
     h2d = op.pcie_bytes / (hw.gather_bytes_per_s or hw.pcie_bytes_per_s)
-    return max(dev, h2d) + (hw.graph_gap_s if graphs else 0.0), h2d, op.d2h_bytes / hw.pcie_bytes_per_s
+    gap = hw.graph_gap_s if graphs else 0.0
+    return max(dev, h2d * sm_share(op, hw)) + gap, h2d, op.d2h_bytes / hw.pcie_bytes_per_s
+
+
+def sm_share(op: Op, hw: Hardware) -> float:
+    """The share of the SMs a kernel holds while its rows cross PCIe: its programs' (a program a whole SM) where
+    they are fewer than the SMs, else all of them."""
+    return min(1.0, op.programs / hw.sms) if op.programs and hw.sms else 1.0
 
 
 def host_seconds(op: Op, hw: Hardware) -> float:
@@ -177,6 +191,7 @@ def project(ops: list[Op], hw: Hardware = H100, graphs: bool = False) -> Project
     busy: set[str] = set()  # streams that ran work
     events: dict[int, float] = {}
     syncs = 0
+    spans: tuple[list, list] = ([], [])  # (host-to-device transfers, kernels that read no host memory): (start, end)
     for op in ops:
         if op.launch:
             if op.new_shape and not graphs:  # (the host does not run ahead of the device across it: see H100.plan_s)
@@ -184,7 +199,12 @@ def project(ops: list[Op], hw: Hardware = H100, graphs: bool = False) -> Project
             host += 0.0 if graphs else host_seconds(op, hw)
             start = max(host, ready.get(op.stream, 0.0))
             times = op_seconds(op, hw, graphs)
-            ready[op.stream] = max([start] + [r.take(start, t) for r, t in zip(resources, times, strict=True) if t])
+            ends = [r.take(start, t) if t else start for r, t in zip(resources, times, strict=True)]
+            ready[op.stream] = max(start, *ends)
+            if times[1]:
+                spans[0].append((ends[1] - times[1], ends[1]))
+            elif times[0] and op.kind != "copy":
+                spans[1].append((ends[0] - times[0], ends[0]))
             if max(times):
                 busy.add(op.stream)
         elif op.kind == "record":
@@ -200,7 +220,32 @@ def project(ops: list[Op], hw: Hardware = H100, graphs: bool = False) -> Project
         launches=len(launched), seconds=max([host, *ready.values()]), issue_s=issue,
         hbm_bytes=sum(op.hbm_bytes for op in launched), pcie_bytes=sum(op.pcie_bytes for op in launched),
         flops=sum(op.flops for op in launched), syncs=syncs, streams=len(busy),
+        overlap=round(interval_overlap(*spans), 4) if spans[0] else None,
     )  # fmt: skip
+
+
+def merged(spans: list[tuple[float, float]]) -> list[list[float]]:
+    """Intervals (start, end) merged where they overlap, in order."""
+    out: list[list[float]] = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def interval_overlap(copies: list[tuple[float, float]], kernels: list[tuple[float, float]]) -> float:
+    """Share of the copies' total time during which some kernel runs (intervals as (start, end))."""
+    merged_kernels = merged(kernels)
+    total = sum(e - s for s, e in copies)
+    if total <= 0:
+        return 0.0
+    covered = 0.0
+    for s, e in copies:
+        for ms, me in merged_kernels:
+            covered += max(0.0, min(e, me) - max(s, ms))
+    return covered / total
 
 
 def read_trace(path) -> tuple[dict, list[Op]]:

@@ -50,6 +50,7 @@ class Projected:
     pcie_bytes: int | None = None
     syncs: int | None = None
     streams: int | None = None
+    overlap: float | None = None  # host-to-device transfer under compute, as bench's copy_overlap (None: none moved)
     error: str | None = None
 
 
@@ -116,7 +117,7 @@ def priced(point: Projected, ops: list, hw: Hardware, floor: float, graphs: bool
     return replace(point, graphs=graphs, launches=p.launches, projected_ms=round(1000 * p.seconds, 3),
                    issue_ms=round(1000 * p.issue_s, 3), floor_ms=round(1000 * floor, 3),
                    over_floor=round(p.seconds / floor, 3), hbm_bytes=p.hbm_bytes, pcie_bytes=p.pcie_bytes,
-                   syncs=p.syncs, streams=p.streams)  # fmt: skip
+                   syncs=p.syncs, streams=p.streams, overlap=p.overlap)  # fmt: skip
 
 
 def replay(paths: list, hw: Hardware = H100) -> list[Projected]:

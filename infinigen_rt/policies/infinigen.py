@@ -368,13 +368,20 @@ class InfinigenSelector(Selector):
     def rows(self, step, layer, q):
         if layer not in self.prefetch:
             return super().rows(step, layer, q)  # not speculated (the first pooled layer without a dense one)
-        sel, k, v = self.prefetch.result(layer)
-        led, rids = self.store.ledger, step.batch.rids
-        led.add(f"fetched{layer}", rids, sel.slots.shape[-1] * self.store.n_kv if sel.every else sel.counted)
+        # on a side stream with a correction, the rows are still crossing: the correction scores and picks on the
+        # compute stream meanwhile, and gathers its rows into k and v behind them on the side stream
+        ahead = self.opts.correct and self.prefetch.side_stream
+        spec, k, v = sel, k, v = self.prefetch.peek(layer) if ahead else self.prefetch.result(layer)
         if self.opts.correct:
             sel, k, v = self.correct(step, layer, q, sel, k, v)
             if not self.in_place:  # (in place: after attention's share, PoolRows)
-                self.prefetch.flush()  # the next layer's copy, after this correction's
+                self.prefetch.flush()  # the next layer's selection, and its copy after this correction's
+                if ("correction", layer) in self.prefetch:  # the correction's rows, and before them speculation's
+                    self.prefetch.result(("correction", layer))
+            if ahead:
+                self.prefetch.result(layer)  # (the copy's event: passed already, where the correction gathered)
+        led, rids = self.store.ledger, step.batch.rids
+        led.add(f"fetched{layer}", rids, spec.slots.shape[-1] * self.store.n_kv if spec.every else spec.counted)
         if self.evicting is not None:
             self.evicting.mark(step, layer, sel.all_slots(), None if sel.every else sel.ok)
         if self.opts.trace_recall:
@@ -473,11 +480,19 @@ class InfinigenSelector(Selector):
         if not self.store.kernel:  # a CPU reads the counts for free: once, for the ledger and whether all count
             counted = counted.tolist()
             every = None if sum(counted) == ok.numel() else ok
-        self.gather(step, layer, slots, every, 0, counted=counted, table=step.row_table, into=into,
-                    first=n if self.store.kernel else 0)  # fmt: skip
+
+        def fetch(slots, every, counted, table, k, v) -> None:
+            self.gather(step, layer, slots, every, 0, counted=counted, table=table, into=into,
+                        first=n if self.store.kernel else 0)  # fmt: skip
+            if room > c:  # never attended (and never NaN bits); (an empty fill is still a launch on a GPU)
+                k[:, :, n + c : n + room], v[:, :, n + c : n + room] = 0, 0
+
+        args = slots, every, counted, step.row_table, k, v  # (a side stream keeps them alive until it is done)
+        if self.prefetch.side_stream:  # on the link before the next layer's rows, while its selection computes (rows)
+            self.prefetch.side(("correction", layer), fetch, *args)
+        else:
+            fetch(*args)
         self.count_corrected(step, layer, counted)
-        if room > c:  # never attended (and never NaN bits); (an empty fill is still a launch on a GPU)
-            k[:, :, n + c : n + room], v[:, :, n + c : n + room] = 0, 0
         return self.padded(sel, slots, ok, room, counted), (k,), (v,)
 
     def count_corrected(self, step, layer: int, counted) -> None:

@@ -91,20 +91,24 @@ def test_gather_equals_its_definition(dtype, groups, n, extra, width):
     assert torch.equal(ka[0, 0], src_a[first].to(DEVICE))
 
 
-@pytest.mark.parametrize("cap", ["1", "3"])
+@pytest.mark.parametrize("cap", ["1", "3", ""])
 def test_a_capped_gather_grid_loops_over_every_chunk(cap, monkeypatch):
-    """INFINIGEN_GATHER_PROGRAMS: fewer programs than chunks, each looping over its share, move the same rows (fresh
-    and reused); a cap that is not a count is a one-line error."""
+    """INFINIGEN_GATHER_PROGRAMS (unset: GATHER_PROGRAMS from host memory): fewer programs than chunks, each looping
+    over its share, move the same rows (fresh and reused); a cap that is not a count is a one-line error."""
     from infinigen_rt.errors import InfinigenError
     from infinigen_rt.kv import kernels
 
-    gen = torch.Generator().manual_seed(int(cap))
-    groups, n, width, n_rows = 5, 37, 24, 60  # 185 rows: 12 chunks of 16
+    gen = torch.Generator().manual_seed(len(cap))
+    groups, n, width, n_rows = 5, 37, 24, 60  # 185 rows of 96 bytes: 12 chunks of 16 (12 of 16 uncapped too)
+    monkeypatch.setattr(kernels, "CAPPED_CHUNK_BYTES", 16 * 96)
+    monkeypatch.setattr(kernels, "GATHER_PROGRAMS", 5)
     src_a, src_b = pool_tensor((n_rows, width), torch.float32, gen), pool_tensor((n_rows, width), torch.float32, gen)
     rows = torch.randint(0, n_rows, (groups, n), generator=gen).to(DEVICE)
     ok = (torch.rand(groups, n, generator=gen) > 0.3).to(DEVICE)
     monkeypatch.setenv(kernels.GATHER_PROGRAMS_ENV, cap)
-    assert kernels.gather_grid(groups * n) == int(cap)
+    assert kernels.gather_grid(groups * n, 96) == (int(cap or 5), 16, kernels.CAPPED_WARPS)
+    uncapped = (int(cap), 16, kernels.CAPPED_WARPS) if cap else (12, 16, 4)  # (from device memory: no cap unless set)
+    assert kernels.gather_grid(groups * n, 96, from_host=False) == uncapped
     outs = []
     for fn in (gather_rows, gather_rows_reference):
         out_a, out_b = (torch.full((groups, n + 1, width), 7.0, device=DEVICE) for _ in "ab")
@@ -117,12 +121,17 @@ def test_a_capped_gather_grid_loops_over_every_chunk(cap, monkeypatch):
     reused = [torch.full((groups, n + 1, width), 7.0, device=DEVICE) for _ in "ab"]
     gather_reused(src_a, src_b, prev_a, prev_b, rows, ok, pos, *reused)
     want = [torch.full((groups, n + 1, width), 7.0, device=DEVICE) for _ in "ab"]
-    monkeypatch.delenv(kernels.GATHER_PROGRAMS_ENV)
+    monkeypatch.setenv(kernels.GATHER_PROGRAMS_ENV, "0")  # a program a chunk
     gather_reused(src_a, src_b, prev_a, prev_b, rows, ok, pos, *want)
     assert torch.equal(reused[0], want[0]) and torch.equal(reused[1], want[1])
     monkeypatch.setenv(kernels.GATHER_PROGRAMS_ENV, "many")
     with pytest.raises(InfinigenError, match="whole number"):
-        kernels.gather_grid(10)
+        kernels.gather_grid(10, 96)
+    monkeypatch.setenv(kernels.GATHER_PROGRAMS_ENV, "0")
+    assert kernels.gather_grid(185, 96) == (12, 16, 4)
+    monkeypatch.delenv(kernels.GATHER_PROGRAMS_ENV)
+    monkeypatch.setattr(kernels, "CAPPED_CHUNK_BYTES", 32768)  # a chunk of 256 rows of 96 bytes, 128 of 256, 16 of 4k
+    assert [kernels.gather_grid(10_000, b, True)[1] for b in (96, 256, 4096, 1 << 16)] == [256, 128, 16, 16]
 
 
 @pytest.mark.parametrize(
