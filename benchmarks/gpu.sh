@@ -3,7 +3,7 @@
 # $OUT; every bench and peer file is written row by row, a peer row after every step, so a call cut short keeps
 # what it measured):
 #   bash benchmarks/gpu.sh tests        CUDA tests: tokens equal the CPU's (--reuse too), one sync per decode
-#                                       step, the row gather and int4 key kernels compiled      (~3 min)
+#                                       step, the row gather, int4 key and attention kernels    (~3 min)
 #   bash benchmarks/gpu.sh llama2-8k    Llama-2-7B shapes, fp16, batch 8 x 8k: full (it fits, and wins here),
 #                                       offload, infinigen (10 % fetched); transformers' offloaded cache  (~5 min)
 #   bash benchmarks/gpu.sh llama2-32k   batch 4 x 32k, where only the pool policies fit; the peer   (~6 min)
@@ -73,7 +73,7 @@ case "$PART" in
       $PYTHON -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
     } | tee "$OUT/machine.txt"
     timeout 420 $PYTHON -m pytest -q -p no:cacheprovider tests/rt/test_gpu.py tests/rt/test_kernels.py \
-      tests/rt/test_quant_kernel.py -k "not sm80 and not fake_cuda" 2>&1 \
+      tests/rt/test_quant_kernel.py tests/rt/test_attention_kernel.py -k "not sm80 and not fake_cuda" 2>&1 \
       | tail -25 | tee "$OUT/gpu-tests.txt"
     ;;
   llama2-8k)

@@ -5,7 +5,14 @@ sequence's block table, once, for every query head of the KV head's group, and l
 and weighted values; attention.py merges the splits. Splitting the context keeps a GPU busy at batch 1 (Llama-3.1-8B
 has 8 KV heads: 8 programs would leave 124 of an H100's 132 SMs idle). The split is a power of two (a compile-time
 loop: a kernel per size, about ten over a 128k context); the lengths and the split count change every step and are
-not specialised (see _gather_kernel.py)."""
+not specialised (see _gather_kernel.py).
+
+A tile of TOKENS keys and values at a time, the group's query heads padded to 16 rows (the least a tensor-core
+product takes): the scores and the weighted values are matrix products (`tl.dot`), which Triton pipelines across the
+loop (the next tiles' rows in flight while this one computes: cp.async on sm_80 and sm_90); the scores, the softmax
+and the sums in float32, the weights rounded to the rows' dtype for their product with the values. Products summed in
+registers ([G, 16, D], 16 keys a turn, as the kernel the H100 profiled did) held a few KiB in flight a program and
+each turn's loads waited for the last turn's sums: 19 % of HBM's rate."""
 
 import triton
 import triton.language as tl
@@ -19,9 +26,10 @@ interpreter_loop_bounds()  # a split's loop runs to its own tokens, in Triton's 
 def paged_decode_kernel(
     q, k, v, table, lengths, out_m, out_l, out_acc, scale, n_splits, max_blocks, n_slots,
     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK: tl.constexpr, TOKENS: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK: tl.constexpr, TOKENS: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # q [B, HKV, G, D]; k, v [HKV, n_slots, D] (slot = block * BLOCK + offset); table [B, max_blocks]; lengths [B]
+    # q [B, HKV, G, D]; k, v [HKV, n_slots, D] (slot = block * BLOCK + offset); table [B, max_blocks]; lengths [B].
+    # PRECISION: the products' ("ieee" for float32 rows: no TF32 rounding; 16-bit rows multiply exactly either way)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -31,7 +39,8 @@ def paged_decode_kernel(
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
     gd = (g[:, None] < G) & (d[None, :] < D)
-    qv = tl.load(q + ((b * HKV + h) * G + g[:, None]).to(tl.int64) * D + d[None, :], mask=gd, other=0).to(tl.float32)
+    qv = tl.load(q + ((b * HKV + h) * G + g[:, None]).to(tl.int64) * D + d[None, :], mask=gd, other=0)
+    qv = qv.to(k.dtype.element_ty)
     k_head = k + h.to(tl.int64) * n_slots * D  # this head's rows
     v_head = v + h.to(tl.int64) * n_slots * D
     m = tl.full([G_PAD], float("-inf"), tl.float32)
@@ -43,15 +52,15 @@ def paged_decode_kernel(
         blk = tl.load(table + b.to(tl.int64) * max_blocks + t // BLOCK, mask=live, other=0).to(tl.int64)
         row = (blk * BLOCK + t % BLOCK) * D
         kv_mask = live[:, None] & (d[None, :] < D)
-        kt = tl.load(k_head + row[:, None] + d[None, :], mask=kv_mask, other=0).to(tl.float32)  # [TOKENS, D_PAD]
-        sc = tl.sum(qv[:, None, :] * kt[None, :, :], 2) * scale  # [G_PAD, TOKENS]
+        kt = tl.load(k_head + row[:, None] + d[None, :], mask=kv_mask, other=0)  # [TOKENS, D_PAD]
+        vt = tl.load(v_head + row[:, None] + d[None, :], mask=kv_mask, other=0)
+        sc = tl.dot(qv, tl.trans(kt), input_precision=PRECISION) * scale  # [G_PAD, TOKENS], float32
         sc = tl.where(live[None, :], sc, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split with nothing yet: no NaN from inf - inf
         p = tl.exp(sc - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
-        vt = tl.load(v_head + row[:, None] + d[None, :], mask=kv_mask, other=0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vt[None, :, :], 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
         acc_l = acc_l * alpha + tl.sum(p, 1)
         m = m_new
     at = ((b * HKV + h) * n_splits + s).to(tl.int64) * G + g

@@ -1,5 +1,6 @@
 """What the Triton kernels (_gather_kernel, _attention_kernel, _quant_kernel) share, imported by each before it
-defines its kernels."""
+defines its kernels: two fixes to Triton's interpreter (TRITON_INTERPRET=1: fake CUDA, the tests), where it runs
+the kernels otherwise than compiled."""
 
 from __future__ import annotations
 
@@ -20,3 +21,27 @@ def interpreter_loop_bounds() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interpreter._patch_lang_tensor, interpreter._infinigen_bounds = patched, True
+    interpreter_bf16_products()
+
+
+def interpreter_bf16_products() -> None:
+    """The interpreter holds bfloat16 values as their 16 bits (uint16) and its `tl.dot` multiplies those bits as
+    integers; compiled, the product is of the values. Here it widens bfloat16 operands to float32 first (exact), as
+    it widens 8-bit floats to float16."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder, "_infinigen_bf16", False):
+        return
+    dot = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        wide = []
+        for x in (a, b):
+            if x.dtype.scalar == interpreter.tl.bfloat16:
+                data = interpreter._convert_float(x.data, interpreter.tl.bfloat16, interpreter.tl.float32, None)
+                x = interpreter.TensorHandle(data.view(interpreter.np.float32), interpreter.tl.float32)
+            wide.append(x)
+        return dot(self, *wide, d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot, builder._infinigen_bf16 = create_dot, True

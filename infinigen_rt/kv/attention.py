@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from infinigen_rt.kv.kernels import check, gpu_op
 
-TOKENS = 16  # keys a program scores at a time ([G, TOKENS, D] products in registers: 32 took all 255)
+TOKENS = 64  # keys a program scores at a time (a tile of keys and one of values per loop turn)
+WIDE_TOKENS = 32  # at head_dim 256 (Gemma 3): the same bytes a tile
 MIN_SPLIT = 256  # the fewest tokens a program reads (fewer: merging costs more than the parallelism gains)
 TARGET_PROGRAMS = 264  # two waves of an H100's 132 SMs
 
@@ -27,6 +28,15 @@ def splits(batch: int, hkv: int, longest: int) -> tuple[int, int]:
     need = max(MIN_SPLIT, math.ceil(longest / want))
     split = 1 << (need - 1).bit_length()  # the next power of two
     return split, max(1, math.ceil(longest / split))
+
+
+def kernel_meta(g: int, d: int, dtype: torch.dtype, block: int, split: int) -> dict:
+    """The kernel's compile-time arguments for a group of g query heads of head_dim d over rows of `dtype`."""
+    import triton
+
+    return dict(G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=triton.next_power_of_2(d), BLOCK=block,
+                TOKENS=TOKENS if d <= 128 else WIDE_TOKENS, SPLIT=split,
+                PRECISION="ieee" if dtype == torch.float32 else "tf32")  # fmt: skip
 
 
 @gpu_op("paged_decode(Tensor q, Tensor k, Tensor v, Tensor table, Tensor lengths, int block, int longest, "
@@ -57,9 +67,8 @@ def paged_decode(q, k, v, table, lengths, block: int, longest: int, scale: float
     out_acc = torch.empty(b, hkv, n, g, d, dtype=torch.float32, device=q.device)
     with torch.cuda.device(q.device):
         paged_decode_kernel[(b, hkv, n)](
-            qg, k, v, table, lengths, out_m, out_l, out_acc, scale, n, table.shape[1], k.shape[1],
-            HKV=hkv, G=g, G_PAD=max(2, triton.next_power_of_2(g)), D=d, D_PAD=triton.next_power_of_2(d), BLOCK=block,
-            TOKENS=TOKENS, SPLIT=split,
+            qg, k, v, table, lengths, out_m, out_l, out_acc, scale, n, table.shape[1], k.shape[1], HKV=hkv,
+            **kernel_meta(g, d, k.dtype, block, split),
         )  # fmt: skip
         out = torch.empty(b, hkv, g, d, dtype=q.dtype, device=q.device)
         merge_splits_kernel[(b * hkv, g)](out_m, out_l, out_acc, out, n, G=g, D=d, D_PAD=triton.next_power_of_2(d),
@@ -109,7 +118,6 @@ def paged_decode_reference(q, k, v, table, lengths, block: int, longest: int, sc
 
 def run_kernel_on_cpu(q, k, v, table, lengths, block: int, longest: int, scale: float | None = None) -> torch.Tensor:
     """The Triton kernel on CPU tensors (TRITON_INTERPRET=1): what tests compare with the reference."""
-    import triton
 
     from infinigen_rt.kv._attention_kernel import paged_decode_kernel
 
@@ -127,7 +135,6 @@ def run_kernel_on_cpu(q, k, v, table, lengths, block: int, longest: int, scale: 
     out_acc = torch.empty(b, hkv, n, g, d, dtype=torch.float32)
     paged_decode_kernel[(b, hkv, n)](
         q.reshape(b, hkv, g, d).contiguous(), k, v, table, lengths, out_m, out_l, out_acc, scale, n,
-        table.shape[1], k.shape[1], HKV=hkv, G=g, G_PAD=max(2, triton.next_power_of_2(g)), D=d,
-        D_PAD=triton.next_power_of_2(d), BLOCK=block, TOKENS=TOKENS, SPLIT=split,
+        table.shape[1], k.shape[1], HKV=hkv, **kernel_meta(g, d, k.dtype, block, split),
     )  # fmt: skip
     return merge(out_m, out_l, out_acc).reshape(b, h, 1, d).to(q.dtype)

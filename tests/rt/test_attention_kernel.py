@@ -51,7 +51,9 @@ def expected(q, own):
 CASES = [
     ([37, 5, 300], 8, 2, 64, torch.float32),  # lengths that end inside a block; GQA of 4; more than one split
     ([1], 4, 4, 32, torch.float32),  # one token; one query head per KV head
-    ([600, 17], 3, 1, 64, torch.float16),  # SmolLM2's group of 3 (padded to 4); fp16
+    ([600, 17], 3, 1, 64, torch.float16),  # SmolLM2's group of 3 (padded to 16); fp16
+    ([130, 700], 8, 2, 128, torch.bfloat16),  # bf16 tiles (the interpreter's products widened: kv/_triton.py)
+    ([90], 2, 1, 256, torch.float16),  # Gemma 3's head_dim (tiles of WIDE_TOKENS)
 ]
 
 
@@ -71,7 +73,22 @@ def test_the_kernel_equals_attention_over_each_sequences_own_rows(lengths, h, hk
     k, v, table, lens, own = paged_batch(lengths, hkv, d, dtype, gen)
     q = torch.randn(len(lengths), h, 1, d, generator=gen).to(dtype)
     got = run_kernel_on_cpu(q, k, v, table, lens, BLOCK, max(lengths))
-    torch.testing.assert_close(got.float(), expected(q, own).float(), rtol=2e-3, atol=2e-3)
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3  # (bfloat16: a unit in the last place of 0.5 is 0.004)
+    torch.testing.assert_close(got.float(), expected(q, own).float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (benchmarks/gpu.sh tests)")
+@pytest.mark.parametrize("lengths, h, hkv, d, dtype", CASES)
+def test_on_a_gpu_the_kernel_equals_attention_over_each_sequences_own_rows(lengths, h, hkv, d, dtype):
+    """paged_decode compiled and run on a GPU (tensor-core products of 16-bit tiles; float32 rows without TF32)."""
+    from infinigen_rt.kv.attention import paged_decode
+
+    gen = torch.Generator().manual_seed(sum(lengths) + 2)
+    k, v, table, lens, own = paged_batch(lengths, hkv, d, dtype, gen)
+    q = torch.randn(len(lengths), h, 1, d, generator=gen).to(dtype)
+    got = paged_decode(*(x.cuda() for x in (q, k, v, table, lens)), BLOCK, max(lengths))
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(got.cpu().float(), expected(q, own).float(), rtol=tol, atol=tol)
 
 
 def test_the_context_is_split_to_fill_the_device_at_batch_1():
@@ -86,7 +103,7 @@ from pathlib import Path
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from infinigen_rt.kv._attention_kernel import merge_splits_kernel, paged_decode_kernel
-from infinigen_rt.kv.attention import TOKENS
+from infinigen_rt.kv.attention import kernel_meta
 from tests.rt.test_kernels_aot import resource_usage, signature_of
 
 cc, g, d, dtype, tmp = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), getattr(torch, sys.argv[4]), sys.argv[5]
@@ -97,7 +114,7 @@ table, lengths = torch.zeros(b, 64, dtype=torch.int32), torch.full((b,), 700, dt
 out_m = out_l = torch.empty(b, hkv, 3, g)
 out_acc = torch.empty(b, hkv, 3, g, d)
 args = (q, k, v, table, lengths, out_m, out_l, out_acc, 0.088, 3, 64, 64 * block)
-meta = dict(HKV=hkv, G=g, G_PAD=max(2, triton.next_power_of_2(g)), D=d, D_PAD=d, BLOCK=block, TOKENS=TOKENS, SPLIT=256)
+meta = dict(HKV=hkv, **kernel_meta(g, d, dtype, block, 256))
 target = GPUTarget("cuda", cc, 32)
 jit, signature, constexprs, attrs, options = signature_of(paged_decode_kernel, args, meta, target)
 kernel = triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__)
