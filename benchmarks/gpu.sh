@@ -14,7 +14,8 @@
 #                                       the kernel the H100 measured) and 32: the link's rate, the overlap (~6 min)
 #   bash benchmarks/gpu.sh graphs       what a CUDA graph costs here (benchmarks/graph_probe.py): a kernel's eager
 #                                       launch, its time replayed from a graph, a replay's host time; the selection's
-#                                       top-k, torch's against ours (time and kernels a call); graphed tokens
+#                                       top-k, torch's against ours (time and kernels a call); the int4 scoring's
+#                                       rate, a 16-bit query's one product against the three profiled; graphed tokens
 #                                       against eager; `full` and the defaults eager and graphed at Llama-3.1-8B b1,
 #                                       b4 x 32k and Llama-2-7B b8 x 8k (bench --graphs both)        (~7 min)
 # The device machine has torch, Triton, transformers and pytest and no network: the project runs from the tree.

@@ -4,7 +4,8 @@ and replayed. Prints and writes (--out) per N: the eager time a kernel (the host
 kernel (the kernel and the device's gap after it) and the host's time to issue one replay. Then the selection's
 top-k at Llama-3.1-8B's shapes (8 KV heads a sequence, 32k slots, a tenth taken), torch's sorted top-k against
 kernels.top_rows (projection.TOPK prices ours as torch's until this measures it): each one's time a call, replayed
-from a graph, and the kernels a call launches, as the profiler counts them.
+from a graph, and the kernels a call launches, as the profiler counts them. Then the int4 scoring kernel's rate at
+the same shapes, a 16-bit query's one product against the float32 query's three (see `scoring`).
 
     python benchmarks/graph_probe.py --out graph-probe.json
 """
@@ -88,6 +89,52 @@ def top_k(batch: int, t: int = 32768, heads: int = 8, share: float = 0.1) -> dic
     return point
 
 
+def scoring(batch: int, t: int = 32768) -> dict:
+    """The int4 scoring at Llama-3.1-8B's shapes (8 KV heads of 4 query heads, head_dim 128, a float16 query) through
+    the store's slot table, t slots a sequence, launched as quant.score_codes launches it: one product in the
+    query's dtype (HALF, the shipped kernel for a 16-bit query) against the three tf32 products of a float32 query
+    (the kernel the H100 profiled: projection.H100.scoring_bytes_per_s). Time a call (eight input sets in turn, so
+    that the codes come from HBM, not the L2 cache), the bytes it moves over that time as fake CUDA counts them
+    (codes, scales, query, slots, scores), and whether both give the same scores."""
+    import triton
+
+    from infinigen_rt.kv import quant
+    from infinigen_rt.kv._quant_kernel import score_codes_kernel
+    from infinigen_rt.policies.speculation import key_group
+
+    hkv, g, d, bits, block = 8, 4, 128, 4, 16
+    group = key_group(d, bits)
+    gen = torch.Generator().manual_seed(batch)
+    sets = []
+    for _ in range(8):
+        codes = torch.randint(0, 256, (1, hkv, batch * t, d * bits // 8), dtype=torch.uint8, generator=gen)
+        meta = (torch.rand(1, hkv, batch * t, 2, d // group, generator=gen) + 0.1).half()
+        blocks = torch.randperm(batch * t // block, generator=gen).view(batch, t // block)  # each its own blocks
+        slots = (blocks[..., None] * block + torch.arange(block)).view(batch, t)
+        sets.append([x.cuda() for x in (torch.randn(batch, hkv, g, d, generator=gen).half(), codes, meta, slots)])
+    out = torch.empty(batch, hkv, g, t, device="cuda")
+    moved = sum(x.numel() * x.element_size() for x in (*sets[0], out))
+
+    def call(inputs, half: bool):
+        q, codes, meta, slots = inputs
+        score_codes_kernel[(batch, hkv, triton.cdiv(t, quant.SPLIT))](
+            q if half else q.float(), codes, meta, slots, out, t, codes.shape[2], 0, BATCH_ROWS=False, HKV=hkv,
+            HAS_SLOTS=True, **quant.score_meta(g, d, group, bits, half=half))  # fmt: skip
+
+    point, scores = {"batch": batch, "t": t, "bytes": moved}, {}
+    for name, half in (("tf32x3", False), ("half", True)):
+        call(sets[0], half)
+        scores[name] = out.clone()
+        for s in sets:  # (the float32 query made once, outside the timing)
+            s[0] = s[0] if half else s[0].float()
+        took = seconds(lambda: [call(s, half) for s in sets], 5) / len(sets)  # noqa: B023
+        for s in sets:
+            s[0] = s[0].half()
+        point[f"{name}_s"], point[f"{name}_gb_per_s"] = took, round(moved / took / 1e9, 1)
+    point["same_scores"] = bool(torch.allclose(scores["half"], scores["tf32x3"], rtol=1e-5, atol=1e-3))
+    return point
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kernels", default="100,1000,4000", help="chain lengths, comma-separated")
@@ -98,10 +145,11 @@ def main() -> None:
     else:
         result = {"status": "ok", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                   "points": [probe(int(n)) for n in a.kernels.split(",")]}  # fmt: skip
-        try:  # (apart: a failure here keeps the graph points)
-            result["top_k"] = [top_k(b) for b in (1, 4, 8)]
-        except Exception as e:  # noqa: BLE001 - reported in the file, for the session that reads it
-            result["top_k"] = {"error": f"{type(e).__name__}: {e}"}
+        for key, probe_of in (("top_k", top_k), ("scoring", scoring)):  # (apart: a failure keeps the rest)
+            try:
+                result[key] = [probe_of(b) for b in (1, 4, 8)]
+            except Exception as e:  # noqa: BLE001 - reported in the file, for the session that reads it
+                result[key] = {"error": f"{type(e).__name__}: {e}"}
     text = json.dumps(result, indent=1)
     print(text)
     if a.out:

@@ -2,10 +2,11 @@
 (8 KV heads, 4 query heads each, head_dim 128) over a context, through the store's slot tables, for each launch
 configuration (slots a program reads, tokens it holds at once, warps). (Its results in
 artifacts/results/gpu-h200-2026-11-26 were measured by the version of this script that also timed the kernel's first
-version, `fma`; the current kernel is the one they call `dot`.) Prints each configuration's microseconds a
-launch and the bytes it reads over that time, checked against the shipped configuration's scores.
+version, `fma`; the current kernel is the one they call `dot`, for a float32 query.) `--dtype float16`: a query in
+the model's dtype, whose products the kernel takes in it (HALF). Prints each configuration's microseconds a launch
+and the bytes it reads over that time, checked against the torch path's scores.
 
-    python benchmarks/score_sweep.py --context 32768 --batch 1,4 --out sweep.json
+    python benchmarks/score_sweep.py --context 32768 --batch 1,4 --dtype float16 --out sweep.json
 
 Eight input sets in turn, so that the codes are read from HBM and not from the L2 cache.
 """
@@ -26,14 +27,14 @@ from infinigen_rt.policies.speculation import key_group
 HKV, G, D, BITS, BLOCK, SETS = 8, 4, 128, 4, 16, 8
 
 
-def inputs(b: int, t: int, gen: torch.Generator, dev):
+def inputs(b: int, t: int, gen: torch.Generator, dev, dtype=torch.float32):
     group = key_group(D, BITS)
     n_slots = b * t
     codes = torch.randint(0, 255, (1, HKV, n_slots, D * BITS // 8), dtype=torch.uint8, generator=gen)
     meta = (torch.rand(1, HKV, n_slots, 2, D // group, generator=gen) + 0.1).half()
     blocks = torch.randperm(n_slots // BLOCK, generator=gen).view(b, t // BLOCK)  # each request its own blocks
     slots = (blocks[..., None] * BLOCK + torch.arange(BLOCK)).view(b, t)
-    q = torch.randn(b, HKV, G, D, generator=gen)
+    q = torch.randn(b, HKV, G, D, generator=gen).to(dtype)
     return [x.to(dev) for x in (q, codes, meta, slots)], group
 
 
@@ -43,7 +44,7 @@ def run(q, codes, meta, slots, group, split, tokens, warps):
     score_codes_kernel[(b, HKV, triton.cdiv(t, split))](
         q, codes, meta, slots, out, t, codes.shape[2], 0, BATCH_ROWS=False, HKV=HKV, G=G,
         G_ROWS=quant.score_rows(G, D // group), D=D, GROUP=group, BITS=BITS, TOKENS=tokens, SPLIT=split,
-        HAS_SLOTS=True, num_warps=warps)  # fmt: skip
+        HAS_SLOTS=True, HALF=q.dtype != torch.float32, num_warps=warps)  # fmt: skip
     return out
 
 
@@ -67,6 +68,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--batch", default="1,4")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -75,7 +77,7 @@ def main() -> None:
         gen = torch.Generator().manual_seed(b)
         sets, group = [], None
         for _ in range(SETS):
-            s, group = inputs(b, a.context, gen, dev)
+            s, group = inputs(b, a.context, gen, dev, getattr(torch, a.dtype))
             sets.append(s)
         nbytes = sum(x.numel() * x.element_size() for x in sets[0][1:3]) * 1.0
         want = quant.scores(*(x.cpu() for x in sets[0]), group, BITS)  # the torch path
@@ -85,8 +87,9 @@ def main() -> None:
             got = run(*sets[0], group, split, tokens, warps).cpu()
             ok = bool(torch.allclose(got, want, rtol=1e-4, atol=1e-2))
             us = time_us(sets, group, (split, tokens, warps))
-            rows.append({"batch": b, "context": a.context, "split": split, "tokens": tokens, "warps": warps,
-                         "us": round(us, 2), "gb_per_s": round(nbytes / us / 1e3, 1), "same_scores": ok})  # fmt: skip
+            rows.append({"batch": b, "context": a.context, "dtype": a.dtype, "split": split, "tokens": tokens,
+                         "warps": warps, "us": round(us, 2), "gb_per_s": round(nbytes / us / 1e3, 1),
+                         "same_scores": ok})  # fmt: skip
         best = min((r for r in rows if r["batch"] == b and r["same_scores"]), key=lambda r: r["us"])
         ship = next(r for r in rows if r["batch"] == b and (r["split"], r["tokens"], r["warps"]) ==
                     (quant.SPLIT, quant.TOKENS, 4))  # fmt: skip

@@ -22,7 +22,7 @@ def score_codes_kernel(
     q, codes, meta, slots, out, n_tok, n_slots, start, BATCH_ROWS: tl.constexpr,
     HKV: tl.constexpr, G: tl.constexpr, G_ROWS: tl.constexpr, D: tl.constexpr,
     GROUP: tl.constexpr, BITS: tl.constexpr, TOKENS: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr,
-    PAIR_SLOTS: tl.constexpr = False, CHANNEL: tl.constexpr = False, RUN: tl.constexpr = 16,
+    PAIR_SLOTS: tl.constexpr = False, CHANNEL: tl.constexpr = False, RUN: tl.constexpr = 16, HALF: tl.constexpr = False,
 ):  # fmt: skip
     # q [B, HKV, G, D] (float32, float16 or bfloat16); codes [*, HKV, n_slots, D * BITS / 8] uint8; meta [*, HKV,
     # n_slots, 2, D / GROUP] fp16 (scale, minimum); slots [B, n_tok] (HAS_SLOTS; [B, HKV, n_tok] where PAIR_SLOTS:
@@ -35,6 +35,9 @@ def score_codes_kernel(
     # in tf32). G_ROWS >= G, a power of two, G_ROWS * GROUPS >= 16 (the smallest product the units take).
     # CHANNEL (GROUP = D): a scale and minimum per channel over each RUN slots (policies/speculation.py's
     # ChannelKeys), meta [*, HKV, n_slots / RUN, 2, D]: the tile's keys are formed in registers, one product.
+    # HALF (a 16-bit query, groups): one product in the query's dtype with float32 sums, exact as the three: a code
+    # (0..15) is exact in float16 and bfloat16 and its product with a 16-bit query exact in float32; its tile is a
+    # quarter of the three's bytes, which pass through shared memory to the matrix units.
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -47,6 +50,7 @@ def score_codes_kernel(
     head, part = n // GROUPS, n % GROUPS
     mine = (head[None, :] < G) & (c[:, None] // GROUP == part[None, :])
     qm = tl.load(q + ((b * HKV + h) * G + head[None, :]).to(tl.int64) * D + c[:, None], mask=mine, other=0)
+    qh = qm  # (HALF: as it is)
     qm = qm.to(tl.float32)  # (a query in the model's dtype: exact in float32)
     qsum = tl.sum(qm, 0)  # [N]: each (head, group)'s sum of its query columns, times the group's minimum
     base = h.to(tl.int64) * n_slots
@@ -74,7 +78,10 @@ def score_codes_kernel(
             lo = tl.load(meta + at + D, mask=live[:, None], other=0).to(tl.float32)
             sc = tl.dot(a.to(tl.float32) * scale + lo, qm, input_precision="tf32x3")  # [TOKENS, G_ROWS]
         else:
-            dots = tl.dot(a.to(tl.float32), qm, input_precision="tf32x3")  # [TOKENS, N]
+            if HALF:
+                dots = tl.dot(a.to(q.dtype.element_ty), qh, out_dtype=tl.float32)  # [TOKENS, N]
+            else:
+                dots = tl.dot(a.to(tl.float32), qm, input_precision="tf32x3")
             at = row[:, None] * (2 * GROUPS) + part[None, :]
             scale = tl.load(meta + at, mask=live[:, None], other=0).to(tl.float32)
             lo = tl.load(meta + at + GROUPS, mask=live[:, None], other=0).to(tl.float32)

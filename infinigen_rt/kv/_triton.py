@@ -25,15 +25,23 @@ def interpreter_loop_bounds() -> None:
 
 
 def interpreter_bf16_products() -> None:
-    """The interpreter holds bfloat16 values as their 16 bits (uint16) and its `tl.dot` multiplies those bits as
-    integers; compiled, the product is of the values. Here it widens bfloat16 operands to float32 first (exact), as
-    it widens 8-bit floats to float16."""
+    """The interpreter holds bfloat16 values as their 16 bits (uint16): its `tl.dot` multiplies those bits as
+    integers, and its cast of an integer to bfloat16 takes the integer for the bits; compiled, both are of the
+    values. Here a dot widens bfloat16 operands to float32 first (exact), as it widens 8-bit floats to float16, and
+    an integer reaches bfloat16 through float32 (exact for the codes cast, small integers)."""
     from triton.runtime import interpreter
 
     builder = interpreter.InterpreterBuilder
     if getattr(builder, "_infinigen_bf16", False):
         return
     dot = builder.create_dot
+    cast = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if dst_type.scalar == interpreter.tl.bfloat16 and src.dtype.scalar.is_int():
+            wide = interpreter.TensorHandle(src.data.astype(interpreter.np.float32), interpreter.tl.float32)
+            return cast(self, wide, dst_type)
+        return cast(self, src, dst_type)
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         wide = []
@@ -44,4 +52,4 @@ def interpreter_bf16_products() -> None:
             wide.append(x)
         return dot(self, *wide, d, input_precision, max_num_imprecise_acc)
 
-    builder.create_dot, builder._infinigen_bf16 = create_dot, True
+    builder.create_dot, builder.cast_impl, builder._infinigen_bf16 = create_dot, cast_impl, True

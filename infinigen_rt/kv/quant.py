@@ -145,6 +145,16 @@ def score_rows(g: int, groups: int) -> int:
     return max(1 << (g - 1).bit_length(), -(-16 // groups))
 
 
+def score_meta(g: int, d: int, group: int, bits: int, run: int = 0, half: bool = False) -> dict:
+    """The scoring kernel's compile-time arguments for a group of g query heads at head_dim d (those every launch
+    takes beside its slots' form): `run` > 0 a scale per channel over each `run` slots, `half` a 16-bit query.
+    Per-channel keys at head_dim 256 take a tile of half the tokens: their [TOKENS, 256] keys formed in float32, on
+    their way to the matrix units, would pass the 227 KiB of shared memory an sm_90 block may hold."""
+    return dict(G=g, G_ROWS=score_rows(g, d // group), D=d, GROUP=group, BITS=bits,
+                TOKENS=TOKENS // 2 if run and d >= 256 else TOKENS, SPLIT=SPLIT, CHANNEL=run > 0, RUN=max(run, 1),
+                HALF=half and run == 0, num_warps=8 if d >= 256 else 4)  # fmt: skip
+
+
 def _scores_kernel(q, codes, meta, at, t: int, group: int, bits: int, run: int = 0) -> torch.Tensor:
     """The kernel's scores (see `scores`); `run` > 0: a scale per channel over each `run` slots (meta [R, Hkv,
     S / run, 2, D]; policies/speculation.py's ChannelKeys)."""
@@ -156,8 +166,9 @@ def _scores_kernel(q, codes, meta, at, t: int, group: int, bits: int, run: int =
 @gpu_op("score_codes(Tensor q, Tensor codes, Tensor meta, Tensor? slots, int start, int t, int group, int bits, "
         "int run) -> Tensor")
 def score_codes(q, codes, meta, slots, start: int, t: int, group: int, bits: int, run: int) -> torch.Tensor:
-    """q [B, Hkv, G, D] (float32, or the model's 16-bit dtype: read as float32) against the codes and meta at `slots`
-    ([B, t] or [B, Hkv, t]; None: `t` slots from `start`): [B, Hkv, G, t] float32 (the scoring kernel's)."""
+    """q [B, Hkv, G, D] (float32, or the model's 16-bit dtype: the codes' products in it, exact, summed in float32)
+    against the codes and meta at `slots` ([B, t] or [B, Hkv, t]; None: `t` slots from `start`): [B, Hkv, G, t]
+    float32 (the scoring kernel's)."""
     import triton
 
     from infinigen_rt.kv._quant_kernel import score_codes_kernel
@@ -172,10 +183,9 @@ def score_codes(q, codes, meta, slots, start: int, t: int, group: int, bits: int
     launch(
         score_codes_kernel, (b, hkv, triton.cdiv(t, SPLIT)),
         q, codes, meta, slots if slots is not None else out, out, t, codes.shape[2],
-        start, BATCH_ROWS=codes.shape[0] > 1, HKV=hkv, G=g, G_ROWS=score_rows(g, d // group), D=d, GROUP=group,
-        BITS=bits, TOKENS=TOKENS, SPLIT=SPLIT, HAS_SLOTS=slots is not None,
-        PAIR_SLOTS=slots is not None and slots.dim() == 3, CHANNEL=run > 0, RUN=max(run, 1),
-        num_warps=8 if d >= 256 else 4,
+        start, BATCH_ROWS=codes.shape[0] > 1, HKV=hkv, HAS_SLOTS=slots is not None,
+        PAIR_SLOTS=slots is not None and slots.dim() == 3,
+        **score_meta(g, d, group, bits, run, half=q.dtype != torch.float32),
     )  # fmt: skip
     return out
 

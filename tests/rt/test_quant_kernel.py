@@ -62,10 +62,14 @@ def test_scoring_from_the_codes_equals_the_dequantized_keys_scores(bits, d, g):
     want = quant.scores(q, own, own_meta, t, group, bits)
     got = quant._scores_kernel(on(q), on(own), on(own_meta), t, t, group, bits).cpu()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * d)
-    for dtype in (torch.float16, torch.bfloat16):  # a query in the model's dtype, read as float32 (no cast op)
-        half = q.to(dtype)
+    for dtype in (torch.float16, torch.bfloat16):  # a query in the model's dtype (no cast op): one product in it,
+        half = q.to(dtype)  # exact (a code times a 16-bit value is exact in float32), as the three of a float32 query
         got = quant._scores_kernel(on(half), on(own), on(own_meta), t, t, group, bits).cpu()
-        assert torch.equal(got, quant._scores_kernel(on(half.float()), on(own), on(own_meta), t, t, group, bits).cpu())
+        wide = quant._scores_kernel(on(half.float()), on(own), on(own_meta), t, t, group, bits).cpu()
+        if DEVICE.type == "cpu":  # the interpreter sums both in float32 alike
+            assert torch.equal(got, wide)
+        torch.testing.assert_close(got, wide, rtol=1e-5, atol=1e-5 * d)  # (on a GPU: the sums' order may differ)
+        torch.testing.assert_close(got, quant.scores(half, own, own_meta, t, group, bits), rtol=1e-4, atol=1e-4 * d)
 
 
 @pytest.mark.parametrize("d, g", [(64, 7), (128, 6), (16, 1)])
@@ -186,29 +190,32 @@ target = GPUTarget("cuda", cc, 32)
 usage, ptx, sigs = [], "", []
 for kernel, args, meta_ in [
     (score_codes_kernel, (q, codes, meta, idx, out, t, slots, 0),
-     dict(BATCH_ROWS=False, HKV=hkv, G=g, G_ROWS=quant.score_rows(g, d // group), D=d, GROUP=group, BITS=bits,
-          TOKENS=quant.TOKENS, SPLIT=quant.SPLIT, HAS_SLOTS=True, num_warps=8 if d >= 256 else 4)),
+     dict(BATCH_ROWS=False, HKV=hkv, HAS_SLOTS=True, **quant.score_meta(g, d, group, bits))),
     (quantize_rows_kernel, (torch.empty(1, hkv, b, d, dtype=torch.bfloat16), idx, codes, meta, hkv * b, b, slots, b,
                             0), dict(D=d, GROUP=group, BITS=bits, ROWS=quant.QUANT_ROWS, HKV=hkv)),
     # each (sequence, KV head) its own slots [B, Hkv, t]: the correction's shortlist, a capacity's evicted slots
     (score_codes_kernel, (q, codes, meta, torch.empty(b, hkv, t, dtype=torch.int64), out, t, slots, 0),
-     dict(BATCH_ROWS=False, HKV=hkv, G=g, G_ROWS=quant.score_rows(g, d // group), D=d, GROUP=group, BITS=bits,
-          TOKENS=quant.TOKENS, SPLIT=quant.SPLIT, HAS_SLOTS=True, PAIR_SLOTS=True, num_warps=8 if d >= 256 else 4)),
+     dict(BATCH_ROWS=False, HKV=hkv, HAS_SLOTS=True, PAIR_SLOTS=True, **quant.score_meta(g, d, group, bits))),
     # ChannelKeys' write: a new key into its run, the run quantized again
     (quantize_channel_kernel, (torch.empty(1, hkv, b, d, dtype=torch.bfloat16), idx, codes, codes, meta, codes, b,
                                slots), dict(D=d, RUN=16, APPENDS=2, TINY=quant.FP16_TINY)),
     # a scale per channel over each 16 slots (ChannelKeys), through a table
     (score_codes_kernel, (q, codes, torch.empty(1, hkv, slots // 16, 2, d, dtype=torch.float16), idx, out, t, slots, 0),
-     dict(BATCH_ROWS=False, HKV=hkv, G=g, G_ROWS=quant.score_rows(g, 1), D=d, GROUP=d, BITS=4, TOKENS=quant.TOKENS,
-          SPLIT=quant.SPLIT, HAS_SLOTS=True, CHANNEL=True, RUN=16, num_warps=8 if d >= 256 else 4)),
+     dict(BATCH_ROWS=False, HKV=hkv, HAS_SLOTS=True, **quant.score_meta(g, d, d, 4, run=16))),
+    # a query in the model's 16-bit dtype: one product in it (HALF)
+    (score_codes_kernel, (q.half(), codes, meta, idx, out, t, slots, 0),
+     dict(BATCH_ROWS=False, HKV=hkv, HAS_SLOTS=True, **quant.score_meta(g, d, group, bits, half=True))),
 ]:
     jit, signature, constexprs, attrs, options = signature_of(kernel, args, meta_, target)
     k = triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__)
-    usage.append(resource_usage(k.asm["cubin"], Path(tmp)))
+    usage.append({**resource_usage(k.asm["cubin"], Path(tmp)), "dynamic_shared": k.metadata.shared})
     ptx += k.asm["ptx"]
     sigs.append(signature)
 print(json.dumps({"signatures": sigs, "local": ".local" in ptx, "usage": usage}))
 """
+
+
+SHARED_PER_BLOCK = {80: 163 * 1024, 90: 227 * 1024}  # the most shared memory a block may hold: A100, H100
 
 
 @pytest.mark.parametrize("cc", [80, 90])
@@ -218,24 +225,31 @@ def test_the_kernels_compile_for_sm80_and_sm90_without_spills(cc, g, d, bits, tm
     quant.py launches them (the scoring also with each pair's own slots, PAIR_SLOTS, and with a scale per channel
     over each 16 slots, CHANNEL, whose write kernel too), compiled to cubin here (no
     GPU; in a process of its own, as the interpreter this suite runs kernels under replaces the compiler's loop),
-    with no stack or local memory, the counts unspecialised. The one exception: head_dim 256 on sm_80, where the
-    scoring kernel's [TOKENS, 256] tile and its tf32 parts spill a few hundred bytes at every launch configuration
-    tried, per channel about 2 KB (on sm_90 eight warps hold both)."""
+    with no stack or local memory, the counts unspecialised, within the shared memory a block may hold. The one
+    exception: head_dim 256, where on sm_80 the scoring kernel's [TOKENS, 256] tile and its tf32 parts spill a few
+    hundred bytes at every launch configuration tried, per channel about 2 KB, and on sm_90 per channel a few hundred
+    (its tile of 64 keys formed in float32 took 233 KiB of shared memory: a launch refused); a 16-bit query's one
+    product (HALF) spills nowhere."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
     r = subprocess.run([sys.executable, "-c", COMPILE, str(cc), str(g), str(d), str(bits), str(tmp_path)],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    score, quantize, pairs, channel_write, channel = out["signatures"]
+    score, quantize, pairs, channel_write, channel, half = out["signatures"]
     assert channel_write["n_new"] in ("i32", "i64") and channel_write["n_slots"] in ("i32", "i64")
-    for sig in (score, pairs, channel):
+    for sig in (score, pairs, channel, half):
         assert sig["n_tok"] in ("i32", "i64") and sig["n_slots"] in ("i32", "i64") and sig["start"] in ("i32", "i64")
     assert quantize["total"] in ("i32", "i64") and quantize["n_new"] in ("i32", "i64")
     assert not out["local"]
     for i, usage in enumerate(out["usage"]):
-        if usage and not (i in (0, 2, 4) and cc == 80 and d == 256):
+        if usage and not ((i in (0, 2, 4) and cc == 80 or i == 4) and d == 256):
             assert usage.get("STACK", 0) == 0 and usage.get("LOCAL", 0) == 0, usage
+        assert usage["dynamic_shared"] <= SHARED_PER_BLOCK[cc], (i, usage)  # else the launch fails on the GPU
+    # a 16-bit query's one product: its operand's bytes a quarter of the three's (on sm_90 they pass through shared
+    # memory to the matrix units), and fewer registers
+    assert out["usage"][5]["dynamic_shared"] <= out["usage"][0]["dynamic_shared"] / (3 if cc == 90 else 1.5)
+    assert out["usage"][5].get("REG", 0) <= out["usage"][0].get("REG", 0)
 
 
 def test_on_the_gpu_path_under_fake_cuda_one_launch_scores_and_reads_only_the_rows_it_scores():
