@@ -18,6 +18,9 @@
 #                                       rate, a 16-bit query's one product against the three profiled; graphed tokens
 #                                       against eager; `full` and the defaults eager and graphed at Llama-3.1-8B b1,
 #                                       b4 x 32k and Llama-2-7B b8 x 8k (bench --graphs both)        (~7 min)
+# Fifteen minutes of device time hold two parts: `graphs` first (the step graphed and eager at the three measured
+# points, and the constants the projection still assumes: a graph's costs, our top-k's and the 16-bit scoring's
+# rates), then `gather-grid` (the capped gather's rate and overlap); `tests` where a kernel changed since the last.
 # The device machine has torch, Triton, transformers and pytest and no network: the project runs from the tree.
 #
 # REHEARSAL=1 runs a part here, on the CPU: the same commands, files and time-outs, through fake CUDA
