@@ -90,48 +90,30 @@ def top_k(batch: int, t: int = 32768, heads: int = 8, share: float = 0.1) -> dic
 
 
 def scoring(batch: int, t: int = 32768) -> dict:
-    """The int4 scoring at Llama-3.1-8B's shapes (8 KV heads of 4 query heads, head_dim 128, a float16 query) through
-    the store's slot table, t slots a sequence, launched as quant.score_codes launches it: one product in the
-    query's dtype (HALF, the shipped kernel for a 16-bit query) against the three tf32 products of a float32 query
-    (the kernel the H100 profiled: projection.H100.scoring_bytes_per_s). Time a call (eight input sets in turn, so
-    that the codes come from HBM, not the L2 cache), the bytes it moves over that time as fake CUDA counts them
-    (codes, scales, query, slots, scores), and whether both give the same scores."""
-    import triton
+    """The int4 scoring at Llama-3.1-8B's shapes through the store's slot table, t slots a sequence, at the shipped
+    launch configuration (benchmarks/score_sweep.py's inputs, launch and timing): a float16 query's one product in
+    its dtype (HALF, the shipped kernel for a 16-bit query) against the three tf32 products of the same query in
+    float32 (the kernel the H100 profiled: projection.H100.scoring_bytes_per_s). Time a call, the bytes it moves
+    over that time as fake CUDA counts them (codes, scales, query, slots, scores), and whether both give the same
+    scores."""
+    from score_sweep import HKV, SETS, G, inputs, run, time_us  # (beside this script)
 
     from infinigen_rt.kv import quant
-    from infinigen_rt.kv._quant_kernel import score_codes_kernel
-    from infinigen_rt.policies.speculation import key_group
 
-    hkv, g, d, bits, block = 8, 4, 128, 4, 16
-    group = key_group(d, bits)
     gen = torch.Generator().manual_seed(batch)
-    sets = []
-    for _ in range(8):
-        codes = torch.randint(0, 256, (1, hkv, batch * t, d * bits // 8), dtype=torch.uint8, generator=gen)
-        meta = (torch.rand(1, hkv, batch * t, 2, d // group, generator=gen) + 0.1).half()
-        blocks = torch.randperm(batch * t // block, generator=gen).view(batch, t // block)  # each its own blocks
-        slots = (blocks[..., None] * block + torch.arange(block)).view(batch, t)
-        sets.append([x.cuda() for x in (torch.randn(batch, hkv, g, d, generator=gen).half(), codes, meta, slots)])
-    out = torch.empty(batch, hkv, g, t, device="cuda")
-    moved = sum(x.numel() * x.element_size() for x in (*sets[0], out))
-
-    def call(inputs, half: bool):
-        q, codes, meta, slots = inputs
-        score_codes_kernel[(batch, hkv, triton.cdiv(t, quant.SPLIT))](
-            q if half else q.float(), codes, meta, slots, out, t, codes.shape[2], 0, BATCH_ROWS=False, HKV=hkv,
-            HAS_SLOTS=True, **quant.score_meta(g, d, group, bits, half=half))  # fmt: skip
-
-    point, scores = {"batch": batch, "t": t, "bytes": moved}, {}
-    for name, half in (("tf32x3", False), ("half", True)):
-        call(sets[0], half)
-        scores[name] = out.clone()
-        for s in sets:  # (the float32 query made once, outside the timing)
-            s[0] = s[0] if half else s[0].float()
-        took = seconds(lambda: [call(s, half) for s in sets], 5) / len(sets)  # noqa: B023
-        for s in sets:
-            s[0] = s[0].half()
-        point[f"{name}_s"], point[f"{name}_gb_per_s"] = took, round(moved / took / 1e9, 1)
-    point["same_scores"] = bool(torch.allclose(scores["half"], scores["tf32x3"], rtol=1e-5, atol=1e-3))
+    sets, group = [], 0
+    for _ in range(SETS):
+        inputs_, group = inputs(batch, t, gen, "cuda", torch.float16)
+        sets.append(inputs_)
+    wide = [[s[0].float(), *s[1:]] for s in sets]  # the same query in float32: the three products
+    moved = sum(x.numel() * x.element_size() for x in sets[0]) + batch * HKV * G * t * 4  # (the scores: float32)
+    cfg = (quant.SPLIT, quant.TOKENS, 4)
+    point = {"batch": batch, "t": t, "bytes": moved}
+    for name, variant in (("tf32x3", wide), ("half", sets)):
+        us = time_us(variant, group, cfg)
+        point[f"{name}_s"], point[f"{name}_gb_per_s"] = us / 1e6, round(moved / us / 1e3, 1)
+    point["same_scores"] = bool(torch.allclose(run(*sets[0], group, *cfg), run(*wide[0], group, *cfg), rtol=1e-5,
+                                               atol=1e-3))  # fmt: skip
     return point
 
 

@@ -41,10 +41,10 @@ def inputs(b: int, t: int, gen: torch.Generator, dev, dtype=torch.float32):
 def run(q, codes, meta, slots, group, split, tokens, warps):
     b, t = slots.shape
     out = torch.empty(b, HKV, G, t, device=q.device)
+    shipped = quant.score_meta(G, D, group, BITS, half=q.dtype != torch.float32)  # (HALF for a 16-bit query)
     score_codes_kernel[(b, HKV, triton.cdiv(t, split))](
-        q, codes, meta, slots, out, t, codes.shape[2], 0, BATCH_ROWS=False, HKV=HKV, G=G,
-        G_ROWS=quant.score_rows(G, D // group), D=D, GROUP=group, BITS=BITS, TOKENS=tokens, SPLIT=split,
-        HAS_SLOTS=True, HALF=q.dtype != torch.float32, num_warps=warps)  # fmt: skip
+        q, codes, meta, slots, out, t, codes.shape[2], 0, BATCH_ROWS=False, HKV=HKV, HAS_SLOTS=True,
+        **{**shipped, "SPLIT": split, "TOKENS": tokens, "num_warps": warps})  # fmt: skip
     return out
 
 
