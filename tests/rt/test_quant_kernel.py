@@ -216,6 +216,9 @@ print(json.dumps({"signatures": sigs, "local": ".local" in ptx, "usage": usage})
 
 
 SHARED_PER_BLOCK = {80: 163 * 1024, 90: 227 * 1024}  # the most shared memory a block may hold: A100, H100
+# the launches (by their place in COMPILE's list) that spill at head_dim 256: on sm_80 every tf32 scoring (the plain,
+# the pairs' and the per-channel one), on sm_90 the per-channel one
+SPILLS_AT_256 = {80: {0, 2, 4}, 90: {4}}
 
 
 @pytest.mark.parametrize("cc", [80, 90])
@@ -243,7 +246,7 @@ def test_the_kernels_compile_for_sm80_and_sm90_without_spills(cc, g, d, bits, tm
     assert quantize["total"] in ("i32", "i64") and quantize["n_new"] in ("i32", "i64")
     assert not out["local"]
     for i, usage in enumerate(out["usage"]):
-        if usage and not ((i in (0, 2, 4) and cc == 80 or i == 4) and d == 256):
+        if usage and not (d == 256 and i in SPILLS_AT_256[cc]):
             assert usage.get("STACK", 0) == 0 and usage.get("LOCAL", 0) == 0, usage
         assert usage["dynamic_shared"] <= SHARED_PER_BLOCK[cc], (i, usage)  # else the launch fails on the GPU
     # a 16-bit query's one product: its operand's bytes a quarter of the three's (on sm_90 they pass through shared
