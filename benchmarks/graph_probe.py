@@ -96,18 +96,17 @@ def scoring(batch: int, t: int = 32768) -> dict:
     float32 (the kernel the H100 profiled: projection.H100.scoring_bytes_per_s). Time a call, the bytes it moves
     over that time as fake CUDA counts them (codes, scales, query, slots, scores), and whether both give the same
     scores."""
-    from score_sweep import HKV, SETS, G, inputs, run, time_us  # (beside this script)
+    from score_sweep import BITS, HKV, SETS, D, G, inputs, run, time_us  # (beside this script)
 
     from infinigen_rt.kv import quant
 
     gen = torch.Generator().manual_seed(batch)
-    sets, group = [], 0
-    for _ in range(SETS):
-        inputs_, group = inputs(batch, t, gen, "cuda", torch.float16)
-        sets.append(inputs_)
+    made = [inputs(batch, t, gen, "cuda", torch.float16) for _ in range(SETS)]
+    sets, group = [m[0] for m in made], made[0][1]
     wide = [[s[0].float(), *s[1:]] for s in sets]  # the same query in float32: the three products
     moved = sum(x.numel() * x.element_size() for x in sets[0]) + batch * HKV * G * t * 4  # (the scores: float32)
-    cfg = (quant.SPLIT, quant.TOKENS, 4)
+    shipped = quant.score_meta(G, D, group, BITS)
+    cfg = (shipped["SPLIT"], shipped["TOKENS"], shipped["num_warps"])
     point = {"batch": batch, "t": t, "bytes": moved}
     for name, variant in (("tf32x3", wide), ("half", sets)):
         us = time_us(variant, group, cfg)
