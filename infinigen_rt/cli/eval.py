@@ -259,6 +259,8 @@ def _answer_cases(engine, cases, todo, done, out, json_out, what: str, as_json) 
         job = bar.add_task(f"{what} x {len(todo)} policies", total=len(cases))
         results = needle.run(engine, cases, todo, done, on_case=save if out else None,
                              progress=lambda d, t: bar.update(job, completed=d))  # fmt: skip
+    if out:  # (again: a resumed run with nothing left to answer may still have rescored what it read)
+        save(results, 0.0)
     cells = {k.cell() for k in cases}
     return [r for r in results if (r.task, r.context, r.depth, r.index) in cells]
 
@@ -296,6 +298,7 @@ def ruler_cmd(engine, path, text: Path, names, budgets, alphas, contexts, sample
             "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}  # fmt: skip
     done = load_finished(out, meta, "results", lambda r: needle.Result(**r), "a ruler",
                          ("bundle", "text_sha256", "seed")) if resume else []  # fmt: skip
+    done = ruler.rescore(done, cases)  # (word-task answers saved before the score within the count asked)
     def as_json(results):
         """The results with the meta of what they hold: --out keeps earlier runs' contexts and tasks beside this
         run's (whatever --contexts and --ruler-tasks it names), and its meta lists them all."""
@@ -312,14 +315,16 @@ def ruler_cmd(engine, path, text: Path, names, budgets, alphas, contexts, sample
         print_json(as_json(results))
         return
     table = results_table(f"RULER in {text.name} (seed {seed})",
-                          ["policy", "budget", "context", "cases", *task_list, "average", "vs full"])  # fmt: skip
+                          ["policy", "budget", "context", "cases", *task_list, "average", "vs full",
+                           "within asked"])  # fmt: skip
     from infinigen_rt.measure.perplexity import label
 
     for r in rows:
         table.add_row(label(r["policy"], r["spec_keys"], r["correct"], short=True, runs=r.get("runs")),
                       "-" if r["budget"] is None else f"{r['budget']:.2f}", str(r["context"]), str(r["cases"]),
                       *(f"{r['tasks'][t]:.0%}" if t in r["tasks"] else "-" for t in task_list), f"{r['score']:.1%}",
-                      "-" if r["vs_full"] is None else f"{r['vs_full']:.1%}")  # fmt: skip
+                      "-" if r["vs_full"] is None else f"{r['vs_full']:.1%}",
+                      "-" if r["asked"] is None else f"{r['asked']:.1%}")  # fmt: skip
     console.print(table)
 
 

@@ -68,6 +68,7 @@ class Case:
     ids: list[int] = field(repr=False)
     max_new: int = 0  # the answer's tokens at most (0: MAX_NEW's for the task)
     match: str = "number"  # how an answer is scored (see score): "number", or RULER's "all" and "part"
+    pool: frozenset[str] = field(default=frozenset(), repr=False)  # RULER's cwe, fwe: the words listed (score_asked)
 
     def cell(self) -> tuple:
         return (self.task, self.context, self.depth, self.index)
@@ -89,6 +90,7 @@ class Result:
     spec_keys: str | None = None  # a speculating policy's keys and correction share (see KVOptions)
     correct: float | None = None
     runs: int | None = None  # speculation's runs of tokens, where not single tokens (KVOptions.runs)
+    asked: float | None = None  # RULER's cwe, fwe: the score within the count asked (score_asked); else None
 
     def config(self) -> tuple:
         return (self.policy, self.budget, self.alpha, self.spec_keys, self.correct, self.runs)
@@ -178,6 +180,22 @@ def score(case: Case, answer: str) -> float:
     if case.task == "multivalue":
         return sum(v in numbers for v in case.values) / len(case.values)
     return float(bool(numbers) and numbers[0] == case.values[0])
+
+
+def score_asked(case: Case, answer: str) -> float | None:
+    """RULER's word tasks (a case with a `pool`) scored within the count asked: the share of the values among the
+    answer's first len(values) distinct words of the pool. RULER's string_match_all credits every value a list
+    holds however long it runs, so an answer that lists forty words past the ten asked scores above one that stops
+    at ten; this reads the list as far as the question asks. None for a case without a pool."""
+    if not case.pool:
+        return None
+    first: list[str] = []
+    for w in re.findall(r"[a-z]+", answer.lower()):
+        if w in case.pool and w not in first:
+            first.append(w)
+            if len(first) == len(case.values):
+                break
+    return sum(v.lower() in first for v in case.values) / len(case.values)
 
 
 def configs(policies: list[str], budgets: list[float], alpha: float | None, spec: dict | None = None,
@@ -275,7 +293,7 @@ def _answer(engine: Engine, case: Case, todo: list[tuple]) -> list[Result]:
             report = cache.report()
             out.append(Result(policy, budget, alpha, case.task, case.context, case.depth, case.index,
                               score(case, text), text.strip(), report.kv_fetched_share,
-                              report.kv_attended_share, keys, correct, runs))  # fmt: skip
+                              report.kv_attended_share, keys, correct, runs, score_asked(case, text)))  # fmt: skip
         return out
     finally:
         for c in ref + caches:

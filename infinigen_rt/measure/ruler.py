@@ -1,6 +1,8 @@
 """RULER's synthetic tasks (Hsieh et al., 2024), generated here, seeded, over a held-out text as the haystack, and
 scored as RULER scores them: each answer's reference strings looked for in the greedy answer (string_match_all:
-the share found; string_match_part for QA: any), a task's mean over its samples, the average over the tasks.
+the share found; string_match_part for QA: any), a task's mean over its samples, the average over the tasks; beside
+it the same with cwe's and fwe's lists read only as far as the count asked (needle.score_asked), since
+string_match_all credits a list that runs past the ten words asked with every value it happens to hold.
 
   niah_single, niah_multikey, niah_multivalue, niah_multiquery   needles.py's sentences at seeded random depths:
       one asked; one among 3 with other keys; 4 values of one key, all asked; 4 keys, all asked
@@ -21,6 +23,7 @@ import random
 import re
 import string
 from collections import Counter
+from dataclasses import replace
 
 from infinigen_rt.errors import InfinigenError
 from infinigen_rt.files import pyplot, save_figure
@@ -33,6 +36,7 @@ TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "
 MAX_NEW = {"niah_single": 24, "niah_multikey": 24, "niah_multivalue": 64, "niah_multiquery": 64, "vt": 40,
            "cwe": 100, "fwe": 40, "qa": 24}  # fmt: skip
 QUERIES, HOPS, COMMON, COMMON_TIMES, RARE_TIMES, FREQUENT = 4, 4, 10, 30, 3, 3
+WORD_TASKS = ("cwe", "fwe")  # answered with a list of words, scored within the count asked too (score_asked)
 VT_HEADER = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
 CWE_HEADER = ("Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
               "ones that appear most often.\n")  # fmt: skip
@@ -100,9 +104,11 @@ def words_of(text: str) -> list[str]:
     return list(dict.fromkeys(w.lower() for w in re.findall(r"[A-Za-z]{4,12}", text)))
 
 
-def common_words(tok, vocab: list[str], context: int, rng: random.Random) -> tuple[list[int], str, list[str]]:
+def common_words(
+    tok, vocab: list[str], context: int, rng: random.Random,
+) -> tuple[list[int], str, list[str], frozenset]:  # fmt: skip
     """A numbered list of the vocabulary's words: COMMON of them COMMON_TIMES times each (fewer below 4k tokens, at
-    least twice RARE_TIMES), as many others as fit RARE_TIMES times each, shuffled."""
+    least twice RARE_TIMES), as many others as fit RARE_TIMES times each, shuffled; the words listed (the pool)."""
     times = max(2 * RARE_TIMES, min(COMMON_TIMES, COMMON_TIMES * context // 4096))
     question = (f"\nQuestion: What are the {COMMON} most common words in the above list? Answer: The top "
                 f"{COMMON} words that appear most often in the list are:")  # fmt: skip
@@ -123,11 +129,12 @@ def common_words(tok, vocab: list[str], context: int, rng: random.Random) -> tup
     if lo == len(rare) and len(ids_for(lo)) < context * 0.9:
         raise InfinigenError(f"the haystack text has {len(vocab)} distinct words, too few to fill a {context}-token "
                              "list of words (cwe); give a longer --text")  # fmt: skip
-    return ids_for(lo), "", common
+    return ids_for(lo), "", common, frozenset(common + rare[:lo])
 
 
-def frequent_words(tok, context: int, rng: random.Random) -> tuple[list[int], str, list[str]]:
-    """Coded words (three to six letters) drawn by rank with Zipf's law (exponent 2) among dots, as many as fit."""
+def frequent_words(tok, context: int, rng: random.Random) -> tuple[list[int], str, list[str], frozenset]:
+    """Coded words (three to six letters) drawn by rank with Zipf's law (exponent 2) among dots, as many as fit; the
+    words drawn (the pool)."""
     vocab = list(dict.fromkeys("".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 6)))
                                for _ in range(2000)))  # fmt: skip
     question = ("\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What are the three most "
@@ -136,20 +143,21 @@ def frequent_words(tok, context: int, rng: random.Random) -> tuple[list[int], st
     weights = [1 / (r + 1) ** 2 for r in range(len(vocab))]
     draws = rng.random()  # (one seed for every length tried: the first n of a longer draw are a shorter one)
 
-    def ids_for(n: int) -> tuple[list[int], list[tuple[str, int]]]:
+    def ids_for(n: int) -> tuple[list[int], Counter]:
         draw = random.Random(draws).choices(vocab, weights, k=n)
         text = " ".join(w if i % 4 else f"{w} ...." for i, w in enumerate(draw))
-        return tok.encode(FWE_HEADER + text + question), Counter(draw).most_common(FREQUENT + 1)
+        return tok.encode(FWE_HEADER + text + question), Counter(draw)
 
     lo, hi = 1, context  # the most words that fit
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if len(ids_for(mid)[0]) <= context else (lo, mid - 1)
-    ids, ranked = ids_for(lo)
+    ids, counts = ids_for(lo)
+    ranked = counts.most_common(FREQUENT + 1)
     if len(ranked) <= FREQUENT or ranked[FREQUENT - 1][1] == ranked[FREQUENT][1]:
         raise InfinigenError(f"context {context} is too short for fwe (its third and fourth words as frequent); "
                              "use at least 512")  # fmt: skip
-    return ids, "", [w for w, _ in ranked[:FREQUENT]]
+    return ids, "", [w for w, _ in ranked[:FREQUENT]], frozenset(counts)
 
 
 def documents(tok, text: str, context: int, rng: random.Random) -> tuple[list[int], str, list[str]]:
@@ -212,38 +220,55 @@ def build_cases(tok, hay_text: str, tasks, contexts, samples: int, seed: int) ->
         for context in contexts:
             for i in range(samples):
                 rng = random.Random(f"{seed}/{task}/{context}/{i}")
+                pool: frozenset[str] = frozenset()  # the words an answer lists from (cwe, fwe): needle.score_asked
                 if task.startswith("niah"):
                     ids, asked, answers = niah(tok, hay, task, context, rng)
                 elif task == "vt":
                     ids, asked, answers = variable_tracking(tok, hay, context, rng)
                 elif task == "cwe":
-                    ids, asked, answers = common_words(tok, vocab, context, rng)
+                    ids, asked, answers, pool = common_words(tok, vocab, context, rng)
                 elif task == "fwe":
-                    ids, asked, answers = frequent_words(tok, context, rng)
+                    ids, asked, answers, pool = frequent_words(tok, context, rng)
                 else:
                     ids, asked, answers = documents(tok, hay_text, context, rng)
                 out.append(Case(task, context, -1.0, i, asked, answers, ids, MAX_NEW[task],
-                                "part" if task == "qa" else "all"))  # fmt: skip
+                                "part" if task == "qa" else "all", pool))  # fmt: skip
     return out
 
 
 def summary(results: list[Result]) -> list[dict]:
     """Per (policy, budget, ...) and context: each task's mean score, their average (RULER's), and that against
-    full's at the context."""
-    groups: dict[tuple, dict[str, list[float]]] = {}
+    full's at the context; beside them the same within the count asked (`asked`: cwe's and fwe's lists read to the
+    words the question asks for, needle.score_asked; None where a word task's result predates that score)."""
+    groups: dict[tuple, dict[str, list[Result]]] = {}
     for r in results:
-        groups.setdefault((*r.config(), r.context), {}).setdefault(r.task, []).append(r.score)
+        groups.setdefault((*r.config(), r.context), {}).setdefault(r.task, []).append(r)
     rows = []
     for (policy, budget, alpha, keys_, correct, runs, context), by_task in groups.items():
-        tasks = {t: round(sum(v) / len(v), 4) for t, v in by_task.items()}
+        tasks = {t: round(sum(r.score for r in v) / len(v), 4) for t, v in by_task.items()}
+        within = {t: [r.asked if t in WORD_TASKS else r.score for r in v] for t, v in by_task.items()}
+        asked = None if any(None in v for v in within.values()) else \
+            round(sum(sum(v) / len(v) for v in within.values()) / len(within), 4)  # fmt: skip
         rows.append({"policy": policy, "budget": budget, "alpha": alpha, "spec_keys": keys_, "correct": correct,
                      "runs": runs,
                      "context": context, "cases": sum(len(v) for v in by_task.values()), "tasks": tasks,
-                     "score": round(sum(tasks.values()) / len(tasks), 4)})  # fmt: skip
-    full = {r["context"]: r["score"] for r in rows if r["policy"] == BASELINE}
+                     "score": round(sum(tasks.values()) / len(tasks), 4), "asked": asked})  # fmt: skip
+    full = {r["context"]: r for r in rows if r["policy"] == BASELINE}
     for r in rows:
-        r["vs_full"] = round(r["score"] / full[r["context"]], 4) if full.get(r["context"]) else None
+        f = full.get(r["context"])
+        r["vs_full"] = round(r["score"] / f["score"], 4) if f and f["score"] else None
+        r["asked_vs_full"] = round(r["asked"] / f["asked"], 4) if f and f["asked"] and r["asked"] is not None \
+            else None  # fmt: skip
     return rows
+
+
+def rescore(results: list[Result], cases: list[Case]) -> list[Result]:
+    """Word-task results saved before needle.score_asked existed, scored within the count asked from their answers
+    and these cases' pools (the same seeded prompts); the others as they are."""
+    by_cell = {c.cell(): c for c in cases if c.pool}
+    return [replace(r, asked=needle.score_asked(by_cell[cell], r.answer))
+            if r.asked is None and (cell := (r.task, r.context, r.depth, r.index)) in by_cell else r
+            for r in results]  # fmt: skip
 
 
 def plot(rows: list[dict], path, title: str) -> None:

@@ -130,3 +130,46 @@ def test_ruler_cli_table_json_plot_resume_and_bad_input(bundles, tmp_path):
     one_line_error(run_cli(*args, "--samples", "0"), "--samples")
     one_line_error(run_cli(*args, "--contexts", "100000"), "--contexts must be at most")
     one_line_error(run_cli(*args, "--ruler-tasks", "cwe", "--contexts", "150"), "too short for cwe")
+
+
+def test_word_tasks_are_also_scored_within_the_count_asked(tok):
+    # a list that runs past the ten asked gains under RULER's rule, not within the count asked
+    common = [f"w{c}" for c in "abcdefghij"]
+    pool = frozenset(common + ["rare", "other", "more"])
+    case = needle.Case("cwe", 100, -1.0, 0, "", [w.replace("w", "") for w in common], [], 100, "all",
+                       frozenset(w.replace("w", "") for w in pool))  # fmt: skip
+    ten = ", ".join(["A", "b", "c", "d", "e", "rare", "other", "more", "rare", "f"])  # (repeats count once)
+    rambling = ten + ", g, h, i, j, and so on"
+    assert needle.score(case, rambling) == 1.0 and needle.score_asked(case, rambling) == 0.7  # (a to g)
+    assert needle.score_asked(case, ten) == 0.6 and needle.score_asked(case, "1. a\n2. b") == 0.2
+    assert needle.score_asked(case, "none of them") == 0.0
+    assert needle.score_asked(needle.Case("vt", 100, -1.0, 0, "1", ["A"], []), "A") is None  # (no pool)
+    # the pools are the words each prompt lists: every answer in it, and the prompt's list drawn from it
+    text = " ".join(WORDS) + "\n\n" + HAY
+    for c in ruler.build_cases(tok, text, ["cwe", "fwe", "vt"], [1024], 1, seed=3):
+        if c.task == "vt":
+            assert not c.pool
+            continue
+        prompt = tok.decode(c.ids)
+        listed = re.findall(r"^\d+\. (\S+)$", prompt, re.M) if c.task == "cwe" else \
+            prompt.split("coded words.\n", 1)[1].split("\nQuestion")[0].replace("....", "").split()  # fmt: skip
+        assert set(listed) == c.pool and set(c.values) <= c.pool
+
+
+def test_summary_within_asked_and_rescore():
+    def res(policy, task, score, asked=None, index=0):
+        return needle.Result(policy, None if policy == "full" else 0.1, None, task, 512, -1.0, index, score, "b, c",
+                             None, None, asked=asked)  # fmt: skip
+
+    rows = {r["policy"]: r for r in ruler.summary([
+        res("full", "vt", 1.0), res("full", "cwe", 1.0, 0.5),
+        res("oracle", "vt", 1.0), res("oracle", "cwe", 0.5, 0.5)])}  # fmt: skip
+    assert rows["full"]["score"] == 1.0 and rows["full"]["asked"] == 0.75
+    assert rows["oracle"]["vs_full"] == 0.75 and rows["oracle"]["asked_vs_full"] == 1.0
+    old = [res("full", "vt", 1.0), res("full", "cwe", 1.0)]  # saved before the score within the count asked
+    assert ruler.summary(old)[0]["asked"] is None
+    case = needle.Case("cwe", 512, -1.0, 0, "", ["a", "b"], [], 100, "all", frozenset("abc"))
+    other = needle.Case("cwe", 512, -1.0, 1, "", ["a", "b"], [], 100, "all", frozenset("abc"))
+    again = ruler.rescore(old + [res("full", "cwe", 1.0, index=2)], [case, other])
+    assert [r.asked for r in again] == [None, 0.5, None]  # (vt has no pool; index 2 is not among the cases)
+    assert ruler.summary(again[:2])[0]["asked"] == 0.75
