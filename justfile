@@ -165,16 +165,23 @@ qwen-eval: (setup "gguf,plot") texts (qwen "0.5b")
       --depths 0.25,0.75 --needles 1 --needle-tasks single --policies full,infinigen,oracle --budgets 0.1 \
       --device cpu --resume --out $r/needle-qwen2.5-coder-0.5b.json
 
-# (resumable: a run cut short goes on where it stopped; the run length is chosen on `just ruler-tune`'s haystack)
-# RULER's tasks on Qwen2.5-Coder (0.5b or 1.5b): Alice to 32k, budgets 1-10 % at equal bytes, runs of 1/8/16
-ruler size="0.5b" contexts="4096,8192,16384,32000" samples="2": (setup "gguf,plot") texts (qwen size)
+# RULER's tasks on Qwen2.5-Coder (0.5b or 1.5b) over Alice (held out), a results file and plot per context
+# (ruler-qwen2.5-coder-SIZE.json at 4k, -8k, -16k, -32k past it): full, the defaults, the equal-bytes oracle and the
+# page selector at each budget, infinigen also in runs of 8 and 16 tokens; resumable (a run cut short goes on where it
+# stopped; a larger `samples` adds prompts). keys: the speculation keys the committed results used (the bundles then
+# chose int4; new ones choose int4c). The committed 1.5B files: `just ruler 1.5b 4096 2 0.02,0.05,0.1 1` and
+# `just ruler 1.5b 8192 1 0.02,0.05,0.1 1`
+ruler size="0.5b" contexts="4096,8192,16384,32000" samples="2" budgets="0.01,0.02,0.05,0.1" runs="1,8,16" keys="int4": (setup "gguf,plot") texts (qwen size)
     #!/usr/bin/env bash
     set -euo pipefail
     mkdir -p artifacts/results
-    r=artifacts/results/ruler-qwen2.5-coder-{{size}}
-    infinigen-rt eval artifacts/bundles/qwen2.5-coder-{{size}} --task ruler --text artifacts/cache/texts/alice.txt \
-      --contexts {{contexts}} --samples {{samples}} --policies full,infinigen,oracle,quest \
-      --budgets 0.01,0.02,0.05,0.1 --runs 1,8,16 --device cpu --resume --out $r.json --plot $r.png
+    for c in $(echo {{contexts}} | tr , ' '); do
+      r=artifacts/results/ruler-qwen2.5-coder-{{size}}
+      [ "$c" = 4096 ] || r=$r-$(( (c + 1023) / 1024 ))k
+      infinigen-rt eval artifacts/bundles/qwen2.5-coder-{{size}} --task ruler --text artifacts/cache/texts/alice.txt \
+        --contexts $c --samples {{samples}} --policies full,infinigen,oracle,quest --budgets {{budgets}} \
+        --runs {{runs}} --spec-keys {{keys}} --device cpu --resume --out $r.json --plot $r.png
+    done
 
 # the runs lever on a tuning haystack (Areopagitica): infinigen in runs of 1, 8 and 16 tokens against `full`
 ruler-tune size="0.5b" contexts="4096": (setup "gguf,plot") texts (qwen size)
