@@ -43,6 +43,9 @@ def eval_cmd(
     runs: Annotated[str, typer.Option(
         help="needle, ruler: infinigen's speculation in runs of this many consecutive tokens, comma-separated "
         "(1 = single tokens).")] = "1",  # fmt: skip
+    layer_budgets: Annotated[Optional[str], typer.Option(
+        help="needle, ruler: infinigen's per-layer budgets, the exponents of each layer's key share to compare, "
+        "comma-separated (0 = one budget for every layer) \\[the bundle's].")] = None,  # fmt: skip
     seq_len: Annotated[int, typer.Option(help="Tokens of the text used.")] = 2048,
     score_from: Annotated[int, typer.Option(help="Tokens before this are the prompt; the rest are scored.")] = 1024,
     out: Annotated[Optional[Path], typer.Option(help="Write results JSON here (after every row).")] = None,
@@ -112,15 +115,21 @@ def eval_cmd(
         KVOptions(runs=r).check()
     if run_list != [1] and task == "perplexity":
         raise InfinigenError("--runs applies to --task needle and ruler (perplexity scores single tokens)")
+    lb_list = floats(layer_budgets, "--layer-budgets") if layer_budgets is not None else None
+    for e in lb_list or []:
+        check_value("layer_budget", e, "--layer-budgets")
+    if lb_list is not None and task == "perplexity":
+        raise InfinigenError("--layer-budgets applies to --task needle and ruler (for perplexity: "
+                             "benchmarks/levers.py --levers layer_budget0.5)")  # fmt: skip
     check_outputs(out, plot_path)
     path = resolve_bundle(bundle)
     engine = Engine(read_bundle(path), device=device, dtype=dtype)
     if task == "needle":
         return needle_cmd(engine, path, text, names, budget_list, alpha_list, contexts, depths, needles,
-                          needle_tasks, seed, out, resume, plot_path, json_out, spec, run_list)  # fmt: skip
+                          needle_tasks, seed, out, resume, plot_path, json_out, spec, run_list, lb_list)  # fmt: skip
     if task == "ruler":
         return ruler_cmd(engine, path, text, names, budget_list, alpha_list, contexts, samples, ruler_tasks, seed,
-                         out, resume, plot_path, json_out, spec, run_list)  # fmt: skip
+                         out, resume, plot_path, json_out, spec, run_list, lb_list)  # fmt: skip
     perplexity_cmd(engine, path, text, names, budget_list, alpha_list, seq_len, score_from, out, resume, recall,
                    plot_path, json_out, spec)  # fmt: skip
 
@@ -189,7 +198,8 @@ def _progress_bar(disable: bool):
 
 
 def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depths, per_cell, tasks, seed, out,
-               resume, plot_path, json_out, spec: dict, runs: list[int] | None = None) -> None:  # fmt: skip
+               resume, plot_path, json_out, spec: dict, runs: list[int] | None = None,
+               layer_budgets: list[float] | None = None) -> None:  # fmt: skip
     """eval --task needle: build the cases, answer them with every policy, print, save, plot."""
 
     from infinigen_rt.errors import InfinigenError
@@ -225,7 +235,7 @@ def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depth
     hay, sha = read_utf8(text, f"--text {text}")
     cases = needle.build_cases(engine.tokenizer, hay, task_list, context_list, depth_list, per_cell, seed)
     keys = engine.speculation.defaults.spec_keys if engine.speculation else None  # the bundle's default keys
-    todo = needle.configs(names, budgets or [0.1], alpha, spec, keys, runs)
+    todo = needle.configs(names, budgets or [0.1], alpha, spec, keys, runs, layer_budgets, _layer_budget(engine))
     meta = {"task": "needle", "bundle": str(path), "text": text.name, "text_sha256": sha, "seed": seed,
             "tasks": task_list, "contexts": context_list, "depths": depth_list, "needles": per_cell,
             "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}  # fmt: skip
@@ -241,6 +251,11 @@ def needle_cmd(engine, path, text: Path, names, budgets, alphas, contexts, depth
         print_json(needle.as_json(meta, results))
         return
     console.print(needle_table(needle.summary(results), f"needle accuracy in {text.name} (seed {seed})"))
+
+
+def _layer_budget(engine) -> float:
+    """The bundle's per-layer budget exponent (0: one budget for every layer; a bundle without speculation: 0)."""
+    return engine.speculation.defaults.layer_budget if engine.speculation else 0.0
 
 
 def _answer_cases(engine, cases, todo, done, out, json_out, what: str, as_json) -> list:
@@ -266,7 +281,8 @@ def _answer_cases(engine, cases, todo, done, out, json_out, what: str, as_json) 
 
 
 def ruler_cmd(engine, path, text: Path, names, budgets, alphas, contexts, samples, tasks, seed, out, resume,
-              plot_path, json_out, spec: dict, runs: list[int] | None = None) -> None:  # fmt: skip
+              plot_path, json_out, spec: dict, runs: list[int] | None = None,
+              layer_budgets: list[float] | None = None) -> None:  # fmt: skip
     """eval --task ruler: build the cases, answer them with every policy (needle.run), print, save, plot."""
 
     from infinigen_rt.errors import InfinigenError
@@ -292,7 +308,8 @@ def ruler_cmd(engine, path, text: Path, names, budgets, alphas, contexts, sample
     hay, sha = read_utf8(text, f"--text {text}")
     cases = ruler.build_cases(engine.tokenizer, hay, task_list, context_list, samples, seed)
     keys = engine.speculation.defaults.spec_keys if engine.speculation else None  # the bundle's default keys
-    todo = needle.configs(names, budgets or [0.1], alphas[0] if alphas else None, spec, keys, runs)
+    todo = needle.configs(names, budgets or [0.1], alphas[0] if alphas else None, spec, keys, runs, layer_budgets,
+                          _layer_budget(engine))  # fmt: skip
     meta = {"task": "ruler", "bundle": str(path), "text": text.name, "text_sha256": sha, "seed": seed,
             "tasks": task_list, "contexts": context_list, "samples": samples,
             "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}  # fmt: skip
@@ -320,7 +337,8 @@ def ruler_cmd(engine, path, text: Path, names, budgets, alphas, contexts, sample
     from infinigen_rt.measure.perplexity import label
 
     for r in rows:
-        table.add_row(label(r["policy"], r["spec_keys"], r["correct"], short=True, runs=r.get("runs")),
+        table.add_row(label(r["policy"], r["spec_keys"], r["correct"], short=True, runs=r.get("runs"),
+                            layer_budget=r.get("layer_budget")),
                       "-" if r["budget"] is None else f"{r['budget']:.2f}", str(r["context"]), str(r["cases"]),
                       *(f"{r['tasks'][t]:.0%}" if t in r["tasks"] else "-" for t in task_list), f"{r['score']:.1%}",
                       "-" if r["vs_full"] is None else f"{r['vs_full']:.1%}",
@@ -333,7 +351,8 @@ def needle_table(rows: list[dict], title: str) -> Table:
 
     table = results_table(title, ["policy", "budget", "context", "cases", "accuracy", "vs full", "fetched"])
     for r in rows:
-        name = label(r["policy"], r["spec_keys"], r["correct"], short=True, runs=r.get("runs"))
+        name = label(r["policy"], r["spec_keys"], r["correct"], short=True, runs=r.get("runs"),
+                     layer_budget=r.get("layer_budget"))  # fmt: skip
         table.add_row(name, "-" if r["budget"] is None else f"{r['budget']:.2f}", str(r["context"]), str(r["cases"]),
                       f"{r['accuracy']:.1%}", "-" if r["vs_full"] is None else f"{r['vs_full']:.1%}",
                       "-" if r["kv_fetched_share"] is None else f"{r['kv_fetched_share']:.1%}")  # fmt: skip

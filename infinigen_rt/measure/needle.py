@@ -91,9 +91,10 @@ class Result:
     correct: float | None = None
     runs: int | None = None  # speculation's runs of tokens, where not single tokens (KVOptions.runs)
     asked: float | None = None  # RULER's cwe, fwe: the score within the count asked (score_asked); else None
+    layer_budget: float | None = None  # speculation's per-layer budget exponent, where not the bundle's default
 
     def config(self) -> tuple:
-        return (self.policy, self.budget, self.alpha, self.spec_keys, self.correct, self.runs)
+        return (self.policy, self.budget, self.alpha, self.spec_keys, self.correct, self.runs, self.layer_budget)
 
     def key(self) -> tuple:
         return (*self.config(), self.task, self.context, self.depth, self.index)
@@ -199,32 +200,37 @@ def score_asked(case: Case, answer: str) -> float | None:
 
 
 def configs(policies: list[str], budgets: list[float], alpha: float | None, spec: dict | None = None,
-            default_keys: str | None = None, runs: list[int] | None = None) -> list[tuple]:  # fmt: skip
-    """(policy, budget, alpha, spec_keys, correct, runs) to compare: the baseline first, then each policy at each
-    budget it sweeps; a speculating one with `spec` (spec_keys, correct; None: the defaults, the keys `default_keys`:
-    the bundle's) and each of `runs` (selection in runs of that many tokens; None where 1, single tokens)."""
-    out = [(BASELINE, None, None, None, None, None)]
+            default_keys: str | None = None, runs: list[int] | None = None, layer_budgets: list[float] | None = None,
+            default_layer_budget: float = 0.0) -> list[tuple]:  # fmt: skip
+    """(policy, budget, alpha, spec_keys, correct, runs, layer_budget) to compare: the baseline first, then each
+    policy at each budget it sweeps; a speculating one with `spec` (spec_keys, correct; None: the defaults, the keys
+    `default_keys`: the bundle's), each of `runs` (selection in runs of that many tokens; None where 1, single
+    tokens) and each of `layer_budgets` (KVOptions.layer_budget; None where the bundle's `default_layer_budget`)."""
+    out = [(BASELINE, None, None, None, None, None, None)]
     for p in policies:
         if p == BASELINE:
             continue
         cls = POLICIES[p]
         keys = correct = None
-        each = [None]
+        each = [(None, None)]
         if cls.speculative:
             kv = KVOptions(**(spec or {}))
             keys, correct = kv.spec_keys or default_keys, kv.correct
-            each = [None if r == 1 else r for r in runs or [1]]
+            lbs = list(dict.fromkeys(None if e == default_layer_budget else e for e in layer_budgets or [None]))
+            each = [(None if r == 1 else r, e) for r in runs or [1] for e in lbs]
         if "budget" in cls.sweep or "alpha" in cls.sweep:
-            out += [(p, b, alpha if "alpha" in cls.sweep else None, keys, correct, r) for r in each for b in budgets]
+            a = alpha if "alpha" in cls.sweep else None
+            out += [(p, b, a, keys, correct, r, e) for r, e in each for b in budgets]
         else:
-            out.append((p, None, None, None, None, None))
+            out.append((p, None, None, None, None, None, None))
     return out
 
 
 def options(config: tuple) -> KVOptions:
     """The KV options of a config (see `configs`)."""
-    _, budget, alpha, keys, correct, runs = config
-    spec = {k: v for k, v in (("spec_keys", keys), ("correct", correct), ("runs", runs)) if v is not None}
+    _, budget, alpha, keys, correct, runs, layer_budget = config
+    spec = {k: v for k, v in (("spec_keys", keys), ("correct", correct), ("runs", runs),
+                              ("layer_budget", layer_budget)) if v is not None}  # fmt: skip
     return KVOptions(alpha=alpha, budget=budget or 1.0, **spec)
 
 
@@ -288,12 +294,12 @@ def _answer(engine: Engine, case: Case, todo: list[tuple]) -> list[Result]:
         until = "number" if case.match == "number" else "word" if len(case.values) == 1 else None
         answers = greedy(engine, caches, first, n, max_new, until)
         out = []
-        for (policy, budget, alpha, keys, correct, runs), cache, got in zip(todo, caches, answers, strict=True):
+        for (policy, budget, alpha, keys, correct, runs, lb), cache, got in zip(todo, caches, answers, strict=True):
             text = engine.tokenizer.decode(got)
             report = cache.report()
             out.append(Result(policy, budget, alpha, case.task, case.context, case.depth, case.index,
                               score(case, text), text.strip(), report.kv_fetched_share,
-                              report.kv_attended_share, keys, correct, runs, score_asked(case, text)))  # fmt: skip
+                              report.kv_attended_share, keys, correct, runs, score_asked(case, text), lb))  # fmt: skip
         return out
     finally:
         for c in ref + caches:
@@ -323,11 +329,12 @@ def summary(results: list[Result]) -> list[dict]:
         groups.setdefault((*r.config(), r.context), []).append(r)
     full = {k[-1]: sum(r.score for r in v) / len(v) for k, v in groups.items() if k[0] == BASELINE}
     rows = []
-    for (policy, budget, alpha, keys, correct, runs, context), rs in groups.items():
+    for (policy, budget, alpha, keys, correct, runs, lb, context), rs in groups.items():
         acc = sum(r.score for r in rs) / len(rs)
         shares = [r.kv_fetched_share for r in rs if r.kv_fetched_share is not None]
         rows.append({
             "policy": policy, "budget": budget, "alpha": alpha, "spec_keys": keys, "correct": correct, "runs": runs,
+            "layer_budget": lb,
             "context": context, "cases": len(rs),
             "accuracy": round(acc, 4),
             "vs_full": round(acc / full[context], 4) if full.get(context) else None,
@@ -349,7 +356,7 @@ def heatmaps(results: list[Result], path, title: str) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(1.6 + 2.6 * len(panels), 3.6), squeeze=False, sharey=True,
                              layout="constrained")  # fmt: skip
     for ax, panel in zip(axes[0], panels, strict=True):
-        policy, budget, _, keys, correct, runs = panel
+        policy, budget, _, keys, correct, runs, lb = panel
         grid = [[float("nan")] * len(contexts) for _ in depths]
         for i, d in enumerate(depths):
             for j, c in enumerate(contexts):
@@ -363,7 +370,8 @@ def heatmaps(results: list[Result], path, title: str) -> None:
                     ax.text(j, i, f"{100 * grid[i][j]:.0f}", ha="center", va="center", fontsize=7)
         ax.set_xticks(range(len(contexts)), [f"{c / 1024:.0f}k" if c >= 1000 else str(c) for c in contexts])
         ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
-        title = label(policy, keys, correct, panel[2], runs=runs) + (f" {budget:g}" if budget is not None else "")
+        title = label(policy, keys, correct, panel[2], runs=runs, layer_budget=lb) + (
+            f" {budget:g}" if budget is not None else "")
         ax.set_title(title.replace(" (", "\n("), fontsize=8)
         ax.set_xlabel("context")
     axes[0][0].set_ylabel("needle depth")

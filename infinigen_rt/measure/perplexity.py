@@ -51,19 +51,21 @@ class Row:
 
 
 def label(policy: str, spec_keys: str | None, correct: float | None, alpha: float | None = None,
-          short: bool = False, shortlist: float | None = None, runs: int | None = None) -> str:  # fmt: skip
+          short: bool = False, shortlist: float | None = None, runs: int | None = None,
+          layer_budget: float | None = None) -> str:  # fmt: skip
     """A policy's name in tables and plots; one that speculates with its keys, its margin when it has one (the
     budget alone decides otherwise) and its correction share when on, with its shortlist where one was recorded.
     `short`: for a table at 80 columns with a margin column, the keys where not int4 (the keys of every bundle
     converted before convert chose them; a Qwen bundle's default rows read "infinigen partial"), the correction
     share and the shortlist where they differ from the defaults ("infinigen partial c0": the paper's keys without a
     correction; plain "infinigen": the int4 keys with the default correction); `runs` where a selection in runs
-    was asked for ("r8")."""
+    was asked for ("r8"); `layer_budget` where a per-layer budget exponent other than the bundle's was ("lb0.5")."""
     if short:
         keys = [spec_keys] if spec_keys not in (None, FALLBACK_SPEC_KEYS) else []
         corr = [f"c{correct:g}"] if correct is not None and correct != KVOptions.correct else []
         listed = [f"s{shortlist:g}"] if correct and shortlist is not None and shortlist != KVOptions.shortlist else []
-        return " ".join([policy, *keys, *corr, *listed, *([f"r{runs}"] if runs else [])])
+        lb = [f"lb{layer_budget:g}"] if layer_budget is not None else []
+        return " ".join([policy, *keys, *corr, *listed, *([f"r{runs}"] if runs else []), *lb])
     if spec_keys is None:
         return policy
     parts = [f"{spec_keys} keys"]
@@ -75,6 +77,8 @@ def label(policy: str, spec_keys: str | None, correct: float | None, alpha: floa
             parts.append(f"shortlist {shortlist:g}")
     if runs:
         parts.append(f"runs of {runs}")
+    if layer_budget is not None:
+        parts.append(f"layer budgets ^{layer_budget:g}")
     return f"{policy} ({', '.join(parts)})"
 
 

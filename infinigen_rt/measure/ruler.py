@@ -244,13 +244,13 @@ def summary(results: list[Result]) -> list[dict]:
     for r in results:
         groups.setdefault((*r.config(), r.context), {}).setdefault(r.task, []).append(r)
     rows = []
-    for (policy, budget, alpha, keys_, correct, runs, context), by_task in groups.items():
+    for (policy, budget, alpha, keys_, correct, runs, lb, context), by_task in groups.items():
         tasks = {t: round(sum(r.score for r in v) / len(v), 4) for t, v in by_task.items()}
         within = {t: [r.asked if t in WORD_TASKS else r.score for r in v] for t, v in by_task.items()}
         asked = None if any(None in v for v in within.values()) else \
             round(sum(sum(v) / len(v) for v in within.values()) / len(within), 4)  # fmt: skip
         rows.append({"policy": policy, "budget": budget, "alpha": alpha, "spec_keys": keys_, "correct": correct,
-                     "runs": runs,
+                     "runs": runs, "layer_budget": lb,
                      "context": context, "cases": sum(len(v) for v in by_task.values()), "tasks": tasks,
                      "score": round(sum(tasks.values()) / len(tasks), 4), "asked": asked})  # fmt: skip
     full = {r["context"]: r for r in rows if r["policy"] == BASELINE}
@@ -286,7 +286,8 @@ def plot(rows: list[dict], path, title: str) -> None:
                 ax.axhline(100 * r["score"], ls="--", lw=1, color="gray" if r["policy"] == BASELINE else None,
                            label=label(r["policy"], r["spec_keys"], r["correct"], r["alpha"]))  # fmt: skip
                 continue
-            name = label(r["policy"], r["spec_keys"], r["correct"], r["alpha"], runs=r.get("runs"))
+            name = label(r["policy"], r["spec_keys"], r["correct"], r["alpha"], runs=r.get("runs"),
+                         layer_budget=r.get("layer_budget"))  # fmt: skip
             lines.setdefault(name, []).append((r["budget"], r["score"]))
         for name, pts in lines.items():
             pts.sort()

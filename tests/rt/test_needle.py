@@ -67,10 +67,11 @@ def test_scoring_is_exact():
 
 def test_one_shared_prefill_gives_each_policy_its_own_generate_tokens(tiny):
     case = needle.build_cases(tiny.tokenizer, HAY, ["multikey"], [230], [0.5], 1, seed=1)[0]
-    todo = [("full", None, None, None, None, None), ("infinigen", 0.3, 4.0, "partial", 0.0, None),
-            ("infinigen", 0.3, 4.0, "int4", 0.5, None), ("infinigen", 0.3, 4.0, "int4", 0.5, 8),
-            ("h2o", 0.3, None, None, None, None), ("int4", None, None, None, None, None),
-            ("oracle", 0.3, None, None, None, None), ("offload", None, None, None, None, None)]  # fmt: skip
+    todo = [("full", None, None, None, None, None, None), ("infinigen", 0.3, 4.0, "partial", 0.0, None, None),
+            ("infinigen", 0.3, 4.0, "int4", 0.5, None, None), ("infinigen", 0.3, 4.0, "int4", 0.5, 8, None),
+            ("infinigen", 0.3, 4.0, "int4", 0.5, None, 1.0),
+            ("h2o", 0.3, None, None, None, None, None), ("int4", None, None, None, None, None, None),
+            ("oracle", 0.3, None, None, None, None, None), ("offload", None, None, None, None, None, None)]  # fmt: skip
     shared = needle.answer_all(tiny, case, todo)
     for config, r in zip(todo, shared, strict=True):
         alone, _ = generate(tiny, [case.ids], needle.MAX_NEW[case.task], policy=config[0],
@@ -82,8 +83,8 @@ def test_one_shared_prefill_gives_each_policy_its_own_generate_tokens(tiny):
 
 def test_infinigen_at_a_full_budget_answers_as_full_does(tiny):
     cases = needle.build_cases(tiny.tokenizer, HAY, ["single", "multikey"], [236], [0.0, 1.0], 2, seed=3)
-    todo = [("full", None, None, None, None, None), ("infinigen", 1.0, math.inf, "partial", 0.0, None),
-            ("infinigen", 0.1, 4.0, "partial", 0.0, None)]  # fmt: skip
+    todo = [("full", None, None, None, None, None, None), ("infinigen", 1.0, math.inf, "partial", 0.0, None, None),
+            ("infinigen", 0.1, 4.0, "partial", 0.0, None, None)]  # fmt: skip
     res = needle.run(tiny, cases, todo, [])
     by = {}
     for r in res:

@@ -91,12 +91,12 @@ def test_at_a_full_budget_it_answers_as_full_does_and_below_it_fetches_its_pages
 def test_eval_runs_quest_beside_the_others_at_equal_bytes(tiny):
     hay = "\n".join(["The quick brown fox jumps over the lazy dog. It was the best of times."] * 60)
     case = needle.build_cases(tiny.tokenizer, hay, ["single"], [230], [0.5], 1, seed=2)[0]
-    todo = [("full", None, None, None, None, None), ("quest", 0.2, None, None, None, None),
-            ("oracle", 0.2, None, None, None, None)]
+    todo = [("full", None, None, None, None, None, None), ("quest", 0.2, None, None, None, None, None),
+            ("oracle", 0.2, None, None, None, None, None)]
     got = needle.answer_all(tiny, case, todo)
     assert [r.policy for r in got] == ["full", "quest", "oracle"]
     quest = got[1]
     assert 0 < quest.kv_fetched_share <= 0.2 and quest.answer
     assert needle.configs(["full", "quest"], [0.05, 0.1], None) == [
-        ("full", None, None, None, None, None), ("quest", 0.05, None, None, None, None),
-        ("quest", 0.1, None, None, None, None)]
+        ("full", None, None, None, None, None, None), ("quest", 0.05, None, None, None, None, None),
+        ("quest", 0.1, None, None, None, None, None)]

@@ -123,6 +123,16 @@ def test_ruler_cli_table_json_plot_resume_and_bad_input(bundles, tmp_path):
     assert runs == {("full", None, None)} | {(p, x, None) for p in ("infinigen", "oracle") for x in (0.1, 0.3)} | {
         ("infinigen", x, 8) for x in (0.1, 0.3)}
 
+    r = run_cli(*args, "--out", out, "--resume", "--layer-budgets", "0,1", "--contexts", "225", "--ruler-tasks",
+                "niah_single", "--policies", "infinigen", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr  # 0 is the bundle's (its rows are there): only the exponent 1 is answered
+    results = json.loads(out.read_text())["results"]
+    assert {(x["budget"], x["runs"], x["layer_budget"]) for x in results if x["policy"] == "infinigen"
+            and x["context"] == 225 and x["task"] == "niah_single"} == {
+        (b, r, e) for b in (0.1, 0.3) for r, e in ((None, None), (8, None), (None, 1.0))}  # fmt: skip
+    assert len(results) == 2 * 2 * 5 + 2 + 2
+    one_line_error(run_cli(*args, "--layer-budgets", "3"), "layer-budgets")
+    one_line_error(run_cli(*args[:3], "--text", hay, "--layer-budgets", "1"), "--layer-budgets applies to")
     one_line_error(run_cli(*args, "--runs", "0"), "runs")
     one_line_error(run_cli(*args, "--runs", "2.5"), "--runs takes whole numbers")
     one_line_error(run_cli(*args[:3], "--text", hay, "--runs", "8"), "--runs applies to")
