@@ -277,7 +277,7 @@ def _answer_cases(engine, cases, todo, done, out, json_out, what: str, as_json) 
     if out:  # (again: a resumed run with nothing left to answer may still have rescored what it read)
         save(results, 0.0)
     cells = {k.cell() for k in cases}
-    return [r for r in results if (r.task, r.context, r.depth, r.index) in cells]
+    return [r for r in results if r.cell() in cells]
 
 
 def ruler_cmd(engine, path, text: Path, names, budgets, alphas, contexts, samples, tasks, seed, out, resume,

@@ -96,8 +96,12 @@ class Result:
     def config(self) -> tuple:
         return (self.policy, self.budget, self.alpha, self.spec_keys, self.correct, self.runs, self.layer_budget)
 
+    def cell(self) -> tuple:
+        """The case this answers (Case.cell)."""
+        return (self.task, self.context, self.depth, self.index)
+
     def key(self) -> tuple:
-        return (*self.config(), self.task, self.context, self.depth, self.index)
+        return (*self.config(), *self.cell())
 
 
 def sentence_ends(text: str) -> list[int]:

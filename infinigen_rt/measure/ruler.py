@@ -266,9 +266,8 @@ def rescore(results: list[Result], cases: list[Case]) -> list[Result]:
     """Word-task results saved before needle.score_asked existed, scored within the count asked from their answers
     and these cases' pools (the same seeded prompts); the others as they are."""
     by_cell = {c.cell(): c for c in cases if c.pool}
-    return [replace(r, asked=needle.score_asked(by_cell[cell], r.answer))
-            if r.asked is None and (cell := (r.task, r.context, r.depth, r.index)) in by_cell else r
-            for r in results]  # fmt: skip
+    return [replace(r, asked=needle.score_asked(by_cell[r.cell()], r.answer))
+            if r.asked is None and r.cell() in by_cell else r for r in results]  # fmt: skip
 
 
 def plot(rows: list[dict], path, title: str) -> None:
